@@ -1,0 +1,293 @@
+"""loss.py on hand-computed cases. Every expected number can be checked with pencil and paper."""
+import math
+
+import pytest
+import torch
+
+import loss as L
+
+T_, F_ = True, False
+
+
+def _lp_from_ratio(behavior, ratios):
+    """Current log-probs that give the requested ratios against `behavior`, with grad."""
+    return (torch.tensor(behavior) + torch.log(torch.tensor(ratios))).requires_grad_(True)
+
+
+def _loss_and_grad(behavior, ratios, adv, mask=None, **kw):
+    lp = _lp_from_ratio(behavior, ratios)
+    b = torch.tensor(behavior)
+    mask = torch.ones_like(b, dtype=torch.bool) if mask is None else torch.tensor(mask)
+    loss, metrics = L.policy_loss(lp, b, torch.tensor(adv), mask, **kw)
+    loss.backward()
+    return loss.item(), lp.grad, metrics
+
+
+# ------------------------------------------------------------------ surrogate and its gradient
+
+
+def test_grpo_clip_positive_advantage():
+    # A = +2, ratios 1.5 (above hi=1.2: clipped), 1.0 and 0.5 (below lo, but A>0 so not clipped)
+    loss, grad, m = _loss_and_grad([[-1.0, -2.0, -0.5]], [[1.5, 1.0, 0.5]], [2.0],
+                                   clip_low=0.8, clip_high=1.2)
+    # −(1.2·2 + 1·2 + 0.5·2) / 3 = −1.8
+    assert loss == pytest.approx(-1.8, abs=1e-6)
+    # d/dℓ of −ρA/N is −Aρ/N; zero where the clip binds
+    assert grad.tolist()[0] == pytest.approx([0.0, -2 * 1.0 / 3, -2 * 0.5 / 3], abs=1e-6)
+    assert m["clip/upper_frac"] == pytest.approx(1 / 3)
+    assert m["clip/lower_frac"] == 0.0
+    assert m["ratio/mean_pos_adv"] == pytest.approx(1.0)
+    assert math.isnan(m["ratio/mean_neg_adv"])
+    assert m["ratio/min"] == pytest.approx(0.5) and m["ratio/max"] == pytest.approx(1.5)
+
+
+def test_grpo_clip_negative_advantage():
+    # A = −1: ratio 1.5 is *not* clipped (min picks −1.5), ratio 0.5 is clipped at lo = 0.8
+    loss, grad, m = _loss_and_grad([[-1.0, -2.0, -0.5]], [[1.5, 1.0, 0.5]], [-1.0],
+                                   clip_low=0.8, clip_high=1.2)
+    assert loss == pytest.approx((1.5 + 1.0 + 0.8) / 3, abs=1e-6)        # 1.1
+    assert grad.tolist()[0] == pytest.approx([1.5 / 3, 1.0 / 3, 0.0], abs=1e-6)
+    assert m["clip/lower_frac"] == pytest.approx(1 / 3)
+    assert m["ratio/mean_neg_adv"] == pytest.approx(1.0)
+
+
+def test_mu_grpo_relaxed_clip():
+    # clip [0, 5]: ratio 6 with A>0 is clipped (zero grad), ratio 4 is not; A<0 never hits lo = 0
+    loss, grad, _ = _loss_and_grad([[0.0, 0.0], [0.0, 0.0]], [[6.0, 4.0], [0.01, 4.0]], [1.0, -1.0],
+                                   clip_low=0.0, clip_high=5.0)
+    # tokens: −5, −4, +0.01, +4 → sum −4.99 over N = 4
+    assert loss == pytest.approx(-4.99 / 4, abs=1e-6)
+    assert grad.flatten().tolist() == pytest.approx([0.0, -4 / 4, 0.01 / 4, 4 / 4], abs=1e-6)
+
+
+def test_dual_clip_caps_negative_advantage():
+    # A = −2, c = 3: ratio 4 would give loss 8, capped at 3·2 = 6 with zero gradient; ratio 2 → 4
+    loss, grad, m = _loss_and_grad([[0.0, 0.0]], [[4.0, 2.0]], [-2.0],
+                                   clip_low=0.8, clip_high=1.2, dual_clip=3.0)
+    assert loss == pytest.approx((6.0 + 4.0) / 2, abs=1e-6)
+    assert grad.tolist()[0] == pytest.approx([0.0, 2.0 * 2.0 / 2], abs=1e-6)
+    assert m["clip/dual_frac"] == pytest.approx(0.5)
+
+
+def test_padding_contributes_nothing():
+    loss, grad, m = _loss_and_grad([[0.0, 0.0, 0.0]], [[1.0, 1.0, 7.0]], [1.0], mask=[[T_, T_, F_]],
+                                   clip_low=0.8, clip_high=1.2)
+    assert loss == pytest.approx(-1.0)
+    assert grad.tolist()[0] == pytest.approx([-0.5, -0.5, 0.0])
+    assert m["loss/tokens"] == 2 and m["ratio/max"] == pytest.approx(1.0)
+
+
+def test_vetoed_tokens_have_zero_gradient():
+    # A = −1, ratios [1, 1e-5 (trigger), 2, 3]; scope H vetoes t=2,3; N stays 4 (token-mean)
+    loss, grad, m = _loss_and_grad([[0.0] * 4], [[1.0, 1e-5, 2.0, 3.0]], [-1.0],
+                                   clip_low=0.0, clip_high=5.0, nav_delta=1e-4, nav_scope="H")
+    assert loss == pytest.approx((1.0 + 1e-5) / 4, abs=1e-7)
+    assert grad.tolist()[0] == pytest.approx([1 / 4, 1e-5 / 4, 0.0, 0.0], abs=1e-7)
+    assert m["nav/trigger_frac"] == pytest.approx(0.25)
+    assert m["nav/vetoed_frac"] == pytest.approx(0.5)
+    assert m["nav/vetoed_frac_neg"] == pytest.approx(0.5)
+    assert m["nav/triggered_seq_frac"] == 1.0
+
+
+def test_kl_and_log_sq_metrics():
+    # ratios e and 1: (log ρ)² mean = (1 + 0)/2; k3 KL = ((e − 1 − 1) + 0)/2
+    _, _, m = _loss_and_grad([[0.0, 0.0]], [[math.e, 1.0]], [1.0], clip_low=0.0, clip_high=5.0)
+    assert m["ratio/log_sq_mean"] == pytest.approx(0.5)
+    assert m["ratio/kl"] == pytest.approx((math.e - 2) / 2)
+
+
+def test_truncated_importance_weight():
+    # ratio against old_logprobs; weight min(exp(old − behavior), cap) = min(3, 2) = 2, detached
+    b = torch.tensor([[0.0]])
+    old = torch.log(torch.tensor([[3.0]]))
+    lp = (old + math.log(1.1)).requires_grad_(True)   # ρ = 1.1 vs old
+    loss, _ = L.policy_loss(lp, b, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
+                            clip_low=0.8, clip_high=1.2, tis_cap=2.0, old_logprobs=old)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2 * 1.1)
+    assert lp.grad.item() == pytest.approx(-2 * 1.1)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        L.policy_loss(lp, b, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
+                      clip_low=0.8, clip_high=1.2, tis_cap=2.0)
+
+
+def test_bad_options_are_named():
+    x = torch.zeros(1, 1)
+    m = torch.ones(1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="token-mean"):
+        L.policy_loss(x, x, torch.zeros(1), m, clip_low=0.8, clip_high=1.2, agg="mean")
+    with pytest.raises(ValueError, match="clip_low"):
+        L.policy_loss(x, x, torch.zeros(1), m, clip_low=1.2, clip_high=0.8)
+    with pytest.raises(ValueError, match="scope"):
+        L.nav_mask(x, torch.zeros(1), m, scope="X")
+
+
+# ------------------------------------------------------------------ aggregations
+
+
+def test_aggregations_by_hand():
+    # two responses, lengths 1 and 3, all ratios 1 → per-token loss −A; A = [+1, −1] → [−1 | 1, 1, 1]
+    b = torch.zeros(2, 3)
+    mask = torch.tensor([[T_, F_, F_], [T_, T_, T_]])
+    adv = torch.tensor([1.0, -1.0])
+    kw = dict(clip_low=0.8, clip_high=1.2)
+    tok, _ = L.policy_loss(b, b, adv, mask, agg="token-mean", **kw)
+    seq, _ = L.policy_loss(b, b, adv, mask, agg="seq-mean-token-mean", **kw)
+    drg, _ = L.policy_loss(b, b, adv, mask, agg="seq-mean-token-sum-norm", norm_len=4, **kw)
+    assert tok.item() == pytest.approx((-1 + 3) / 4)           # 0.5
+    assert seq.item() == pytest.approx((-1 / 1 + 3 / 3) / 2)   # 0
+    assert drg.item() == pytest.approx((-1 + 3) / (2 * 4))     # 0.25
+
+
+@pytest.mark.parametrize("agg", L.AGG_MODES)
+@pytest.mark.parametrize("options", [dict(), dict(nav_delta=0.3, nav_scope="H"), dict(dual_clip=3.0)])
+def test_micro_batch_split_does_not_change_loss_or_grad(agg, options):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    lengths = torch.tensor([7, 3, 5, 1, 6, 2])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    behavior = -torch.rand(B, T, generator=g) * 3
+    current = behavior + torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    kw = dict(clip_low=0.0, clip_high=5.0, agg=agg, num_tokens=int(mask.sum()), num_seqs=B, norm_len=T,
+              **options)
+
+    def run(splits):
+        lp = current.clone().requires_grad_(True)
+        total = 0.0
+        for idx in torch.tensor_split(torch.arange(B), splits):
+            part, _ = L.policy_loss(lp[idx], behavior[idx], adv[idx], mask[idx], **kw)
+            part.backward()
+            total += part.item()
+        return total, lp.grad.clone()
+
+    loss1, grad1 = run(1)
+    for splits in (2, 3):
+        loss_n, grad_n = run(splits)
+        assert loss_n == pytest.approx(loss1, abs=1e-6)
+        assert torch.allclose(grad_n, grad1, atol=1e-6)
+
+
+# ------------------------------------------------------------------ NAV masks, written out by hand
+
+# one negative-advantage response: ratios [0.5, 1e-5, 0.9, 1e-6, 1.2] → triggers at t=1 and t=3, κ = 1
+SEVERAL = [0.5, 1e-5, 0.9, 1e-6, 1.2]
+# trigger at the very first token
+FIRST = [1e-5, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("ratios,scope,expected", [
+    (SEVERAL, "none", [T_, T_, T_, T_, T_]),
+    (SEVERAL, "T", [T_, F_, T_, F_, T_]),
+    (SEVERAL, "H", [T_, T_, F_, T_, F_]),
+    (SEVERAL, "S", [T_, T_, F_, F_, F_]),
+    (SEVERAL, "seq", [F_, F_, F_, F_, F_]),
+    (FIRST, "T", [F_, T_, T_]),
+    (FIRST, "H", [T_, F_, F_]),
+    (FIRST, "S", [T_, F_, F_]),
+    (FIRST, "seq", [F_, F_, F_]),
+    ([0.5, 0.9, 2.0], "H", [T_, T_, T_]),    # no trigger
+    ([0.5, 0.9, 2.0], "seq", [T_, T_, T_]),
+])
+def test_nav_scopes(ratios, scope, expected):
+    ratio = torch.tensor([ratios])
+    keep = L.nav_mask(ratio, torch.tensor([-1.0]), torch.ones_like(ratio, dtype=torch.bool), 1e-4, scope)
+    assert keep.tolist() == [expected]
+
+
+@pytest.mark.parametrize("scope", L.NAV_SCOPES)
+def test_nav_never_touches_positive_or_zero_advantage(scope):
+    ratio = torch.tensor([SEVERAL, SEVERAL])
+    keep = L.nav_mask(ratio, torch.tensor([1.0, 0.0]), torch.ones_like(ratio, dtype=torch.bool), 1e-4, scope)
+    assert keep.all()
+
+
+def test_nav_padding_is_never_a_trigger():
+    # the padded position holds a tiny ratio; it must not trigger, and stays masked out
+    ratio = torch.tensor([[1.0, 0.5, 1e-9, 1e-9]])
+    mask = torch.tensor([[T_, T_, F_, F_]])
+    for scope in L.NAV_SCOPES:
+        assert L.nav_mask(ratio, torch.tensor([-1.0]), mask, 1e-4, scope).tolist() == [[T_, T_, F_, F_]]
+    # a real trigger followed by padding: S drops the real suffix, padding stays out
+    ratio = torch.tensor([[1e-5, 1.0, 1.0]])
+    mask = torch.tensor([[T_, T_, F_]])
+    assert L.nav_mask(ratio, torch.tensor([-1.0]), mask, 1e-4, "S").tolist() == [[T_, F_, F_]]
+
+
+# ------------------------------------------------------------------ M2PO
+
+
+def test_m2po_removal_order_by_hand():
+    # harmful: row 0 (A>0) log ρ > 0 → 0.5, 0.1; row 1 (A<0) log ρ < 0 → −0.4, −0.05
+    # (log ρ)²: 0.25, 0.01, 0.16, 0.0025; mean 0.105625 > 0.04
+    # drop 0.25 → mean 0.1725/3 = 0.0575 > 0.04; drop 0.16 → 0.0125/2 = 0.00625 ≤ 0.04: stop
+    log_ratio = torch.tensor([[0.5, -0.3, 0.1], [-0.4, 0.2, -0.05]])
+    keep = L.m2po_mask(log_ratio, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool), 0.04)
+    assert keep.tolist() == [[F_, T_, T_], [F_, T_, T_]]
+    # with tau = 0.06 only the first removal is needed
+    keep = L.m2po_mask(log_ratio, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool), 0.06)
+    assert keep.tolist() == [[F_, T_, T_], [T_, T_, T_]]
+
+
+def test_m2po_leaves_harmless_and_padding_alone():
+    # large (log ρ)² on helpful tokens (A>0 with ρ<1) is never masked; padding stays masked
+    log_ratio = torch.tensor([[-3.0, -2.0, 5.0]])
+    mask = torch.tensor([[T_, T_, F_]])
+    assert L.m2po_mask(log_ratio, torch.tensor([1.0]), mask, 0.04).tolist() == [[T_, T_, F_]]
+
+
+def test_m2po_in_policy_loss_reports_masked_fraction():
+    b = torch.zeros(2, 3)
+    lp = torch.tensor([[0.5, -0.3, 0.1], [-0.4, 0.2, -0.05]])
+    _, m = L.policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
+                         clip_low=0.0, clip_high=5.0, m2po_tau=0.04)
+    assert m["m2po/masked_frac"] == pytest.approx(2 / 6)
+
+
+# ------------------------------------------------------------------ advantages
+
+
+def test_group_advantages_by_hand():
+    # group 0: mean 0.25, sample std sqrt((0.75² + 3·0.25²)/3) = 0.5 → [1.5, −0.5, −0.5, −0.5]
+    adv, zero_var = L.group_advantages([1, 0, 0, 0, 1, 1, 1, 1], 4, eps=0.0)
+    assert adv.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0])
+    assert zero_var.tolist() == [F_, T_]
+    adv, _ = L.group_advantages([1, 0, 0, 0], 4, normalize_std=False)
+    assert adv.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        L.group_advantages([1, 0, 0], 2)
+
+
+# ------------------------------------------------------------------ token log-probs
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_token_logprobs_match_naive(temperature):
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(37, 1000, generator=g) * 4).requires_grad_(True)
+    target = torch.randint(0, 1000, (37,), generator=g)
+    weights = torch.randn(37, generator=g)
+    naive = torch.log_softmax(logits / temperature, -1).gather(1, target[:, None]).squeeze(1)
+    (naive * weights).sum().backward()
+    naive_grad, logits.grad = logits.grad.clone(), None
+    for rows in (None, 5):   # one chunk, and eight chunks of 5 rows
+        ours = L.token_logprobs(logits, target, temperature, chunk_rows=rows)
+        assert torch.allclose(ours, naive, atol=1e-5)
+        (ours * weights).sum().backward()
+        assert torch.allclose(logits.grad, naive_grad, atol=1e-5)
+        logits.grad = None
+
+
+def test_token_logprobs_keeps_leading_shape_and_bf16():
+    logits = torch.randn(2, 3, 50).bfloat16()
+    target = torch.randint(0, 50, (2, 3))
+    out = L.token_logprobs(logits, target, 1.0)
+    assert out.shape == (2, 3) and out.dtype == torch.float32
+    ref = torch.log_softmax(logits.float(), -1).gather(-1, target[..., None]).squeeze(-1)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_token_entropy():
+    # uniform over 4 → log 4; one-hot-ish → ≈ 0
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
+    assert L.token_entropy(logits).tolist() == pytest.approx([math.log(4), 0.0], abs=1e-5)
