@@ -1,0 +1,399 @@
+"""Math grading: the last \\boxed{...} answer against the gold answer, with Hugging Face math-verify.
+
+    grade(response, gold, dataset=None)          → (reward, info)         one item, in-process
+    grade_batch(items, workers=N, timeout_s=...)  → [(reward, info), ...]  a process pool, input order
+
+What is rewarded: 1.0 when the content of the **last** `\\boxed{...}` (also `\\boxed 5`, `\\fbox{...}`)
+is equivalent to the gold answer, else 0.0 (optionally `format_bonus` for a boxed but wrong answer).
+No box means 0 with reason `no_box`: there is no last-number fallback, which a policy learns to game.
+
+How answers are compared (in this order):
+1. Both sides are normalized as text: `\\%` and `\\text{ percent}` dropped (so `50\\%` equals `50`
+   but *not* `0.5`: no ×100 leniency), `\\dfrac`/`\\tfrac` → `\\frac`, `$`, `\\!` and `\\displaystyle` removed.
+   Gold answers get the per-dataset fixes of `normalize_gold` (AIME/AMC `025`/`27.0` → integers,
+   GSM8K thousands separators, Minerva e-notation `4.5e33` → `4.5 \\times 10^{33}` and Python-isms).
+2. Text answers (gold is `\\text{...}`, e.g. `\\text{(C)}`, `\\text{Evelyn}`): the texts must agree after
+   lower-casing and dropping spaces, braces and parentheses (`C`, `(C)` and `\\text{(C)}` are one).
+3. Minerva decimals (the dataset asks for significant figures): the prediction is a number within
+   half a unit of the gold's last significant digit (gold `4.5e33` accepts 4.45e33 … 4.55e33).
+4. Everything else: math-verify `parse` (LaTeX extraction only) and `verify`: fractions, radicals,
+   π, intervals with open/closed ends, tuples (ordered) vs sets and comma lists (unordered),
+   matrices, degrees, units in `\\text{}`, equations like `x = 5` against `5`.
+
+Safety: math-verify's plain-expression path calls sympy's `parse_expr`, which is `eval`. Only the
+LaTeX path is used, and while grading, `parse_expr` (and so `sympify` of strings) is replaced by a
+function that refuses, so model output never runs as code. Time: each item gets a wall-clock budget
+enforced with SIGALRM (raised as a BaseException that math-verify cannot swallow) in the grading
+thread; `grade_batch` also kills and replaces a worker that overruns (a C-level sympy call that never
+returns to the interpreter), reporting `timeout` for that item. Reasons: correct, wrong, no_box,
+unparsable, timeout, error. `grade` never raises.
+"""
+import contextlib
+import functools
+import logging
+import math
+import multiprocessing as mp
+import re
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import wait
+
+REASONS = ("correct", "wrong", "no_box", "unparsable", "timeout", "error")
+MAX_ANSWER_CHARS = 1000       # longest gold answer in the benchmarks is ~210 characters
+INTEGER_DATASETS = ("aime", "amc", "gsm8k")
+logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # we report timeouts ourselves
+
+
+# ----------------------------------------------------------------------------------------------
+# Extraction
+
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+
+
+def last_boxed(text):
+    """Content of the last complete \\boxed{...} / \\fbox{...} / `\\boxed 5` in text, or None.
+
+    One pass pairs all braces (so 10,000 nested or unclosed braces cost O(n)); a box whose brace
+    never closes (a truncated response) is skipped in favour of an earlier complete one.
+    """
+    starts = [m.end() for m in _BOX_RE.finditer(text)]
+    if not starts:
+        return None
+    closing, stack = {}, []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            closing[stack.pop()] = i
+    for start in reversed(starts):
+        i = start
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            if i in closing:
+                return text[i + 1:closing[i]].strip()
+        elif i > start:  # `\boxed 5`: the token after the space
+            token = re.match(r"[^\s$]+", text[i:])
+            if token:
+                return token.group(0)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalization
+
+
+_E_NOTATION = re.compile(r"^([-+]?\d*\.?\d+)[eE]([-+]?\d+)$")
+_DECIMAL = re.compile(r"^[-+]?(\d+\.\d*|\.\d+|\d+)$")
+
+
+def normalize_gold(gold, dataset=None):
+    """Dataset-specific fixes to a gold answer string, before the common normalization.
+
+    aime*/amc*: integers `025`, `27.0` → `25`, `27`.  gsm8k*: `1,000` → `1000`.
+    minerva*: Python e-notation `4.5e33` → `4.5 \\times 10^{33}` (math-verify reads `e` as Euler's
+    number), `-1./3` → `-1/3`, `np.arcsin(x)` → `\\arcsin(x)`. olympiadbench: multi-answers are
+    already written `a, b`, which math-verify reads as an unordered set.
+    """
+    gold = str(gold).strip()
+    ds = (dataset or "").lower()
+    if ds.startswith(INTEGER_DATASETS):
+        g = gold.replace(",", "")
+        with contextlib.suppress(ValueError):
+            value = float(g)
+            if value == int(value):
+                return str(int(value))
+        return g
+    if ds.startswith("minerva"):
+        gold = gold.replace("np.", "\\").replace("./", "/")
+        m = _E_NOTATION.match(gold)
+        if m:
+            return f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
+    return gold
+
+
+def _common(s):
+    """Normalization applied to both gold and prediction."""
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\displaystyle", "")
+    s = s.replace("\\!", "").replace("\\$", "").replace("$", "")
+    s = re.sub(r"\\text\{\s*(\\%|%|percent)\s*\}", "", s)
+    s = s.replace("\\%", "").replace("%", "")
+    return s.strip()
+
+
+_TEXT_GOLD = re.compile(r"^\\(?:text|textbf|mathrm)\{([^{}]*)\}$")
+
+
+def _as_text(s):
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\b", "", s)
+    return re.sub(r"[\s{}()\\.]", "", s).lower()
+
+
+def _significant_tolerance(gold_latex):
+    """Half a unit of the last significant digit of a decimal gold (None for integers/non-numbers)."""
+    m = re.match(r"^([-+]?\d*\.?\d+)(?: \\times 10\^\{([-+]?\d+)\})?$", gold_latex)
+    if not m or "." not in m.group(1) and m.group(2) is None:
+        return None
+    mantissa, exponent = m.group(1).lstrip("+-"), int(m.group(2) or 0)
+    decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+    return 0.5 * 10.0 ** (exponent - decimals)
+
+
+# ----------------------------------------------------------------------------------------------
+# Time limit and the no-eval guard
+
+
+class GradeTimeout(BaseException):
+    """Raised by SIGALRM inside grade(); a BaseException so library `except Exception` can't eat it."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds):
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield  # signals only work in the main thread; grade_batch's parent enforces a hard limit
+        return
+
+    def on_alarm(signum, frame):
+        raise GradeTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# What sympy's eval-based parse_expr may still see while grading: numbers, names and arithmetic
+# operators (latex2sympy builds numbers with sympy.Number("50")). No parentheses, brackets, quotes
+# or attribute dots means no call, no subscript, no string and no attribute access can be written.
+_SAFE_EXPR = re.compile(r"^(?:[A-Za-z0-9_+\-*/^ ]|(?<=\d)\.|\.(?=\d))*$")
+
+
+@contextlib.contextmanager
+def _no_string_eval():
+    """Guard sympy's eval-based string parser wherever math-verify and latex2sympy can reach it."""
+    import latex2sympy2_extended.latex2sympy2 as l2s
+    import math_verify.parser as mv_parser
+    import sympy.parsing.sympy_parser as sympy_parser
+    original = sympy_parser.parse_expr
+
+    def guarded_parse_expr(s, *args, **kwargs):
+        if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS or "__" in s or not _SAFE_EXPR.match(s):
+            raise ValueError("reward.py: refused to eval a string that is not plain arithmetic")
+        return original(s, *args, **kwargs)
+
+    modules = (sympy_parser, mv_parser, l2s)
+    saved = [m.parse_expr for m in modules]
+    for m in modules:
+        m.parse_expr = guarded_parse_expr
+    try:
+        yield
+    finally:
+        for m, original in zip(modules, saved):
+            m.parse_expr = original
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_latex(latex):
+    from math_verify import LatexExtractionConfig, parse
+    config = [LatexExtractionConfig(boxed_match_priority=0)]
+    return parse(f"${latex}$", extraction_config=config, fallback_mode="no_fallback",
+                 parsing_timeout=None)
+
+
+def _as_number(expr):
+    import sympy
+    if isinstance(expr, sympy.Basic) and expr.is_number:
+        value = complex(expr.evalf(20))
+        if value.imag == 0 and math.isfinite(value.real):
+            return value.real
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Grading
+
+
+def grade(response, gold, dataset=None, timeout_s=5.0, format_bonus=0.0):
+    """Reward of one response against its gold answer: (reward, info). Never raises.
+
+    info: {"reason": one of REASONS, "extracted": boxed answer or None, "seconds": time spent}
+    """
+    t0 = time.perf_counter()
+    info = {"reason": "error", "extracted": None}
+    try:
+        with _time_limit(timeout_s):
+            info["reason"] = _grade(str(response), str(gold), dataset, info)
+    except GradeTimeout:
+        info["reason"] = "timeout"
+    except Exception as e:  # the grader must not take a run down; the reason says what happened
+        info["reason"], info["error"] = "error", f"{type(e).__name__}: {e}"[:300]
+    info["seconds"] = time.perf_counter() - t0
+    if info["reason"] == "correct":
+        return 1.0, info
+    bonus = format_bonus if info["reason"] in ("wrong", "unparsable") else 0.0
+    return bonus, info
+
+
+def _grade(response, gold, dataset, info):
+    boxed = last_boxed(response)
+    if boxed is None:
+        return "no_box"
+    info["extracted"] = boxed[:MAX_ANSWER_CHARS]
+    if len(boxed) > MAX_ANSWER_CHARS or not boxed.strip():
+        return "unparsable"
+    gold_latex = _common(normalize_gold(gold, dataset))
+    pred_latex = _common(boxed)
+    e_notation = _E_NOTATION.match(pred_latex)  # math-verify would read the e of 4.5e33 as Euler's
+    if e_notation:
+        pred_latex = f"{e_notation.group(1)} \\times 10^{{{int(e_notation.group(2))}}}"
+    if (dataset or "").lower().startswith("gsm8k"):
+        pred_latex = re.sub(r"(?<=\d),(?=\d{3}\b)", "", pred_latex)
+    text = _TEXT_GOLD.match(gold_latex)
+    if text:
+        return "correct" if _as_text(pred_latex) == _as_text(text.group(1)) and pred_latex else "wrong"
+
+    from math_verify import verify
+    with _no_string_eval():
+        gold_parsed = _parse_latex(gold_latex)
+        pred_parsed = _parse_latex(pred_latex)
+        if not pred_parsed:
+            return "unparsable"
+        if not gold_parsed:  # an answer math-verify cannot read: compare the normalized texts
+            return "correct" if _as_text(pred_latex) == _as_text(gold_latex) else "wrong"
+        tolerance = (_significant_tolerance(gold_latex)
+                     if (dataset or "").lower().startswith("minerva") else None)
+        if tolerance is not None:
+            g, p = _as_number(gold_parsed[0]), _as_number(pred_parsed[0])
+            if g is not None and p is not None:
+                return "correct" if abs(p - g) <= tolerance * (1 + 1e-9) else "wrong"
+        ok = verify(gold_parsed, pred_parsed, timeout_seconds=None)
+    return "correct" if ok else "wrong"
+
+
+def format_reward(response):
+    """Optional shaping: 1.0 when the response contains a complete \\boxed{...}, else 0.0."""
+    return 1.0 if last_boxed(str(response)) is not None else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# A process pool with a hard per-item limit
+
+
+def _worker(conn, reward_fn, timeout_s):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        index, (response, gold, dataset) = task
+        try:
+            result = reward_fn(response, gold, dataset, timeout_s=timeout_s)
+        except Exception as e:  # a custom reward_fn may raise; report it on the item
+            result = (0.0, {"reason": "error", "extracted": None, "error": repr(e)[:300]})
+        conn.send((index, result))
+
+
+class _Slot:
+    def __init__(self, ctx, reward_fn, timeout_s):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, reward_fn, timeout_s), daemon=True)
+        self.proc.start()
+        child.close()
+        self.task = None  # (index, deadline)
+
+    def stop(self, kill=False):
+        if kill:
+            self.proc.kill()
+        else:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                self.conn.send(None)
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def _failed(reason, seconds, error=None):
+    info = {"reason": reason, "extracted": None, "seconds": seconds}
+    if error:
+        info["error"] = error
+    return 0.0, info
+
+
+def grade_batch(items, workers=2, timeout_s=10.0, reward_fn=grade, progress=None):
+    """Grade many items in worker processes; results in input order.
+
+    items: iterable of (response, gold) or (response, gold, dataset) tuples, or dicts with keys
+    response, gold and optionally dataset. reward_fn(response, gold, dataset, timeout_s=...) →
+    (reward, info), a module-level function (it is sent to the workers); default `grade`.
+    Each item gets timeout_s seconds inside its worker; a worker still busy 1 s after that is
+    killed and replaced, and the item gets reward 0 with reason `timeout`. workers=0 grades
+    in this process (soft time limit only). progress: optional callable(n_done).
+    """
+    tasks = []
+    for item in items:
+        if isinstance(item, dict):
+            tasks.append((item["response"], item["gold"], item.get("dataset")))
+        else:
+            tasks.append((item[0], item[1], item[2] if len(item) > 2 else None))
+    if workers <= 0:
+        out = []
+        for i, task in enumerate(tasks):
+            out.append(reward_fn(*task, timeout_s=timeout_s))
+            if progress:
+                progress(i + 1)
+        return out
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "math_verify", "sympy"])
+    results = [None] * len(tasks)
+    pending = deque(range(len(tasks)))
+    slots = [_Slot(ctx, reward_fn, timeout_s) for _ in range(min(workers, max(1, len(tasks))))]
+    done = 0
+    try:
+        while done < len(tasks):
+            for slot in slots:
+                if slot.task is None and pending:
+                    i = pending.popleft()
+                    slot.conn.send((i, tasks[i]))
+                    slot.task = (i, time.monotonic() + timeout_s + 1.0, time.monotonic())
+            busy = [s for s in slots if s.task is not None]
+            next_deadline = min(s.task[1] for s in busy)
+            ready = wait([s.conn for s in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+            for k, slot in enumerate(slots):
+                if slot.task is None:
+                    continue
+                i, deadline, started = slot.task
+                if slot.conn in ready:
+                    try:
+                        index, result = slot.conn.recv()
+                    except (EOFError, OSError):  # the worker died (e.g. out of memory)
+                        index, result = i, _failed("error", time.monotonic() - started, "worker died")
+                        slot.stop(kill=True)
+                        slots[k] = _Slot(ctx, reward_fn, timeout_s)
+                    else:
+                        slot.task = None
+                elif time.monotonic() > deadline:
+                    index, result = i, _failed("timeout", time.monotonic() - started)
+                    slot.stop(kill=True)
+                    slots[k] = _Slot(ctx, reward_fn, timeout_s)
+                else:
+                    continue
+                results[index] = result
+                done += 1
+                if progress:
+                    progress(done)
+    finally:
+        for slot in slots:
+            slot.stop()
+    return results
