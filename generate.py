@@ -91,25 +91,25 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
     outputs = llm.generate(prompts, params, use_tqdm=is_main and len(prompts) > 0) if prompts else []
     gen_seconds = time.perf_counter() - t0
 
-    samples = []  # (row, prompt ids, completion) in group order
+    samples = []  # (position in stage, row, prompt ids, completion) in group order
     for (pos, row, ids), out in zip(kept, outputs):
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != group_size:
             raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {row['id']}, "
                                f"expected {group_size}")
-        samples += [(row, ids, c) for c in completions]
-    graded = reward.grade_batch([(c.text, row["answer"], row.get("source")) for row, _, c in samples],
+        samples += [(pos, row, ids, c) for c in completions]
+    graded = reward.grade_batch([(c.text, row["answer"], row.get("source")) for _, row, _, c in samples],
                                 workers=grader_workers, timeout_s=grader_timeout_s,
                                 reward_fn=_grade_with_bonus if format_bonus else reward.grade)
     rewards = [r for r, _ in graded]
     advantages, zero_var = (loss.group_advantages(rewards, group_size, normalize_std) if samples
                             else ([], []))
     lines = []
-    for i, ((row, ids, c), (r, info)) in enumerate(zip(samples, graded)):
+    for i, ((pos, row, ids, c), (r, info)) in enumerate(zip(samples, graded)):
         token_ids = list(c.token_ids)
         logprobs = [round(d[t].logprob, 6) for d, t in zip(c.logprobs, token_ids)]
         lines.append({
-            "prompt_id": row["id"], "sample_idx": c.index, "stage": stage, "policy": str(policy),
+            "prompt_id": row["id"], "group": pos, "sample_idx": c.index, "stage": stage, "policy": str(policy),
             "policy_id": policy_id, "prompt_token_ids": ids, "response_token_ids": token_ids,
             "behavior_logprobs": logprobs, "finish_reason": "length" if c.finish_reason == "length" else "stop",
             "reward": r, "advantage": round(float(advantages[i]), 6), "zero_variance": bool(zero_var[i // group_size]),
@@ -172,6 +172,7 @@ def write_manifest(n_shards):
         "max_response_tokens": max((s["max_response_tokens"] for s in stats), default=0),
         "truncation_rate": total("truncated") / max(1, responses),
         "grader_reasons": dict(reasons),
+        "generation_seconds": total("generation_seconds") / n_engines,
         "generated_tokens_per_s": total("response_tokens") / max(1e-9, total("generation_seconds")) * n_engines,
     }
     common.atomic_write_json(out_dir / "manifest.json", manifest)

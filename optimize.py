@@ -117,7 +117,7 @@ def load_rollouts(directory):
                 raise SystemExit(f"{where}: non-finite value in behavior_logprobs")
             if not math.isfinite(row["advantage"]) or not math.isfinite(row["reward"]):
                 raise SystemExit(f"{where}: non-finite reward or advantage")
-            groups.setdefault(row["prompt_id"], []).append(row)
+            groups.setdefault(row.get("group", row["prompt_id"]), []).append(row)  # a prompt may recur in a stage
     G = manifest["sampling"]["n"]
     for pid, g in groups.items():
         if sorted(r["sample_idx"] for r in g) != list(range(G)):

@@ -16,13 +16,13 @@ from pathlib import Path
 
 # ----------------------------------------------------------------------------- hyperparameters
 out_dir = "data/toy"        # where train.jsonl, test.jsonl and model/ go
-max_operand = 20            # problems a + b with 0 <= a, b < max_operand
+max_operand = 12            # problems a + b with 0 <= a, b < max_operand
 test_fraction = 0.25        # share of problems held out as the test set
 seed = 0
 hidden_size = 128           # model width; head dimension is fixed at 32
 layers = 4
 vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tokens
-sft_steps = 300             # warm-start optimizer steps
+sft_steps = 500             # warm-start optimizer steps
 sft_batch = 64              # sequences per warm-start step
 sft_lr = 3e-3
 p_correct = 0.5             # demonstration mix: correct / boxed sum+1 / no box
@@ -119,8 +119,8 @@ def write_jsonl(path, rows):
     os.replace(tmp, path)
 
 
-def build(out_dir, *, max_operand=20, test_fraction=0.25, seed=0, hidden_size=128, layers=4, vocab_size=400,
-          sft_steps=300, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_off_by_one=0.25):
+def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=128, layers=4, vocab_size=400,
+          sft_steps=500, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_off_by_one=0.25):
     """Write the toy train/test sets and a warm-started policy (HF directory) under out_dir."""
     import shutil
 

