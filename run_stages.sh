@@ -65,7 +65,7 @@ echo "run $RUN: $PRESET preset, loss $LOSS; $STAGES stages Ã— $UPDATES updates Ã
      "($PROMPTS_PER_STAGE prompts per stage); model $MODEL; GPUs $GPUS"
 
 # the toy task and its warm-started policy are built locally; the paper's data comes from the hub
-if [[ "$PRESET" == toy && ! -f data/toy/model/config.json ]]; then
+if [[ "$PRESET" == toy && "$MODEL" == data/toy/model && ! -f data/toy/model/config.json ]]; then
   $PY data/toy.py --out_dir=data/toy
 fi
 if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then

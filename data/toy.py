@@ -70,7 +70,7 @@ def build_model(tokenizer, hidden_size, layers, seed):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
                          num_hidden_layers=layers, num_attention_heads=hidden_size // 32,
-                         num_key_value_heads=hidden_size // 32, head_dim=32, max_position_embeddings=256,
+                         num_key_value_heads=hidden_size // 32, head_dim=32, max_position_embeddings=2048,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, torch_dtype="float32")
     return LlamaForCausalLM(config)

@@ -1,0 +1,143 @@
+"""The whole loop (run_stages.sh) on the toy task; evaluate.py and plot.py; data/prepare.py."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SHARED_DATA, kill_when, needs_vllm, read_lines, run_script
+
+
+def loop_env(toy, run_dir):
+    return {"PRESET": "toy", "RUN": str(run_dir), "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"),
+            "EVAL_DATA_DIR": str(toy), "BENCHMARKS": "test", "STAGES": "2", "UPDATES": "6",
+            "PROMPTS_PER_UPDATE": "16", "LR": "5e-4", "MAX_RESPONSE": "12", "EVAL_K": "4"}
+
+
+def run_loop(env):
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def finished_run(toy, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("loop") / "run"
+    run_loop(loop_env(toy, run_dir))
+    return run_dir
+
+
+@needs_vllm
+def test_toy_loop_end_to_end(finished_run):
+    results = read_lines(finished_run / "results.jsonl")
+    acc = {r["stage"]: r["avg_at_k"] for r in results}
+    assert sorted(acc) == [-1, 0, 1]
+    assert acc[1] > acc[-1], acc
+    for s in (0, 1):
+        stage = finished_run / f"stage_{s}"
+        assert json.loads((stage / "rollouts" / "manifest.json").read_text())["complete"]
+        assert (stage / "policy" / "model.safetensors").exists()
+        assert [m["update"] for m in read_lines(stage / "metrics.jsonl")] == list(range(6))
+    phases = [t["name"] for t in read_lines(finished_run / "timeline.jsonl")]
+    assert phases == ["eval_init", "generate_0", "optimize_0", "eval_0", "generate_1", "optimize_1", "eval_1"]
+    assert all((finished_run / "logs" / f"{p}.log").exists() for p in phases)
+    samples = read_lines(finished_run / "eval_samples" / "stage_1" / "test.jsonl")
+    assert len(samples) == 4 * results[-1]["problems"]
+
+
+@needs_vllm
+def test_finished_run_rerun_does_nothing(toy, finished_run):
+    before = (finished_run / "results.jsonl").read_text()
+    proc = run_loop(loop_env(toy, finished_run))
+    assert "nothing to do" in proc.stdout
+    assert (finished_run / "results.jsonl").read_text() == before
+
+
+@needs_vllm
+def test_killed_in_each_phase_and_resumed_gives_the_same_results(toy, finished_run, tmp_path):
+    run_dir = tmp_path / "run"
+    env = loop_env(toy, run_dir)
+    cmd = ["bash", "run_stages.sh"]
+    in_generation = lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()  # noqa: E731
+    in_optimization = lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()  # noqa: E731
+    in_evaluation = lambda: (run_dir / ".done" / "optimize_0").exists()  # noqa: E731
+    for condition, unfinished in [(in_generation, "generate_0"), (in_optimization, "optimize_0"),
+                                  (in_evaluation, "eval_0")]:
+        assert kill_when(cmd, condition, env=env, timeout=600)
+        assert not (run_dir / ".done" / unfinished).exists()
+    run_loop(env)
+    ours = {r["stage"]: r["avg_at_k"] for r in read_lines(run_dir / "results.jsonl")}
+    reference = {r["stage"]: r["avg_at_k"] for r in read_lines(finished_run / "results.jsonl")}
+    assert ours == pytest.approx(reference, abs=1e-9)
+
+
+@needs_vllm
+def test_plot_renders_every_figure(finished_run, tmp_path):
+    proc = run_script("plot.py", f"--run_dir={finished_run}", f"--out_dir={tmp_path}", "--summary=true")
+    names = {p.name for p in tmp_path.glob("*.png")}
+    assert names == {"accuracy_vs_hours.png", "training_update.png", "nav_warning.png", "clip_fractions.png",
+                     "mismatch_per_stage.png"}
+    assert all((tmp_path / n).stat().st_size > 5000 for n in names)
+    assert "switching overhead" in proc.stdout
+
+
+def test_avg_and_pass_at_k_by_hand(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["evaluate.py"])
+    import evaluate
+    avg, passed = evaluate.avg_and_pass_at_k([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    assert avg == pytest.approx((0.25 + 0 + 1) / 3)
+    assert passed == pytest.approx(2 / 3)
+
+
+@needs_vllm
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data not present")
+def test_evaluate_on_benchmark_rows(toy, tmp_path):
+    data = tmp_path / "bench"
+    run_script("data/prepare.py", "--name=aime24", f"--input={SHARED_DATA / 'aime24' / 'aime24.jsonl'}",
+               f"--out={data / 'aime24.jsonl'}")
+    results = tmp_path / "results.jsonl"
+    run_script("evaluate.py", f"--policy={toy / 'model'}", "--benchmarks=aime24", f"--data_dir={data}",
+               "--max_problems=3", "--k=2", "--max_response_tokens=8", "--max_prompt_tokens=1024",
+               "--prompt_template={problem}", f"--results={results}", "--stage=0", "--grader_workers=1")
+    row = read_lines(results)[0]
+    samples = read_lines(tmp_path / "eval_samples" / "stage_0" / "aime24.jsonl")
+    by_problem = {}
+    for s in samples:
+        by_problem.setdefault(s["id"], []).append(s["reward"])
+    assert row["problems"] == 3 and len(samples) == 6
+    assert row["avg_at_k"] == pytest.approx(sum(sum(v) / 2 for v in by_problem.values()) / 3)
+    assert row["pass_at_k"] == pytest.approx(sum(max(v) for v in by_problem.values()) / 3)
+
+
+def test_prepare_local_file_refuses_rows_without_answer(tmp_path):
+    src = tmp_path / "raw.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "1+1?", "answer": "#### 2"}, {"problem": "no answer here"},
+        {"problem": "p", "solution": "so \\boxed{\\frac12}"}, {"problem": "q", "answer": 27.0}]) + "\n")
+    proc = run_script("data/prepare.py", "--name=mine", f"--input={src}", f"--out={tmp_path / 'out.jsonl'}")
+    assert "refused 1 rows without an answer" in proc.stdout
+    rows = read_lines(tmp_path / "out.jsonl")
+    assert [r["answer"] for r in rows] == ["2", "\\frac12", "27"]
+    assert all(set(r) == {"id", "problem", "answer", "source"} for r in rows)
+
+
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data not present")
+def test_prepare_keeps_the_shared_benchmark_files(tmp_path):
+    src = SHARED_DATA / "math500" / "math500.jsonl"
+    run_script("data/prepare.py", "--name=math500", f"--input={src}", f"--out={tmp_path / 'm.jsonl'}")
+    assert read_lines(tmp_path / "m.jsonl") == read_lines(src)
+
+
+@needs_vllm
+def test_toy_builder_model_loads_in_transformers_and_vllm(toy):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    AutoModelForCausalLM.from_pretrained(toy / "model")
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    assert tok.padding_side == "left" and tok.eos_token == "</s>"
+    code = ("import common; llm = common.make_llm(%r, seed=0, max_model_len=64); "
+            "print(len(llm.generate([{'prompt_token_ids': [1, 5, 6]}], use_tqdm=False)[0].outputs))" % str(toy / "model"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("1"), proc.stderr[-2000:]
