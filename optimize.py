@@ -159,6 +159,7 @@ def collate(batch, pad_id):
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(batch), width), dtype=torch.long)
     behavior = torch.zeros(len(batch), resp_width)
+    old = torch.zeros(len(batch), resp_width)       # trainer log-probs of the behavior policy (TIS)
     mask = torch.zeros(len(batch), resp_width, dtype=torch.bool)
     rows, cols, targets = [], [], []
     for i, (r, s) in enumerate(zip(batch, seqs)):
@@ -166,24 +167,38 @@ def collate(batch, pad_id):
         attn[i, :len(s)] = 1
         p, n = len(r["prompt_token_ids"]), len(r["response_token_ids"])
         behavior[i, :n] = torch.tensor(r["behavior_logprobs"])
+        if "old_logprobs" in r:
+            old[i, :n] = torch.tensor(r["old_logprobs"])
         mask[i, :n] = True
         rows += [i] * n
         cols += list(range(p - 1, p + n - 1))        # logits at t predict token t+1
         targets += r["response_token_ids"]
     adv = torch.tensor([float(r["advantage"]) for r in batch])
-    return ids, attn, behavior, mask, adv, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)
+    return ids, attn, behavior, old, mask, adv, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)
 
 
 def response_logprobs(model, batch, pad_id, temp, with_entropy=False):
-    """Current log-probs [b, T_resp] (padded with 0) of the batch's response tokens, and entropy."""
-    ids, attn, behavior, mask, adv, rows, cols, targets = (t.to(device) for t in collate(batch, pad_id))
+    """Current log-probs [b, T_resp] (padded with 0) of the batch's response tokens, the stored
+    behavior (and old) log-probs, mask and advantages, and the summed entropy."""
+    ids, attn, behavior, old, mask, adv, rows, cols, targets = (t.to(device) for t in collate(batch, pad_id))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not distributed):
         logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits   # [b, L, V]
     selected = logits[rows, cols]                                                    # [R, V] response positions
     lp_flat = L.token_logprobs(selected, targets, temp)                              # [R] fp32
     lp = torch.zeros(mask.shape, device=device).masked_scatter(mask, lp_flat)        # [b, T_resp]
     entropy = L.token_entropy(selected.detach(), temp).sum() if with_entropy else None
-    return lp, behavior, mask, adv, entropy
+    return lp, behavior, old, mask, adv, entropy
+
+
+def padded_micro_batches(responses):
+    """This rank's micro-batches, padded with None to the largest count over the ranks: FSDP's
+    collectives need every rank to run the same number of forward/backward passes."""
+    mbs = micro_batches(responses)
+    if distributed:
+        count = torch.tensor([len(mbs)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        mbs += [None] * (int(count) - len(mbs))
+    return mbs
 
 
 # ----------------------------------------------------------------------------- model and state
@@ -283,15 +298,14 @@ def save_policy(model, source_dir, dtype):
 
 
 def reduce_metrics(m, tokens):
-    """Token-weighted mean of the ranks' metrics; min/max/sums where those are meant."""
-    if not distributed:
-        return m
+    """Combine the ranks' metrics: token-weighted means, except min, max and the token count."""
     keys = sorted(m)
-    vals = torch.tensor([m[k] if math.isfinite(m[k]) else 0.0 for k in keys], dtype=torch.float64)
-    weights = torch.tensor([0.0 if not math.isfinite(m[k]) else float(tokens) for k in keys], dtype=torch.float64)
-    lo = torch.tensor([m[k] if math.isfinite(m[k]) else math.inf for k in keys], dtype=torch.float64)
-    hi = torch.tensor([m[k] if math.isfinite(m[k]) else -math.inf for k in keys], dtype=torch.float64)
-    sums = torch.stack([vals * weights, weights])
+    finite = [math.isfinite(m[k]) for k in keys]
+    vals = torch.tensor([m[k] if f else 0.0 for k, f in zip(keys, finite)], dtype=torch.float64, device=device)
+    weights = torch.tensor([float(tokens) if f else 0.0 for f in finite], dtype=torch.float64, device=device)
+    lo = torch.tensor([m[k] if f else math.inf for k, f in zip(keys, finite)], dtype=torch.float64, device=device)
+    hi = torch.tensor([m[k] if f else -math.inf for k, f in zip(keys, finite)], dtype=torch.float64, device=device)
+    sums = torch.stack([vals * weights, weights, vals])
     dist.all_reduce(sums)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -301,14 +315,15 @@ def reduce_metrics(m, tokens):
             out[k] = lo[i].item()
         elif k.endswith("/max") or k.endswith("max_abs_log_ratio"):
             out[k] = hi[i].item()
-        elif k in ("loss/tokens", "loss/policy"):
-            out[k] = sums[0, i].item() / float(tokens) if k == "loss/tokens" else sums[0, i].item() / sums[1, i].item() if sums[1, i] else math.nan
+        elif k == "loss/tokens":
+            out[k] = sums[2, i].item()
         else:
             out[k] = (sums[0, i] / sums[1, i]).item() if sums[1, i] > 0 else math.nan
     return out
 
 
 def main():
+    t_start = time.perf_counter()
     manifest, groups = load_rollouts(rollout_dir)
     start_policy = policy or manifest["policy"]
     temp = temperature or manifest["sampling"]["temperature"]
@@ -328,10 +343,7 @@ def main():
         f"prompts ({prompts_per_update * G} responses, ~{tokens_per_group * prompts_per_update:.0f} response tokens) = "
         f"{updates_per_stage * prompts_per_update / len(groups):.2f} passes over the data; staleness 0..{updates_per_stage - 1} "
         f"updates; {world} process(es) on {device.type}; temperature {temp}; clip [{clip_low}, {clip_high}], "
-        f"NAV δ={nav_delta} scope {nav_scope}, M2PO τ={m2po_tau}, agg {agg}")
-    if tis_cap is not None:
-        raise SystemExit("--tis_cap needs the trainer's log-probs of the behavior policy for the whole stage; "
-                         "not implemented in optimize.py yet (loss.policy_loss supports it)")
+        f"dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, M2PO τ={m2po_tau}, TIS cap {tis_cap}, agg {agg}")
 
     from transformers import AutoConfig, AutoTokenizer
     src_cfg = AutoConfig.from_pretrained(start_policy)
@@ -346,11 +358,16 @@ def main():
     start = load_state(model, optimizer)
     if start:
         log(f"resuming from {state_dir} at update {start}")
+    if tis_cap is not None:
+        attach_old_logprobs(model, groups, pad_id, temp, fresh=start == 0)
     if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
         rows = common.read_jsonl(metrics_path) if metrics_path.exists() else []
         common.atomic_write_lines(metrics_path, [r for r in rows if r.get("update", 0) < start])
+    load_seconds = time.perf_counter() - t_start
     length_norm = norm_len or manifest["sampling"]["max_tokens"]
-    nonfinite_in_row, skipped_total = 0, 0
+    loss_kw = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, nav_delta=nav_delta,
+                   nav_scope=nav_scope, tis_cap=tis_cap, agg=agg, norm_len=length_norm)
+    nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
     from tqdm import tqdm
     bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {manifest['stage']} updates",
                initial=start, total=updates_per_stage)
@@ -362,28 +379,28 @@ def main():
         batch = [r for g in minibatch_groups(groups, u) for r in g]
         n_tokens = sum(len(r["response_token_ids"]) for r in batch)
         mine = sorted(batch, key=lambda r: -len(r["response_token_ids"]))[rank::world]   # balanced by length
-        m2po_keep = None
-        if m2po_tau is not None:  # M2PO's mask is over the whole (per-rank) minibatch: a no-grad pass first
-            with torch.no_grad():
-                parts = [response_logprobs(model, mb, pad_id, temp)[:4] for mb in micro_batches(mine)]
-            m2po_keep = _m2po_over(parts)
+        mbs = padded_micro_batches(mine)
+        m2po_keep = m2po_masks(model, mbs, batch, pad_id, temp) if m2po_tau is not None else None
         collected, entropy_sum = [], 0.0
         optimizer.zero_grad(set_to_none=True)
-        for k, mb in enumerate(micro_batches(mine)):
-            lp, behavior, mask, adv, entropy = response_logprobs(model, mb, pad_id, temp, with_entropy=True)
-            keep = m2po_keep[k].to(device) if m2po_keep is not None else None
-            part, _ = L.policy_loss(lp, behavior, adv, mask, clip_low=clip_low, clip_high=clip_high,
-                                    dual_clip=dual_clip, nav_delta=nav_delta, nav_scope=nav_scope, agg=agg,
-                                    num_tokens=n_tokens, num_seqs=len(batch), norm_len=length_norm,
-                                    keep_mask=keep, return_metrics=False)
+        for k, mb in enumerate(mbs):
+            lp, behavior, old, mask, adv, entropy = response_logprobs(model, mb or batch[:1], pad_id, temp,
+                                                                      with_entropy=True)
+            if mb is None:                 # padding pass: keeps FSDP's collectives in step, adds nothing
+                (lp.sum() * 0.0).backward()
+                continue
+            keep = m2po_keep[k] if m2po_keep is not None else None
+            part, _ = L.policy_loss(lp, behavior, adv, mask, old_logprobs=old if tis_cap is not None else None,
+                                    num_tokens=n_tokens, num_seqs=len(batch), keep_mask=keep, return_metrics=False,
+                                    **loss_kw)
             (part * world).backward()   # FSDP averages gradients over ranks; ×world makes it the sum
-            collected.append((lp.detach(), behavior, mask, adv, keep))
+            collected.append((lp.detach(), behavior, old, mask, adv, keep))
             entropy_sum += entropy.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        m = _update_metrics(collected)
+        m, my_tokens = update_metrics(collected, loss_kw)
         if distributed:
-            m = reduce_metrics(m, sum(int(c[2].sum()) for c in collected))
+            m = reduce_metrics(m, my_tokens)
         finite = math.isfinite(grad_norm) and math.isfinite(m["loss/policy"])
         if finite:
             optimizer.step()
@@ -395,72 +412,110 @@ def main():
             if nonfinite_in_row >= max_nonfinite:
                 raise SystemExit(f"{nonfinite_in_row} non-finite updates in a row (at update {u}): stopping; "
                                  f"lower --lr or check the rollouts")
-        entropy = torch.tensor([entropy_sum, float(sum(int(c[2].sum()) for c in collected))], dtype=torch.float64)
+        entropy = torch.tensor([entropy_sum, float(my_tokens)], dtype=torch.float64)
         if distributed:
             dist.all_reduce(entropy)
         seconds = time.perf_counter() - t0
+        train_seconds += seconds
         row = {"update": u, "stage": manifest["stage"], "staleness": u, "lr": lr_now, "grad_norm": grad_norm,
                "entropy": (entropy[0] / entropy[1]).item(), "reward/mean": sum(r["reward"] for r in batch) / len(batch),
                "skipped_nonfinite": skipped_total, "update_skipped": not finite, "time": time.time(),
-               "seconds": seconds, "tokens_per_s": sum(len(r["prompt_token_ids"]) + len(r["response_token_ids"])
-                                                       for r in batch) / seconds, **m}
-        if u == 0:
-            row.update({"mismatch/mean_abs_log_ratio": m["mismatch/mean_abs_log_ratio"],
-                        "mismatch/max_abs_log_ratio": m["mismatch/max_abs_log_ratio"], "mismatch/kl": m["ratio/kl"]})
-            if m["mismatch/mean_abs_log_ratio"] > mismatch_warn:
-                log(f"WARNING: before any update the mean |log ratio| between trainer and engine is "
-                    f"{m['mismatch/mean_abs_log_ratio']:.3f} (> {mismatch_warn}): check the temperature, top_p/top_k "
-                    f"and that --policy is the checkpoint that generated the rollouts")
-        row = {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()
-               if not (u > 0 and k.startswith("mismatch/"))}
+               "seconds": seconds, "tokens": sum(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in batch)}
+        row["tokens_per_s"] = row["tokens"] / seconds
+        if device.type == "cuda":
+            row["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        row.update({k: v for k, v in m.items() if u == 0 or not k.startswith("mismatch/")})
+        if u == 0 and m["mismatch/mean_abs_log_ratio"] > mismatch_warn:
+            log(f"WARNING: before any update the mean |log ratio| between trainer and engine is "
+                f"{m['mismatch/mean_abs_log_ratio']:.3f} (> {mismatch_warn}): check the temperature, top_p/top_k "
+                f"and that --policy is the checkpoint that generated the rollouts")
+        row = {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
         if is_main:
             common.append_jsonl(metrics_path, row)
             bar.set_postfix(loss=f"{m['loss/policy']:.4f}", reward=f"{row['reward/mean']:.2f}",
                             ratio_neg=f"{m['ratio/mean_neg_adv']:.3f}")
         if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates_per_stage:
             save_state(model, optimizer, u + 1)
+    t_save = time.perf_counter()
     save_policy(model, start_policy, save_dtype)
     if is_main:
         shutil.rmtree(state_dir, ignore_errors=True)
-        log(f"next policy written to {out_dir}")
+        common.atomic_write_json(stage_path / "optimize_timing.json", {
+            "load_seconds": load_seconds, "train_seconds": train_seconds,
+            "save_seconds": time.perf_counter() - t_save, "updates_this_run": updates_per_stage - start})
+        log(f"next policy written to {out_dir} (load {load_seconds:.1f} s, train {train_seconds:.1f} s, "
+            f"save {time.perf_counter() - t_save:.1f} s)")
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
 
 
-def _m2po_over(parts):
-    """M2PO keep-masks for the micro-batches, computed over all of them at once."""
+def attach_old_logprobs(model, groups, pad_id, temp, fresh):
+    """TIS needs the trainer's log-probs of the stage policy for every response: one no-grad pass
+    over the stage before the first update, saved to old_logprobs.jsonl for resumes."""
+    path = stage_path / "old_logprobs.jsonl"
+    responses = [r for g in groups for r in g]
+    key = lambda r: f"{r.get('group', r['prompt_id'])}/{r['sample_idx']}"  # noqa: E731
+    if not path.exists():
+        if not fresh:
+            raise SystemExit(f"{path} is missing but training already started: the stage policy's log-probs "
+                             f"cannot be recomputed; delete {state_dir} to restart the stage")
+        mine = sorted(responses, key=lambda r: -len(r["response_token_ids"]))[rank::world]
+        found = {}
+        with torch.no_grad():
+            for mb in padded_micro_batches(mine):
+                lp, _, _, mask, _, _ = response_logprobs(model, mb or responses[:1], pad_id, temp)
+                for r, row, m in zip(mb or [], lp.cpu(), mask.cpu()):
+                    found[key(r)] = [round(x, 6) for x in row[m].tolist()]
+        if distributed:
+            parts = [None] * world
+            dist.all_gather_object(parts, found)
+            found = {k: v for p in parts for k, v in p.items()}
+        if is_main:
+            common.atomic_write_lines(path, [{"key": k, "old_logprobs": v} for k, v in found.items()])
+        if distributed:
+            dist.barrier()
+    table = {row["key"]: row["old_logprobs"] for row in common.read_jsonl(path)}
+    for r in responses:
+        r["old_logprobs"] = table[key(r)]
+
+
+def m2po_masks(model, mbs, batch, pad_id, temp):
+    """M2PO keep-masks for this rank's micro-batches, from a no-grad pass over all of them at once."""
+    with torch.no_grad():
+        parts = [response_logprobs(model, mb or batch[:1], pad_id, temp) for mb in mbs]
+    parts = [p for p, mb in zip(parts, mbs) if mb is not None]
     T = max(p[0].shape[1] for p in parts)
     pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731
-    log_ratio = torch.cat([pad(lp - b) for lp, b, _, _ in parts])
-    mask = torch.cat([pad(m) for _, _, m, _ in parts])
-    adv = torch.cat([a for _, _, _, a in parts])
+    reference = [old if tis_cap is not None else behavior for _, behavior, old, _, _, _ in parts]
+    log_ratio = torch.cat([pad(p[0] - ref) for p, ref in zip(parts, reference)])
+    mask = torch.cat([pad(p[3]) for p in parts])
+    adv = torch.cat([p[4] for p in parts])
     keep = L.m2po_mask(log_ratio, adv, mask, m2po_tau)
     out, i = [], 0
-    for lp, _, _, _ in parts:
-        out.append(keep[i:i + lp.shape[0], :lp.shape[1]])
-        i += lp.shape[0]
-    return out
+    for p in parts:
+        out.append(keep[i:i + p[0].shape[0], :p[0].shape[1]])
+        i += p[0].shape[0]
+    return out + [None] * (len(mbs) - len(parts))
 
 
-def _update_metrics(collected):
-    """policy_loss metrics over all micro-batches of this rank's share, plus the mismatch figures."""
+def update_metrics(collected, loss_kw):
+    """policy_loss metrics over all micro-batches of this rank's share, the mismatch figures, and
+    this rank's response-token count."""
     T = max(c[0].shape[1] for c in collected)
     pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731
-    lp = torch.cat([pad(c[0]) for c in collected])
-    behavior = torch.cat([pad(c[1].to(lp.device)) for c in collected])
-    mask = torch.cat([pad(c[2]) for c in collected])
-    adv = torch.cat([c[3] for c in collected])
-    keep = torch.cat([pad(c[4]) for c in collected]) if collected[0][4] is not None else None
-    _, m = L.policy_loss(lp, behavior, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                         nav_delta=nav_delta, nav_scope=nav_scope, agg=agg, keep_mask=keep,
-                         m2po_tau=None, norm_len=norm_len or None)
+    lp, behavior, old, mask = (torch.cat([pad(c[i]) for c in collected]) for i in range(4))
+    adv = torch.cat([c[4] for c in collected])
+    keep = torch.cat([pad(c[5]) for c in collected]) if collected[0][5] is not None else None
+    _, m = L.policy_loss(lp, behavior, adv, mask, old_logprobs=old if tis_cap is not None else None,
+                         keep_mask=keep, **loss_kw)
     if m2po_tau is not None:
         m["m2po/masked_frac"] = float((mask & ~keep).sum() / mask.sum().clamp(min=1))
-    abs_lr = (lp - behavior).abs()[mask]
+    abs_lr = (lp - behavior).abs()[mask]            # trainer vs engine, whatever the ratio's reference
     m["mismatch/mean_abs_log_ratio"] = abs_lr.mean().item()
     m["mismatch/max_abs_log_ratio"] = abs_lr.max().item()
-    return m
+    m["mismatch/kl"] = ((lp - behavior).exp() - 1 - (lp - behavior))[mask].mean().item()
+    return m, int(mask.sum())
 
 
 if __name__ == "__main__":

@@ -141,3 +141,17 @@ def test_toy_builder_model_loads_in_transformers_and_vllm(toy):
             "print(len(llm.generate([{'prompt_token_ids': [1, 5, 6]}], use_tqdm=False)[0].outputs))" % str(toy / "model"))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("1"), proc.stderr[-2000:]
+
+
+@needs_vllm
+def test_notebook_cells_run_on_a_finished_run(finished_run, tmp_path, monkeypatch):
+    nb = json.loads((ROOT / "notebooks" / "results.ipynb").read_text())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    namespace = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            code = "".join(cell["source"]).replace("RUNS = ['../runs/toy-mu-grpo']", f"RUNS = [{str(finished_run)!r}]")
+            exec(compile(code, "results.ipynb", "exec"), namespace)
+    assert len(namespace["runs"]) == 1 and len(namespace["metrics"]) == 12
+    assert len(list((tmp_path / "plots_notebook").glob("*.png"))) == 5

@@ -133,11 +133,15 @@ def test_micro_batch_size_does_not_change_the_update(toy, stage, tmp_path):
     assert all(torch.allclose(big[k], small[k], atol=3e-5) for k in big)
 
 
-def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path):
-    run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=3", *FAST, f"--out={tmp_path / 'one'}")
+@pytest.mark.parametrize("micro_batch_tokens", [16384, 50])
+def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_tokens):
+    # with 50-token micro-batches the two ranks get different numbers of micro-batches
+    args = ["--updates_per_stage=3", "--prompts_per_update=3", f"--micro_batch_tokens={micro_batch_tokens}",
+            *FAST[:1], "--nav_delta=1e-4"]
+    run_script("optimize.py", f"--stage_dir={stage}", *args, f"--out={tmp_path / 'one'}")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = __import__("subprocess").run([*torchrun, "optimize.py", f"--stage_dir={stage}", "--updates_per_stage=3",
-                                         *FAST, f"--out={tmp_path / 'two'}"], cwd=ROOT, capture_output=True, text=True,
+    proc = __import__("subprocess").run([*torchrun, "optimize.py", f"--stage_dir={stage}", *args,
+                                         f"--out={tmp_path / 'two'}"], cwd=ROOT, capture_output=True, text=True,
                                         timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = _weights(tmp_path / "one"), _weights(tmp_path / "two")
@@ -174,6 +178,17 @@ def test_lora_trains_and_saves_a_merged_policy(toy, stage):
     assert merged.keys() == initial.keys()                     # plain weights: no adapter tensors
     assert any(not torch.equal(merged[k], initial[k]) for k in merged)
     AutoModelForCausalLM.from_pretrained(stage / "policy")     # reloads as an ordinary checkpoint
+
+
+def test_truncated_importance_weight_uses_the_trainers_old_logprobs(stage):
+    run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--tis_cap=2")
+    old = read_lines(stage / "old_logprobs.jsonl")
+    rows = {f"{r['group']}/{r['sample_idx']}": r for r in read_lines(stage / "rollouts" / "shard_00000.jsonl")}
+    assert len(old) == len(rows) == 16
+    for o in old:   # same weights generated the behavior log-probs: old ≈ behavior
+        assert o["old_logprobs"] == pytest.approx(rows[o["key"]]["behavior_logprobs"], abs=1e-4)
+    first = read_lines(stage / "metrics.jsonl")[0]
+    assert abs(first["ratio/kl"]) < 1e-8 and (stage / "policy" / "model.safetensors").exists()
 
 
 def test_m2po_and_grpo_presets_run(stage):
