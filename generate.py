@@ -195,7 +195,7 @@ if __name__ == "__main__":
         else:
             common.atomic_write_json(plan_file, plan)
     rows = common.load_problems(data)
-    stage_rows = common.stage_prompt_rows(rows, stage, prompts_per_stage, seed)
+    stage_rows = common.shuffled_window(rows, stage * prompts_per_stage, prompts_per_stage, seed)
     shards = {k: (list(range(s, min(s + shard_prompts, len(stage_rows)))), stage_rows[s:s + shard_prompts])
               for k, s in enumerate(range(0, len(stage_rows), shard_prompts))}
     todo = [k for k in shards if not shard_done(k)]
@@ -225,6 +225,9 @@ if __name__ == "__main__":
     missing = [k for k in shards if not shard_done(k)]
     if missing:
         sys.exit(f"shards {missing} were not produced; rerun to resume")
+    if sum(json.loads(stats_path(k).read_text())["responses"] for k in shards) == 0:
+        sys.exit(f"stage {stage}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
+                 f"(after the template); raise it or shorten --prompt_template")
     m = write_manifest(len(shards))
     print(f"stage {stage} rollouts: {m['responses']} responses, mean reward {m['mean_reward']:.3f}, "
           f"all-correct groups {m['frac_groups_all_correct']:.2f}, all-wrong {m['frac_groups_all_wrong']:.2f}, "

@@ -12,7 +12,6 @@ One line per update goes to <stage_dir>/metrics.jsonl. A resumable state is save
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -47,7 +46,7 @@ m2po_tau = None                 # M2PO second-moment threshold (None: off; M2PO 
 tis_cap = None                  # truncated importance weight cap for engine/trainer mismatch (None: off)
 agg = "token-mean"              # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
 norm_len = 0                    # Dr. GRPO constant length (0: the manifest's max response tokens)
-micro_batch_tokens = 16384      # padded tokens per micro-batch (length-bucketed) per GPU
+micro_batch_tokens = 16384      # tokens (prompt + response) packed into one micro-batch, per GPU
 gradient_checkpointing = False
 lora_rank = 0                   # > 0: train LoRA adapters (peft) on all linear layers; merged at save
 lora_alpha = 32
@@ -127,66 +126,58 @@ def load_rollouts(directory):
     return manifest, list(groups.values())
 
 
-def minibatch_groups(groups, u):
-    """Groups of update u: [u·P, (u+1)·P) of an endless sequence of seeded shuffles (one per pass)."""
-    n, out = len(groups), []
-    for g in range(u * prompts_per_update, (u + 1) * prompts_per_update):
-        p, pos = divmod(g, n)
-        order = list(range(n))
-        random.Random(seed * 7_919 + p).shuffle(order)
-        out.append(groups[order[pos]])
-    return out
-
-
 def micro_batches(responses):
-    """Length-bucketed micro-batches: sort by length, fill up to micro_batch_tokens padded tokens."""
+    """Micro-batches of at most micro_batch_tokens tokens (prompt + response), longest first; each
+    is packed into one row, so no compute goes to padding."""
     ordered = sorted(responses, key=lambda r: len(r["prompt_token_ids"]) + len(r["response_token_ids"]), reverse=True)
-    batches, current, width = [], [], 0
+    batches, current, tokens = [], [], 0
     for r in ordered:
         n = len(r["prompt_token_ids"]) + len(r["response_token_ids"])
-        if current and max(width, n) * (len(current) + 1) > micro_batch_tokens:
+        if current and tokens + n > micro_batch_tokens:
             batches.append(current)
-            current, width = [], 0
+            current, tokens = [], 0
         current.append(r)
-        width = max(width, n)
+        tokens += n
     return batches + ([current] if current else [])
 
 
-def collate(batch, pad_id):
-    """Right-padded input ids and the per-response tensors the loss needs."""
-    seqs = [r["prompt_token_ids"] + r["response_token_ids"] for r in batch]
-    width, resp_width = max(map(len, seqs)), max(len(r["response_token_ids"]) for r in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(batch), width), dtype=torch.long)
+def pack(batch):
+    """One packed row for the model and the per-response tensors the loss needs.
+
+    input_ids, position_ids [1, N]: the sequences back to back, positions restarting at 0 for each
+    (transformers then masks attention block-diagonally); keep [R]: the positions whose logits
+    predict a response token; targets [R]; behavior, old, mask [b, T_resp]; advantages [b].
+    """
+    ids, pos, keep, targets = [], [], [], []
+    resp_width = max(len(r["response_token_ids"]) for r in batch)
     behavior = torch.zeros(len(batch), resp_width)
     old = torch.zeros(len(batch), resp_width)       # trainer log-probs of the behavior policy (TIS)
     mask = torch.zeros(len(batch), resp_width, dtype=torch.bool)
-    rows, cols, targets = [], [], []
-    for i, (r, s) in enumerate(zip(batch, seqs)):
-        ids[i, :len(s)] = torch.tensor(s)
-        attn[i, :len(s)] = 1
-        p, n = len(r["prompt_token_ids"]), len(r["response_token_ids"])
+    for i, r in enumerate(batch):
+        p, n, offset = len(r["prompt_token_ids"]), len(r["response_token_ids"]), len(ids)
+        ids += r["prompt_token_ids"] + r["response_token_ids"]
+        pos += list(range(p + n))
+        keep += range(offset + p - 1, offset + p + n - 1)    # logits at t predict token t+1
+        targets += r["response_token_ids"]
         behavior[i, :n] = torch.tensor(r["behavior_logprobs"])
         if "old_logprobs" in r:
             old[i, :n] = torch.tensor(r["old_logprobs"])
         mask[i, :n] = True
-        rows += [i] * n
-        cols += list(range(p - 1, p + n - 1))        # logits at t predict token t+1
-        targets += r["response_token_ids"]
     adv = torch.tensor([float(r["advantage"]) for r in batch])
-    return ids, attn, behavior, old, mask, adv, torch.tensor(rows), torch.tensor(cols), torch.tensor(targets)
+    return (torch.tensor([ids]), torch.tensor([pos]), torch.tensor(keep), torch.tensor(targets), behavior, old,
+            mask, adv)
 
 
-def response_logprobs(model, batch, pad_id, temp, with_entropy=False):
+def response_logprobs(model, batch, temp, with_entropy=False):
     """Current log-probs [b, T_resp] (padded with 0) of the batch's response tokens, the stored
-    behavior (and old) log-probs, mask and advantages, and the summed entropy."""
-    ids, attn, behavior, old, mask, adv, rows, cols, targets = (t.to(device) for t in collate(batch, pad_id))
+    behavior (and old) log-probs, mask and advantages, and the summed entropy. Logits are computed
+    only at response positions ([R, V], bf16 on GPU); token_logprobs upcasts them chunk by chunk."""
+    ids, pos, keep, targets, behavior, old, mask, adv = (t.to(device) for t in pack(batch))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not distributed):
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits   # [b, L, V]
-    selected = logits[rows, cols]                                                    # [R, V] response positions
-    lp_flat = L.token_logprobs(selected, targets, temp)                              # [R] fp32
-    lp = torch.zeros(mask.shape, device=device).masked_scatter(mask, lp_flat)        # [b, T_resp]
-    entropy = L.token_entropy(selected.detach(), temp).sum() if with_entropy else None
+        logits = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False).logits[0]  # [R, V]
+    lp_flat = L.token_logprobs(logits, targets, temp)                                 # [R] fp32
+    lp = torch.zeros(mask.shape, device=device).masked_scatter(mask, lp_flat)         # [b, T_resp]
+    entropy = L.token_entropy(logits.detach(), temp).sum() if with_entropy else None
     return lp, behavior, old, mask, adv, entropy
 
 
@@ -345,12 +336,10 @@ def main():
         f"updates; {world} process(es) on {device.type}; temperature {temp}; clip [{clip_low}, {clip_high}], "
         f"dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, M2PO τ={m2po_tau}, TIS cap {tis_cap}, agg {agg}")
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     src_cfg = AutoConfig.from_pretrained(start_policy)
     save_dtype = getattr(src_cfg, "dtype", None) or getattr(src_cfg, "torch_dtype", None) or torch.float32
     save_dtype = getattr(torch, save_dtype) if isinstance(save_dtype, str) else save_dtype
-    tokenizer = AutoTokenizer.from_pretrained(start_policy)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     torch.manual_seed(seed)
     model = load_model(start_policy)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -359,7 +348,7 @@ def main():
     if start:
         log(f"resuming from {state_dir} at update {start}")
     if tis_cap is not None:
-        attach_old_logprobs(model, groups, pad_id, temp, fresh=start == 0)
+        attach_old_logprobs(model, groups, temp, fresh=start == 0)
     if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
         rows = common.read_jsonl(metrics_path) if metrics_path.exists() else []
         common.atomic_write_lines(metrics_path, [r for r in rows if r.get("update", 0) < start])
@@ -376,15 +365,16 @@ def main():
         lr_now = lr * min(1.0, (u + 1) / warmup_updates) if warmup_updates else lr
         for group in optimizer.param_groups:
             group["lr"] = lr_now
-        batch = [r for g in minibatch_groups(groups, u) for r in g]
+        batch = [r for g in common.shuffled_window(groups, u * prompts_per_update, prompts_per_update, seed)
+                 for r in g]  # whole groups, reshuffled each pass
         n_tokens = sum(len(r["response_token_ids"]) for r in batch)
         mine = sorted(batch, key=lambda r: -len(r["response_token_ids"]))[rank::world]   # balanced by length
         mbs = padded_micro_batches(mine)
-        m2po_keep = m2po_masks(model, mbs, batch, pad_id, temp) if m2po_tau is not None else None
+        m2po_keep = m2po_masks(model, mbs, batch, temp) if m2po_tau is not None else None
         collected, entropy_sum = [], 0.0
         optimizer.zero_grad(set_to_none=True)
         for k, mb in enumerate(mbs):
-            lp, behavior, old, mask, adv, entropy = response_logprobs(model, mb or batch[:1], pad_id, temp,
+            lp, behavior, old, mask, adv, entropy = response_logprobs(model, mb or batch[:1], temp,
                                                                       with_entropy=True)
             if mb is None:                 # padding pass: keeps FSDP's collectives in step, adds nothing
                 (lp.sum() * 0.0).backward()
@@ -450,7 +440,7 @@ def main():
         dist.destroy_process_group()
 
 
-def attach_old_logprobs(model, groups, pad_id, temp, fresh):
+def attach_old_logprobs(model, groups, temp, fresh):
     """TIS needs the trainer's log-probs of the stage policy for every response: one no-grad pass
     over the stage before the first update, saved to old_logprobs.jsonl for resumes."""
     path = stage_path / "old_logprobs.jsonl"
@@ -464,7 +454,7 @@ def attach_old_logprobs(model, groups, pad_id, temp, fresh):
         found = {}
         with torch.no_grad():
             for mb in padded_micro_batches(mine):
-                lp, _, _, mask, _, _ = response_logprobs(model, mb or responses[:1], pad_id, temp)
+                lp, _, _, mask, _, _ = response_logprobs(model, mb or responses[:1], temp)
                 for r, row, m in zip(mb or [], lp.cpu(), mask.cpu()):
                     found[key(r)] = [round(x, 6) for x in row[m].tolist()]
         if distributed:
@@ -480,10 +470,10 @@ def attach_old_logprobs(model, groups, pad_id, temp, fresh):
         r["old_logprobs"] = table[key(r)]
 
 
-def m2po_masks(model, mbs, batch, pad_id, temp):
+def m2po_masks(model, mbs, batch, temp):
     """M2PO keep-masks for this rank's micro-batches, from a no-grad pass over all of them at once."""
     with torch.no_grad():
-        parts = [response_logprobs(model, mb or batch[:1], pad_id, temp) for mb in mbs]
+        parts = [response_logprobs(model, mb or batch[:1], temp) for mb in mbs]
     parts = [p for p, mb in zip(parts, mbs) if mb is not None]
     T = max(p[0].shape[1] for p in parts)
     pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731

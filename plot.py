@@ -99,7 +99,11 @@ def figures(runs, out):
                 pts = [(m["global_update"], m[key]) for m in run["metrics"] if m.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), label=f"{run['name']}: {label}")
-        ax.set(xlabel="update (stages back to back)", title=title)
+        for run in runs[:1]:
+            for m in run["metrics"]:
+                if m["update"] == 0 and m["stage"] > 0:
+                    ax.axvline(m["global_update"] - 0.5, color="grey", alpha=0.3)
+        ax.set(xlabel="update (stages back to back; grey: a new stage's rollouts)", title=title)
         ax.legend(fontsize=7)
         save(fig, title.split(" ")[0].lower() + "_" + title.split(" ")[-1] + ".png")
 

@@ -24,7 +24,7 @@ SOURCES = {
     "aime24": ("HuggingFaceH4/aime_2024", None, "train"),
     "aime25": ("math-ai/aime25", None, "test"),
     "amc23": ("math-ai/amc23", None, "test"),
-    "amc24": ("AI-MO/aimo-validation-amc", None, "train"),
+    "amc24": ("rawsh/2024_AMC12", None, "train"),
     "gsm8k": ("openai/gsm8k", "main", "test"),
     "minerva_math": ("math-ai/minervamath", None, "test"),
     "olympiadbench": ("math-ai/olympiadbench", None, "test"),
@@ -54,7 +54,7 @@ def to_row(raw, index, source):
     if isinstance(raw.get("answer"), float) and float(answer).is_integer():
         answer = str(int(float(answer)))
     rid = raw.get("id") or raw.get("unique_id") or raw.get("problem_id") or f"{source}-{index}"
-    return {"id": str(rid), "problem": str(problem), "answer": answer, "source": raw.get("source") or source}
+    return {"id": str(rid), "problem": str(problem), "answer": answer, "source": source}  # source picks grading rules
 
 
 def read_local(path):

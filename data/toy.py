@@ -4,9 +4,10 @@
 
 Everything is local: a byte-level BPE tokenizer trained on the task's own text, a 4-layer Llama
 with random weights (head dimension 32, which vLLM's CPU backend supports), then a short supervised
-warm start on *noisy* demonstrations: half of them answer correctly in `\\boxed{}`, a quarter box
-the sum plus one, a quarter forget the box. The warm-started policy so solves about half of the
-problems when sampled at temperature 1, and RL has a clear signal to remove the two error modes.
+warm start on *noisy* demonstrations: half of them answer correctly in `\\boxed{}`, a quarter give up
+with `\\boxed{?}`, a quarter forget the box. The warm-started policy so solves a bit under half of the
+problems when sampled at temperature 1. Both error modes are the same for every problem, so RL on
+the training problems removes them on the held-out test problems too: test accuracy rises.
 """
 import json
 import os
@@ -25,8 +26,8 @@ vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tok
 sft_steps = 500             # warm-start optimizer steps
 sft_batch = 64              # sequences per warm-start step
 sft_lr = 3e-3
-p_correct = 0.5             # demonstration mix: correct / boxed sum+1 / no box
-p_off_by_one = 0.25
+p_correct = 0.5             # demonstration mix: correct / \boxed{?} / no box
+p_give_up = 0.25
 # -----------------------------------------------------------------------------
 
 TEMPLATE = "Question: What is {a} + {b}? Answer:"
@@ -41,14 +42,14 @@ def problems(max_operand, test_fraction, seed):
     return rows[n_test:], rows[:n_test]
 
 
-def demonstration(row, rng, p_correct, p_off_by_one):
+def demonstration(row, rng, p_correct, p_give_up):
     """One noisy warm-start response for a problem."""
-    u, answer = rng.random(), int(row["answer"])
+    u = rng.random()
     if u < p_correct:
-        return f" \\boxed{{{answer}}}"
-    if u < p_correct + p_off_by_one:
-        return f" \\boxed{{{answer + 1}}}"
-    return f" {answer}"
+        return f" \\boxed{{{row['answer']}}}"
+    if u < p_correct + p_give_up:
+        return " \\boxed{?}"
+    return f" {row['answer']}"
 
 
 def build_tokenizer(texts, vocab_size):
@@ -76,7 +77,7 @@ def build_model(tokenizer, hidden_size, layers, seed):
     return LlamaForCausalLM(config)
 
 
-def warm_start(model, tokenizer, rows, steps, batch, lr, seed, p_correct, p_off_by_one):
+def warm_start(model, tokenizer, rows, steps, batch, lr, seed, p_correct, p_give_up):
     """Supervised training on noisy demonstrations; loss on the response tokens only."""
     import torch
     rng = random.Random(seed)
@@ -87,7 +88,7 @@ def warm_start(model, tokenizer, rows, steps, batch, lr, seed, p_correct, p_off_
         seqs, masks = [], []
         for row in rng.choices(rows, k=batch):
             prompt = [tokenizer.bos_token_id] + tokenizer.encode(row["problem"])
-            response = tokenizer.encode(demonstration(row, rng, p_correct, p_off_by_one)) + [tokenizer.eos_token_id]
+            response = tokenizer.encode(demonstration(row, rng, p_correct, p_give_up)) + [tokenizer.eos_token_id]
             seqs.append(prompt + response)
             masks.append([0] * len(prompt) + [1] * len(response))
         width = max(map(len, seqs))
@@ -120,7 +121,7 @@ def write_jsonl(path, rows):
 
 
 def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=128, layers=4, vocab_size=400,
-          sft_steps=500, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_off_by_one=0.25):
+          sft_steps=500, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_give_up=0.25):
     """Write the toy train/test sets and a warm-started policy (HF directory) under out_dir."""
     import shutil
 
@@ -133,11 +134,11 @@ def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=12
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "test.jsonl", test)
     corpus_rng = random.Random(seed + 1)
-    corpus = [r["problem"] + demonstration(r, corpus_rng, p_correct, p_off_by_one) for r in train + test] * 3
+    corpus = [r["problem"] + demonstration(r, corpus_rng, p_correct, p_give_up) for r in train + test] * 3
     tokenizer = build_tokenizer(corpus, vocab_size)
     model = build_model(tokenizer, hidden_size, layers, seed)
     if sft_steps:
-        warm_start(model, tokenizer, train + test, sft_steps, sft_batch, sft_lr, seed, p_correct, p_off_by_one)
+        warm_start(model, tokenizer, train + test, sft_steps, sft_batch, sft_lr, seed, p_correct, p_give_up)
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id, do_sample=True,
@@ -159,5 +160,5 @@ if __name__ == "__main__":
         globals()[key] = type(globals()[key])(value)
     path = build(out_dir, max_operand=max_operand, test_fraction=test_fraction, seed=seed, hidden_size=hidden_size,
                  layers=layers, vocab_size=vocab_size, sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr,
-                 p_correct=p_correct, p_off_by_one=p_off_by_one)
+                 p_correct=p_correct, p_give_up=p_give_up)
     print(f"toy task and policy written: {out_dir}/train.jsonl, {out_dir}/test.jsonl, {path}")

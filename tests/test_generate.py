@@ -93,3 +93,15 @@ def test_killed_mid_stage_resumes_to_the_same_files(toy, stage, tmp_path):
     for name in ("shard_00000.jsonl", "shard_00001.jsonl", "shard_00002.jsonl"):
         assert filecmp.cmp(rollouts / name, stage / name, shallow=False), name
     assert not list(rollouts.glob(".*tmp*"))
+
+
+def test_two_data_parallel_engines_write_the_same_stage(toy, stage, tmp_path):
+    # --engines=2 runs one vLLM engine per process (per GPU on a GPU box), each on its own shards;
+    # per-prompt seeds make the result independent of which engine sampled what
+    proc = generate(toy, tmp_path, "--engines=2")
+    assert "2 engine(s)" in proc.stdout
+    rollouts = tmp_path / "stage_0" / "rollouts"
+    for name in ("shard_00000.jsonl", "shard_00001.jsonl", "shard_00002.jsonl"):
+        assert filecmp.cmp(rollouts / name, stage / name, shallow=False), name
+    ours, ref = (json.loads((d / "manifest.json").read_text()) for d in (rollouts, stage))
+    assert ours["responses"] == ref["responses"] and ours["mean_reward"] == ref["mean_reward"]
