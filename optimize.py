@@ -24,9 +24,10 @@ import common
 import loss as L
 
 # ----------------------------------------------------------------------------- hyperparameters
-stage_dir = "runs/toy/stage_0"  # holds rollouts/; metrics.jsonl, train_state/ and policy/ are written here
+stage_dir = "runs/toy/stage_0"  # holds rollouts/ (read only)
 policy = ""                     # stage policy to start from (default: the one that generated the rollouts)
-out = ""                        # next policy directory (default: <stage_dir>/policy)
+out = ""                        # next policy directory (default: <stage_dir>/policy); metrics.jsonl,
+                                # train_state/ and the other outputs go next to it (replays: elsewhere)
 updates_per_stage = 16          # μ: optimizer updates on this stage's rollouts (paper: 1024; GRPO: 4)
 prompts_per_update = 8          # whole groups per update (paper: 64 prompts × G=8 = 512 responses)
 skip_zero_variance = True       # leave out groups whose rewards are all equal (zero advantage)
@@ -74,8 +75,9 @@ if distributed and lora_rank:
 stage_path = Path(stage_dir)
 rollout_dir = stage_path / "rollouts"
 out_dir = Path(out) if out else stage_path / "policy"
-state_dir = stage_path / "train_state"
-metrics_path = stage_path / "metrics.jsonl"
+work_dir = out_dir.parent                       # everything this run writes lives here
+state_dir = work_dir / "train_state"
+metrics_path = work_dir / "metrics.jsonl"
 
 
 def log(*args):
@@ -240,7 +242,7 @@ def save_state(model, optimizer, update):
             os.replace(state_dir, old)
         os.replace(tmp, state_dir)
         shutil.rmtree(old, ignore_errors=True)
-        common.fsync_dir(stage_path)
+        common.fsync_dir(work_dir)
     if distributed:
         dist.barrier()
 
@@ -350,6 +352,7 @@ def main():
     if tis_cap is not None:
         attach_old_logprobs(model, groups, temp, fresh=start == 0)
     if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
+        work_dir.mkdir(parents=True, exist_ok=True)
         rows = common.read_jsonl(metrics_path) if metrics_path.exists() else []
         common.atomic_write_lines(metrics_path, [r for r in rows if r.get("update", 0) < start])
     load_seconds = time.perf_counter() - t_start
@@ -430,7 +433,7 @@ def main():
     save_policy(model, start_policy, save_dtype)
     if is_main:
         shutil.rmtree(state_dir, ignore_errors=True)
-        common.atomic_write_json(stage_path / "optimize_timing.json", {
+        common.atomic_write_json(work_dir / "optimize_timing.json", {
             "load_seconds": load_seconds, "train_seconds": train_seconds,
             "save_seconds": time.perf_counter() - t_save, "updates_this_run": updates_per_stage - start})
         log(f"next policy written to {out_dir} (load {load_seconds:.1f} s, train {train_seconds:.1f} s, "
@@ -443,7 +446,7 @@ def main():
 def attach_old_logprobs(model, groups, temp, fresh):
     """TIS needs the trainer's log-probs of the stage policy for every response: one no-grad pass
     over the stage before the first update, saved to old_logprobs.jsonl for resumes."""
-    path = stage_path / "old_logprobs.jsonl"
+    path = work_dir / "old_logprobs.jsonl"
     responses = [r for g in groups for r in g]
     key = lambda r: f"{r.get('group', r['prompt_id'])}/{r['sample_idx']}"  # noqa: E731
     if not path.exists():

@@ -33,6 +33,8 @@ def load_run(path):
             metrics.append({**row, "stage": s})
         if (stage_dir / "rollouts" / "manifest.json").exists():
             manifests[s] = json.loads((stage_dir / "rollouts" / "manifest.json").read_text())
+    for row in _rows(path / "metrics.jsonl"):   # an ablation replay: optimize.py --out=<path>/policy
+        metrics.append(row)
     updates_per_stage = 1 + max((m["update"] for m in metrics), default=-1)
     for m in metrics:
         m["global_update"] = m["stage"] * updates_per_stage + m["update"]

@@ -138,13 +138,14 @@ def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_to
     # with 50-token micro-batches the two ranks get different numbers of micro-batches
     args = ["--updates_per_stage=3", "--prompts_per_update=3", f"--micro_batch_tokens={micro_batch_tokens}",
             *FAST[:1], "--nav_delta=1e-4"]
-    run_script("optimize.py", f"--stage_dir={stage}", *args, f"--out={tmp_path / 'one'}")
+    run_script("optimize.py", f"--stage_dir={stage}", *args, f"--out={tmp_path / 'one' / 'policy'}")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = __import__("subprocess").run([*torchrun, "optimize.py", f"--stage_dir={stage}", *args,
-                                         f"--out={tmp_path / 'two'}"], cwd=ROOT, capture_output=True, text=True,
+                                         f"--out={tmp_path / 'two' / 'policy'}"], cwd=ROOT, capture_output=True, text=True,
                                         timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    one, two = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    one, two = _weights(tmp_path / "one" / "policy"), _weights(tmp_path / "two" / "policy")
+    assert len(read_lines(tmp_path / "two" / "metrics.jsonl")) == 3 and not (stage / "metrics.jsonl").exists()
     assert one.keys() == two.keys()
     initial = _weights(toy / "model")
     for k in one:
