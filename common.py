@@ -175,6 +175,8 @@ def policy_fingerprint(policy_dir):
     """A short hash of a checkpoint directory: its config and the names and sizes of its files."""
     h = hashlib.sha256()
     p = Path(policy_dir)
+    if not p.is_dir():  # a hub name: its name is what identifies it
+        return hashlib.sha256(str(policy_dir).encode()).hexdigest()[:16]
     for f in sorted(p.iterdir()):
         if f.is_file():
             h.update(f"{f.name}:{f.stat().st_size};".encode())

@@ -9,6 +9,7 @@ the same command after a crash keeps the finished shards and produces the rest, 
 prompt has its own sampling seed). On a multi-GPU box one engine runs per GPU group (data parallel),
 each on its own shards; --tensor_parallel shards one engine across GPUs for models too big for one.
 """
+import functools
 import json
 import os
 import subprocess
@@ -100,7 +101,7 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
         samples += [(pos, row, ids, c) for c in completions]
     graded = reward.grade_batch([(c.text, row["answer"], row.get("source")) for _, row, _, c in samples],
                                 workers=grader_workers, timeout_s=grader_timeout_s,
-                                reward_fn=_grade_with_bonus if format_bonus else reward.grade)
+                                reward_fn=functools.partial(reward.grade, format_bonus=format_bonus))
     rewards = [r for r, _ in graded]
     advantages, zero_var = (loss.group_advantages(rewards, group_size, normalize_std) if samples
                             else ([], []))
@@ -129,10 +130,6 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
     common.atomic_write_json(stats_path(k), stats)      # stats first: a shard counts once both exist
     common.atomic_write_lines(shard_path(k), lines)
     return stats
-
-
-def _grade_with_bonus(response, gold, dataset=None, timeout_s=None):
-    return reward.grade(response, gold, dataset, timeout_s=timeout_s, format_bonus=format_bonus)
 
 
 def run_engine(shard_ids, shards):

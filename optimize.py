@@ -278,6 +278,9 @@ def save_policy(model, source_dir, dtype):
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    if not Path(source_dir).is_dir():      # a hub name: fetch its small files (weights are ours)
+        from huggingface_hub import snapshot_download
+        source_dir = snapshot_download(source_dir, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"])
     for f in Path(source_dir).iterdir():   # tokenizer, chat template, generation config
         if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".pt")) \
                 and f.name != "config.json":

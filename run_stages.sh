@@ -20,7 +20,7 @@ RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 #   LR               AdamW learning rate                                     (paper 1e-6)
 #   MAX_PROMPT, MAX_RESPONSE  token limits                                   (paper 1536, 2560)
 #   TEMPERATURE      sampling temperature for rollouts                       (paper 1.0)
-#   EVAL_K, EVAL_TOP_P  avg@k protocol                                        (paper 4, 0.7)
+#   EVAL_K, EVAL_TEMPERATURE, EVAL_TOP_P  avg@k protocol                     (paper 4, 1.0, 0.7)
 #   GPUS             GPUs used by every phase                                (paper 4)
 # ------------------------------------------------------------------------------
 
@@ -36,13 +36,13 @@ case "$PRESET" in
     : "${MODEL:=Qwen/Qwen2.5-Math-7B}" "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
     : "${BENCHMARKS:=amc23,amc24,aime24,aime25,math500}" "${STAGES:=4}" "${UPDATES:=1024}" "${PROMPTS_PER_UPDATE:=64}"
     : "${GROUP_SIZE:=8}" "${LR:=1e-6}" "${MAX_PROMPT:=1536}" "${MAX_RESPONSE:=2560}" "${TEMPERATURE:=1.0}"
-    : "${EVAL_K:=4}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$(nvidia-smi -L | wc -l)}" "${TEMPLATE:=default}"
+    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$(nvidia-smi -L | wc -l)}" "${TEMPLATE:=default}"
     : "${MICRO_BATCH_TOKENS:=16384}" "${GRAD_CKPT:=true}" "${SHARD_PROMPTS:=4096}" ;;
   toy)
     : "${MODEL:=data/toy/model}" "${TRAIN_DATA:=data/toy/train.jsonl}" "${EVAL_DATA_DIR:=data/toy}"
     : "${BENCHMARKS:=test}" "${STAGES:=3}" "${UPDATES:=8}" "${PROMPTS_PER_UPDATE:=16}"
     : "${GROUP_SIZE:=8}" "${LR:=2e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=16}" "${TEMPERATURE:=1.0}"
-    : "${EVAL_K:=4}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}"
+    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}"
     : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=64}" ;;
   *) echo "PRESET must be auto, paper or toy, got '$PRESET'" >&2; exit 2 ;;
 esac
@@ -71,6 +71,9 @@ fi
 if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then
   $PY data/prepare.py --name=deepscaler --out="$TRAIN_DATA"
 fi
+if [[ ! -d "$MODEL" ]]; then  # a hub name: download once, then every phase reads the local copy
+  MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
+fi
 [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
 START=$(cat "$RUN/.done/start")
 
@@ -92,7 +95,7 @@ if [[ -f "$RUN/.done/all" ]]; then
   exit 0
 fi
 
-EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$TEMPERATURE"
+EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" "${TEMPLATE_ARG[@]}")
 phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"

@@ -283,6 +283,14 @@ def test_pool_kills_a_hanging_item_and_finishes_the_rest():
     assert results[7][1]["reason"] == "wrong"
 
 
+def test_pool_takes_a_partial_as_reward_fn():
+    # generate.py passes functools.partial(grade, format_bonus=...): it must travel to the workers
+    import functools
+    results = R.grade_batch([(boxed("6"), "5"), ("no box", "5"), (boxed("5"), "5")], workers=2,
+                            reward_fn=functools.partial(R.grade, format_bonus=0.1))
+    assert [r for r, _ in results] == [0.1, 0.0, 1.0]
+
+
 def test_pool_matches_in_process_grading_in_order():
     items = [{"response": boxed(p), "gold": g, "dataset": d} for g, p, d, _ in CASES[:40]]
     pooled = R.grade_batch(items, workers=2, timeout_s=5.0)
