@@ -148,8 +148,8 @@ def run_engine(shard_ids, shards):
               f"tokens/s", flush=True)
 
 
-def write_manifest(n_shards):
-    stats = [json.loads(stats_path(k).read_text()) for k in range(n_shards)]
+def write_manifest(stats):
+    """manifest.json, written last: sampling parameters, counts and summary statistics of the shards."""
     total = lambda key: sum(s[key] for s in stats)  # noqa: E731
     responses, groups = total("responses"), total("prompts")
     reasons = Counter()
@@ -159,7 +159,7 @@ def write_manifest(n_shards):
         "complete": True, "stage": stage, "policy": str(policy), "policy_id": common.policy_fingerprint(policy),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "max_tokens": max_response_tokens, "seed": seed, "logprobs_mode": "processed_logprobs"},
-        "plan": plan, "shards": [shard_path(k).name for k in range(n_shards)],
+        "plan": plan, "shards": [shard_path(s["shard"]).name for s in stats],
         "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
         "mean_reward": total("reward_sum") / max(1, responses),
         "frac_groups_all_correct": total("groups_all_correct") / max(1, groups),
@@ -222,10 +222,11 @@ if __name__ == "__main__":
     missing = [k for k in shards if not shard_done(k)]
     if missing:
         sys.exit(f"shards {missing} were not produced; rerun to resume")
-    if sum(json.loads(stats_path(k).read_text())["responses"] for k in shards) == 0:
+    stats = [json.loads(stats_path(k).read_text()) for k in shards]
+    if sum(s["responses"] for s in stats) == 0:
         sys.exit(f"stage {stage}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
                  f"(after the template); raise it or shorten --prompt_template")
-    m = write_manifest(len(shards))
+    m = write_manifest(stats)
     print(f"stage {stage} rollouts: {m['responses']} responses, mean reward {m['mean_reward']:.3f}, "
           f"all-correct groups {m['frac_groups_all_correct']:.2f}, all-wrong {m['frac_groups_all_wrong']:.2f}, "
           f"mean length {m['mean_response_tokens']:.0f} (max {m['max_response_tokens']}), truncated "

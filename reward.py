@@ -308,7 +308,7 @@ class _Slot:
         self.proc = ctx.Process(target=_worker, args=(child, reward_fn, timeout_s), daemon=True)
         self.proc.start()
         child.close()
-        self.task = None  # (index, deadline)
+        self.task = None  # (item index, hard deadline, start time) while busy
 
     def stop(self, kill=False):
         if kill:
