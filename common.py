@@ -80,10 +80,10 @@ def fsync_dir(path):
 
 
 def atomic_write(path, text):
-    """Write text to path atomically: temporary name, flush, fsync, rename, fsync the directory."""
+    """Write text (str or bytes) to path atomically: temporary name, flush, fsync, rename, fsync the directory."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -171,18 +171,33 @@ def build_prompt_ids(tokenizer, problem, template=DEFAULT_PROMPT_TEMPLATE, chat_
     return ids
 
 
-def policy_fingerprint(policy_dir):
-    """A short hash of a checkpoint directory: its config and the names and sizes of its files."""
+POLICY_ID_FILE = "policy_id.json"
+
+
+def content_fingerprint(directory):
+    """sha256 (16 hex digits) of the names and bytes of a directory's files (policy_id.json aside)."""
     h = hashlib.sha256()
-    p = Path(policy_dir)
-    if not p.is_dir():  # a hub name: its name is what identifies it
-        return hashlib.sha256(str(policy_dir).encode()).hexdigest()[:16]
-    for f in sorted(p.iterdir()):
-        if f.is_file():
-            h.update(f"{f.name}:{f.stat().st_size};".encode())
-    if (p / "config.json").exists():
-        h.update((p / "config.json").read_bytes())
+    for f in sorted(Path(directory).iterdir()):
+        if f.is_file() and f.name != POLICY_ID_FILE and not f.name.startswith("."):
+            h.update(f"{f.name}\0".encode())
+            with open(f, "rb") as stream:
+                while chunk := stream.read(1 << 24):
+                    h.update(chunk)
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=16)
+def policy_fingerprint(policy_dir):
+    """What identifies a policy: a hash of its files' contents, so two stages' policies (same names and
+    sizes) differ and a retrained directory is noticed. optimize.py writes it into policy_id.json when
+    it saves a policy; other directories (the initial model) are hashed here, once per process
+    (about 10 s for a 15 GB model). A hub name that is not a directory is its own identity."""
+    p = Path(policy_dir)
+    if not p.is_dir():
+        return hashlib.sha256(str(policy_dir).encode()).hexdigest()[:16]
+    if (p / POLICY_ID_FILE).exists():
+        return json.loads((p / POLICY_ID_FILE).read_text())["fingerprint"]
+    return content_fingerprint(p)
 
 
 # ----------------------------------------------------------------------------------------------

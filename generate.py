@@ -21,6 +21,7 @@ from pathlib import Path
 import common
 import loss
 import reward
+import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
 policy = "data/toy/model"       # HF checkpoint directory of the stage policy
@@ -128,7 +129,7 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
              "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
              "generation_seconds": gen_seconds}
     common.atomic_write_json(stats_path(k), stats)      # stats first: a shard counts once both exist
-    common.atomic_write_lines(shard_path(k), lines)
+    rollouts.write_shard(shard_path(k), lines)          # JSONL and its columns
     return stats
 
 

@@ -8,12 +8,16 @@ Reads next to DESIGN.md §4. Per response i with response tokens t:
     trig_t = (A_i < 0) and (ρ_t < δ)                         NAV trigger (δ ≈ 1e-4)
     κ_i    = first t with trig_t
     veto_t = (A_i < 0) and (t > κ_i) and not trig_t          NAV scope "H"
-    loss   = aggregate(−surr_t over kept tokens)
+    m_t    = not veto_t (and not masked by M2PO)                kept tokens
+    loss   = aggregate(−surr_t + β·KL_t(π ‖ π_ref), over tokens with m_t)   β = 0 unless kl_coef
 
 Shapes: B responses (sequences), T padded response length, V vocabulary. Per-token tensors are
 [B, T] with `response_mask` marking real response tokens; per-response tensors are [B].
 
-Nothing here prints, touches files or keeps state; metrics come back as a dict of floats.
+Nothing here prints, touches files or keeps state. policy_loss returns its diagnostics as *stats*:
+0-d tensors that are sums (or extremes) over tokens, so the stats of micro-batches and ranks add up
+to the stats of the whole minibatch (merge_stats, then one all-reduce); metrics(stats) divides them
+into the logged floats with one device sync.
 """
 import math
 
@@ -21,6 +25,8 @@ import torch
 
 NAV_SCOPES = ("none", "T", "H", "S", "seq")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+TOKEN_NORMALIZERS = ("kept", "all")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_LIMIT = 20.0  # |ℓ − b| is clamped here before exp (as verl does) so ρ never overflows
 
 
@@ -28,8 +34,10 @@ LOG_RATIO_LIMIT = 20.0  # |ℓ − b| is clamped here before exp (as verl does) 
 # Log-probs of the sampled tokens, without a float32 copy of the full [N, V] logits
 
 
-def _rows_per_chunk(vocab_size, budget_elements=1 << 24):
-    """Rows processed at once: about 64 MB of float32 work per chunk."""
+def _rows_per_chunk(vocab_size, device):
+    """Rows processed at once: about 1 GB of float32 work per chunk on a GPU (few, large kernels),
+    64 MB on a CPU (cache-friendly, and CPU runs are small)."""
+    budget_elements = (1 << 28) if device.type == "cuda" else (1 << 24)
     return max(1, budget_elements // vocab_size)
 
 
@@ -71,14 +79,14 @@ def token_logprobs(logits, target_ids, temperature=1.0, chunk_rows=None):
     """Log-prob of each target token under softmax(logits / temperature).
 
     logits [..., V], target_ids [...] → float32 [...]. Works in row chunks (chunk_rows rows, by
-    default about 64 MB of float32) in both passes, so peak extra memory is one chunk of float32
-    logits whatever the vocabulary.
+    default about 1 GB of float32 on a GPU, 64 MB on a CPU) in both passes, so peak extra memory is
+    one chunk of float32 logits whatever the number of tokens.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     lead_shape, vocab = logits.shape[:-1], logits.shape[-1]
     flat = _TokenLogprobs.apply(logits.reshape(-1, vocab), target_ids.reshape(-1).long(),
-                                float(temperature), chunk_rows or _rows_per_chunk(vocab))
+                                float(temperature), chunk_rows or _rows_per_chunk(vocab, logits.device))
     return flat.reshape(lead_shape)
 
 
@@ -88,7 +96,7 @@ def token_entropy(logits, temperature=1.0):
     lead_shape, vocab = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, vocab)
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    rows = _rows_per_chunk(vocab)
+    rows = _rows_per_chunk(vocab, logits.device)
     for s in range(0, flat.shape[0], rows):
         x = flat[s:s + rows].float() / temperature
         logp = torch.log_softmax(x, dim=-1)
@@ -166,31 +174,63 @@ def nav_mask(ratio, advantages, response_mask, delta=1e-4, scope="H"):
     return mask & ~veto
 
 
-def m2po_mask(log_ratio, advantages, response_mask, tau=0.04):
-    """M2PO keep-mask [B, T] bool: mask the harmful tokens with the largest (log ρ)² until the mean
-    (log ρ)² of the remaining harmful tokens is ≤ tau. Harmful: A > 0 and ρ > 1, or A < 0 and ρ < 1.
-    Other response tokens are always kept. One sort, no Python loop over tokens.
-    """
-    mask = response_mask.bool()
+def m2po_harmful(log_ratio, advantages, response_mask):
+    """M2PO's candidates for masking, [B, T] bool: A > 0 and ρ > 1, or A < 0 and ρ < 1."""
     adv = advantages[:, None]
-    harmful = mask & (((adv > 0) & (log_ratio > 0)) | ((adv < 0) & (log_ratio < 0)))   # [B, T]
-    sq = log_ratio.detach().float()[harmful] ** 2                                        # [H]
-    keep = mask.clone()
+    return response_mask.bool() & (((adv > 0) & (log_ratio > 0)) | ((adv < 0) & (log_ratio < 0)))
+
+
+def m2po_cutoff(sq, tau):
+    """The (log ρ)² at and above which harmful tokens are masked, so that the mean (log ρ)² of the
+    harmful tokens left is ≤ tau. sq [H]: (log ρ)² of all harmful tokens of the minibatch (gathered
+    from every rank, so the answer does not depend on how the minibatch is split). +inf: mask none.
+
+    The largest values go first; tokens tied with the last one removed go too (that only lowers the
+    mean). One sort, then a cumulative sum: mean_k = (total − top-k sum) / (H − k).
+    """
+    sq = sq.detach().float()
     if sq.numel() == 0:
-        return keep
-    order = torch.argsort(sq, descending=True, stable=True)                               # [H]
-    sorted_sq = sq[order]
+        return torch.tensor(math.inf, device=sq.device)
+    sorted_sq = torch.sort(sq, descending=True).values                                  # [H]
     n = sq.numel()
-    # mean of what is left after removing the k largest, for k = 0 .. n−1
-    left_sum = sorted_sq.sum() - torch.cat([sorted_sq.new_zeros(1), sorted_sq.cumsum(0)[:-1]])
-    left_mean = left_sum / torch.arange(n, 0, -1, device=sq.device, dtype=sq.dtype)
+    removed = torch.cat([sorted_sq.new_zeros(1), sorted_sq.cumsum(0)[:-1]])             # top-k sums, k = 0..n−1
+    left_mean = (sorted_sq.sum() - removed) / torch.arange(n, 0, -1, device=sq.device, dtype=sq.dtype)
     ok = left_mean <= tau
-    k = int(ok.float().argmax()) if bool(ok.any()) else n                               # how many to drop
-    drop_flat = torch.zeros(n, dtype=torch.bool, device=sq.device)
-    drop_flat[order[:k]] = True
-    harmful_idx = harmful.nonzero(as_tuple=True)
-    keep[harmful_idx[0][drop_flat], harmful_idx[1][drop_flat]] = False
-    return keep
+    if not bool(ok.any()):
+        return sorted_sq[-1]                                           # even one left is too much: mask all
+    k = int(ok.float().argmax())                                        # how many to remove
+    return sorted_sq[k - 1] if k > 0 else torch.tensor(math.inf, device=sq.device)
+
+
+def m2po_mask(log_ratio, advantages, response_mask, tau=0.04, cutoff=None):
+    """M2PO keep-mask [B, T] bool: harmful tokens with (log ρ)² ≥ cutoff are dropped; the cutoff comes
+    from this call's harmful tokens (m2po_cutoff) unless given (the whole minibatch's). Other
+    response tokens are always kept, padding never."""
+    harmful = m2po_harmful(log_ratio, advantages, response_mask)
+    sq = log_ratio.detach().float() ** 2
+    if cutoff is None:
+        cutoff = m2po_cutoff(sq[harmful], tau)
+    return response_mask.bool() & ~(harmful & (sq >= cutoff))
+
+
+# ----------------------------------------------------------------------------------------------
+# KL to a reference policy (the second seed's objective; TRL's and verl's KL penalty)
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator="k3"):
+    """Per-token estimate of KL(π ‖ π_ref) from samples, [B, T] (Schulman's estimators, d = ℓ_ref − ℓ):
+        k1 = −d                 unbiased, can be negative
+        k2 = d² / 2             biased, ≥ 0
+        k3 = exp(d) − d − 1     unbiased for on-policy samples, ≥ 0, low variance (TRL's and verl's default)
+    d is clamped to ±LOG_RATIO_LIMIT like the ratio, so exp(d) stays finite."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    d = torch.clamp(ref_logprobs.float() - logprobs.float(), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d ** 2
+    return torch.exp(d) - d - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,10 +238,11 @@ def m2po_mask(log_ratio, advantages, response_mask, tau=0.04):
 
 
 def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_low, clip_high,
-                dual_clip=None, nav_delta=None, nav_scope="H", m2po_tau=None, tis_cap=None,
-                old_logprobs=None, agg="token-mean", num_tokens=None, num_seqs=None, norm_len=None,
-                keep_mask=None, return_metrics=True):
-    """Clipped off-policy surrogate with NAV / M2PO masks. Returns (loss, metrics).
+                dual_clip=None, nav_delta=None, nav_scope="H", m2po_tau=None, m2po_cutoff=None,
+                tis_cap=None, old_logprobs=None, kl_coef=0.0, ref_logprobs=None, kl_estimator="k3",
+                agg="token-mean", token_normalizer="kept", num_tokens=None, num_seqs=None, norm_len=None):
+    """Clipped off-policy surrogate with NAV / M2PO masks and an optional KL penalty.
+    Returns (loss, stats); metrics(stats) gives the logged floats.
 
     logprobs [B, T]           current policy's log-probs of the sampled tokens (with grad)
     behavior_logprobs [B, T]  log-probs stored by the engine at sampling time
@@ -210,28 +251,39 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
     clip_low, clip_high       ratio bounds: μ-GRPO 0 and 5; GRPO 0.8 and 1.2; DAPO 0.8 and 1.28
     dual_clip                 c > 1: for A < 0 the per-token loss is capped at −c·A
     nav_delta, nav_scope      NAV trigger threshold (None: off) and scope (see nav_mask)
-    m2po_tau                  M2PO second-moment threshold (None: off); see m2po_mask
+    m2po_tau, m2po_cutoff     M2PO second-moment threshold (None: off); the cutoff is computed from
+                              this call's tokens unless given (optimize.py: the whole minibatch's)
     tis_cap, old_logprobs     truncated importance weight min(exp(old − behavior), cap), detached,
                               for engine/trainer mismatch; old_logprobs are the trainer's log-probs
                               of the behavior policy and become the ratio's denominator
-    agg                       token-mean: Σ kept loss / num_tokens (all response tokens of the
-                                minibatch; vetoed tokens count in the denominator, so it is fixed
-                                before the forward and micro-batches add up exactly)
-                              seq-mean-token-mean: mean over responses of each one's token mean
+    kl_coef, ref_logprobs     β and the reference policy's log-probs [B, T]: β·KL_t (kl_penalty with
+                              kl_estimator) is added to each token's loss before aggregation, so it
+                              follows the same masks and every aggregation and split stays exact
+    agg                       token-mean: Σ kept loss / num_tokens
+                              seq-mean-token-mean: mean over responses of each one's mean over its
+                                normalized tokens
                               seq-mean-token-sum-norm: Σ kept loss / (num_seqs · norm_len) (Dr. GRPO)
-    num_tokens, num_seqs      the whole minibatch's response-token and response counts, so that a
-                              micro-batch's loss is its exact share (default: this call's counts)
+    token_normalizer          which tokens a mean divides by: "kept" (response tokens not vetoed or
+                              masked, verl's masked mean; DESIGN.md §4) or "all" (every response token)
+    num_tokens, num_seqs      the whole minibatch's token-mean denominator and response count, so that
+                              a micro-batch's loss is its exact share (default: this call's). With
+                              token_normalizer="kept" the minibatch's count is only known once every
+                              micro-batch's ratios are: optimize.py passes num_tokens=1 (a sum) and
+                              divides the gradient by the kept count afterwards
     norm_len                  Dr. GRPO's constant length (default: T, the padded width)
-    keep_mask [B, T]          an extra precomputed keep-mask (e.g. M2PO over the whole minibatch)
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    if token_normalizer not in TOKEN_NORMALIZERS:
+        raise ValueError(f"token_normalizer must be one of {TOKEN_NORMALIZERS}, got {token_normalizer!r}")
     if not 0 <= clip_low <= 1 <= clip_high:
         raise ValueError(f"need 0 <= clip_low <= 1 <= clip_high, got {clip_low}, {clip_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     if tis_cap is not None and old_logprobs is None:
         raise ValueError("tis_cap needs old_logprobs (the trainer's log-probs of the behavior policy)")
+    if kl_coef and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (the reference policy's log-probs)")
 
     mask = response_mask.bool()                                         # [B, T]
     maskf = mask.float()
@@ -249,76 +301,122 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
     if tis_cap is not None:
         tis = torch.clamp(torch.exp(old_logprobs.float() - behavior_logprobs.float()), max=tis_cap)
         token_loss = token_loss * tis.detach()
+    kl = kl_penalty(logprobs, ref_logprobs, kl_estimator) * maskf if ref_logprobs is not None else None
+    if kl_coef:
+        token_loss = token_loss + kl_coef * kl
 
     # masks
-    nav_keep = mask if nav_delta is None else nav_mask(ratio.detach(), advantages, mask, nav_delta,
-                                                        nav_scope)
-    m2po_keep = mask if m2po_tau is None else m2po_mask(log_ratio.detach(), advantages, mask, m2po_tau)
+    nav_keep = mask if nav_delta is None else nav_mask(ratio.detach(), advantages, mask, nav_delta, nav_scope)
+    m2po_keep = mask if m2po_tau is None else m2po_mask(log_ratio.detach(), advantages, mask, m2po_tau,
+                                                        m2po_cutoff)
     keep = nav_keep & m2po_keep
-    if keep_mask is not None:
-        keep = keep & keep_mask.bool()
     keepf = keep.float()
+    norm = keepf if token_normalizer == "kept" else maskf               # the tokens a mean divides by
 
     # aggregation
     B, T = mask.shape
-    n_tok = maskf.sum() if num_tokens is None else num_tokens
+    kept_loss = token_loss * keepf
     n_seq = B if num_seqs is None else num_seqs
     if agg == "token-mean":
-        loss = (token_loss * keepf).sum() / max(float(n_tok), 1.0)
+        denominator = norm.sum() if num_tokens is None else num_tokens
+        loss = kept_loss.sum() / torch.clamp(torch.as_tensor(denominator, dtype=torch.float32), min=1.0)
     elif agg == "seq-mean-token-mean":
-        per_seq = (token_loss * keepf).sum(1) / maskf.sum(1).clamp(min=1)   # [B]
+        per_seq = kept_loss.sum(1) / norm.sum(1).clamp(min=1)           # [B]
         loss = per_seq.sum() / max(float(n_seq), 1.0)
     else:
         length = T if norm_len is None else norm_len
-        loss = (token_loss * keepf).sum() / (max(float(n_seq), 1.0) * length)
+        loss = kept_loss.sum() / (max(float(n_seq), 1.0) * length)
 
-    if not return_metrics:
-        return loss, {}
-    return loss, _metrics(loss, ratio.detach(), log_ratio.detach(), advantages.detach(), mask, keep,
-                          nav_keep, m2po_keep, clip_low, clip_high, dual_clip, nav_delta, m2po_tau)
+    stats = _stats(loss, kept_loss, ratio.detach(), log_ratio.detach(), advantages.detach(), mask, keep,
+                   nav_keep, m2po_keep, clip_low, clip_high, dual_clip, nav_delta, m2po_tau, kl, kl_coef,
+                   logprobs.detach().float() - behavior_logprobs.float())
+    return loss, stats
 
 
 @torch.no_grad()
-def _metrics(loss, ratio, log_ratio, advantages, mask, keep, nav_keep, m2po_keep, clip_low,
-             clip_high, dual_clip, nav_delta, m2po_tau):
-    """Diagnostics of one policy_loss call, namespaced as in DESIGN.md §4 (floats; nan if empty)."""
+def _stats(loss, kept_loss, ratio, log_ratio, advantages, mask, keep, nav_keep, m2po_keep, clip_low, clip_high,
+           dual_clip, nav_delta, m2po_tau, kl, kl_coef, engine_log_ratio):
+    """Sums over this call's tokens (names ending in _min/_max: extremes), as 0-d float32 tensors."""
     adv = advantages.float()[:, None].expand_as(ratio)
     neg, pos = mask & (adv < 0), mask & (adv > 0)
-
-    def frac(num, den):
-        return num.sum().float() / den.sum().float() if bool(den.any()) else torch.tensor(math.nan)
-
-    def mean_of(x, sel):
-        return x[sel].mean() if bool(sel.any()) else torch.tensor(math.nan)
-
-    m = {
-        "loss/policy": loss.detach().float(),
-        "loss/tokens": mask.sum().float(),
-        "loss/kept_frac": frac(keep, mask),
-        "clip/upper_frac": frac(pos & (ratio > clip_high), mask),
-        "clip/lower_frac": frac(neg & (ratio < clip_low), mask),
-        "ratio/mean_neg_adv": mean_of(ratio, neg),
-        "ratio/mean_pos_adv": mean_of(ratio, pos),
-        "ratio/min": ratio[mask].min() if bool(mask.any()) else torch.tensor(math.nan),
-        "ratio/max": ratio[mask].max() if bool(mask.any()) else torch.tensor(math.nan),
-        "ratio/log_sq_mean": mean_of(log_ratio ** 2, mask),
+    count = lambda sel: sel.sum().float()                               # noqa: E731
+    inf = torch.tensor(math.inf, device=ratio.device)
+    engine_abs = engine_log_ratio.abs() * mask
+    s = {
+        "loss": loss.detach().float(), "loss_sum": kept_loss.detach().sum(),
+        "tokens": count(mask), "kept": count(keep), "seqs": count(mask.any(1)),
+        "neg_tokens": count(neg), "pos_tokens": count(pos),
+        "clip_upper": count(pos & (ratio > clip_high)), "clip_lower": count(neg & (ratio < clip_low)),
+        "ratio_sum_neg": (ratio * neg).sum(), "ratio_sum_pos": (ratio * pos).sum(),
+        "ratio_min": torch.where(mask, ratio, inf).min() if mask.numel() else inf,
+        "ratio_max": torch.where(mask, ratio, -inf).max() if mask.numel() else -inf,
+        "log_sq_sum": (log_ratio ** 2 * mask).sum(),
         # KL(behavior ‖ current) from behavior samples, k3 estimator E_b[ρ − 1 − log ρ] (≥ 0)
-        "ratio/kl": mean_of(ratio - 1 - log_ratio, mask),
+        "kl_behavior_sum": ((ratio - 1 - log_ratio) * mask).sum(),
+        # trainer vs engine log-probs, whatever the ratio's reference (TIS): the mismatch at update 0
+        "engine_abs_sum": engine_abs.sum(), "engine_abs_max": engine_abs.max() if mask.numel() else -inf,
+        "engine_kl_sum": ((engine_log_ratio.exp() - 1 - engine_log_ratio) * mask).sum(),
     }
     if dual_clip is not None:
-        m["clip/dual_frac"] = frac(neg & (ratio > dual_clip), mask)  # where the −c·A cap binds
+        s["clip_dual"] = count(neg & (ratio > dual_clip))              # where the −c·A cap binds
     if nav_delta is not None:
-        trig, after_kappa = nav_triggers(ratio, advantages, mask, nav_delta)
-        vetoed = mask & ~nav_keep
-        m.update({
-            "nav/trigger_frac": frac(trig, mask),
-            "nav/trigger_frac_neg": frac(trig, neg),
-            "nav/vetoed_frac": frac(vetoed, mask),
-            "nav/vetoed_frac_neg": frac(vetoed, neg),
-            "nav/triggered_seq_frac": frac(trig.any(1), mask.any(1)),
-        })
+        trig, _ = nav_triggers(ratio, advantages, mask, nav_delta)
+        s.update({"nav_trig": count(trig), "nav_vetoed": count(mask & ~nav_keep),
+                  "nav_trig_seqs": count(trig.any(1))})
     if m2po_tau is not None:
-        m["m2po/masked_frac"] = frac(mask & ~m2po_keep, mask)
-    names = list(m)
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(ratio.device) for v in m.values()])
-    return dict(zip(names, values.tolist()))  # one device sync for all metrics
+        s["m2po_masked"] = count(mask & ~m2po_keep)
+    if kl is not None:
+        s["kl_ref_sum"] = kl.detach().sum()
+        s["kl_in_loss"] = torch.tensor(float(bool(kl_coef)), device=ratio.device)   # > 0 after merging: in the loss
+    return {k: v.float() for k, v in s.items()}
+
+
+def merge_stats(a, b):
+    """Stats of two disjoint sets of tokens (micro-batches, ranks) combined: sums add, extremes extreme."""
+    if not a:
+        return dict(b)
+    out = {}
+    for k in a:
+        if k.endswith("_min"):
+            out[k] = torch.minimum(a[k], b[k])
+        elif k.endswith("_max"):
+            out[k] = torch.maximum(a[k], b[k])
+        else:
+            out[k] = a[k] + b[k]
+    return out
+
+
+def metrics(stats, extra=None):
+    """The logged metrics (floats; nan where a set is empty) from a minibatch's stats, in one device sync.
+    `extra`: more 0-d tensors to bring over in the same sync (e.g. the grad norm), returned as floats."""
+    names = list(stats) + list(extra or {})
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(stats["tokens"].device).reshape(())
+                          for v in list(stats.values()) + list((extra or {}).values())]).tolist()
+    s = dict(zip(names, values))
+    frac = lambda num, den: s[num] / s[den] if s[den] > 0 else math.nan    # noqa: E731
+    m = {
+        "loss/policy": s["loss"], "loss/tokens": s["tokens"], "loss/kept_tokens": s["kept"],
+        "loss/kept_frac": frac("kept", "tokens"),
+        "clip/upper_frac": frac("clip_upper", "tokens"), "clip/lower_frac": frac("clip_lower", "tokens"),
+        "ratio/mean_neg_adv": frac("ratio_sum_neg", "neg_tokens"),
+        "ratio/mean_pos_adv": frac("ratio_sum_pos", "pos_tokens"),
+        "ratio/min": s["ratio_min"] if s["tokens"] else math.nan,
+        "ratio/max": s["ratio_max"] if s["tokens"] else math.nan,
+        "ratio/log_sq_mean": frac("log_sq_sum", "tokens"), "ratio/kl": frac("kl_behavior_sum", "tokens"),
+        "mismatch/mean_abs_log_ratio": frac("engine_abs_sum", "tokens"),
+        "mismatch/max_abs_log_ratio": s["engine_abs_max"] if s["tokens"] else math.nan,
+        "mismatch/kl": frac("engine_kl_sum", "tokens"),
+    }
+    if "clip_dual" in s:
+        m["clip/dual_frac"] = frac("clip_dual", "tokens")
+    if "nav_trig" in s:
+        m.update({"nav/trigger_frac": frac("nav_trig", "tokens"), "nav/trigger_frac_neg": frac("nav_trig", "neg_tokens"),
+                  "nav/vetoed_frac": frac("nav_vetoed", "tokens"), "nav/vetoed_frac_neg": frac("nav_vetoed", "neg_tokens"),
+                  "nav/triggered_seq_frac": frac("nav_trig_seqs", "seqs")})
+    if "m2po_masked" in s:
+        m["m2po/masked_frac"] = frac("m2po_masked", "tokens")
+    if "kl_ref_sum" in s:
+        m["kl/ref_mean"] = frac("kl_ref_sum", "tokens")
+        m["kl/in_loss"] = float(s["kl_in_loss"] > 0)
+    m.update({k: s[k] for k in (extra or {})})
+    return m

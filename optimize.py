@@ -3,37 +3,54 @@
     python optimize.py --stage_dir=runs/toy/stage_0                     # one process: CPU or one GPU
     torchrun --nproc_per_node=4 optimize.py --stage_dir=runs/x/stage_0  # FSDP2 over 4 GPUs
 
-Reads <stage_dir>/rollouts (validated before any compute), runs `updates_per_stage` AdamW updates of
-`prompts_per_update` whole groups each with loss.policy_loss, and writes the next policy as an HF
-directory (<stage_dir>/policy by default, renamed into place when complete) that vLLM loads directly.
-One line per update goes to <stage_dir>/metrics.jsonl. A resumable state is saved every
-`checkpoint_every` updates; rerunning the same command continues from it.
+The stage's groups are put once in a seeded order and cut into `updates_per_stage` minibatches of
+`prompts_per_update` groups: update u trains on minibatch u, data exactly u updates stale, no
+response used twice (DESIGN.md §4). An update is one AdamW step on loss.policy_loss: the loss is
+summed over packed micro-batches and ranks and divided by the minibatch's kept-token count.
+
+Writes next to --out (default <stage_dir>/policy): the next policy (an HF directory vLLM loads, in the
+initial model's dtype), metrics.jsonl (one line per update), optimize_timing.json, and train_state/
+(fp32 weights and AdamW moments; DCP, sharded), from which a rerun resumes and the next stage
+continues (--init_state): a run's stages are one optimization whose rollouts are refreshed. Derived
+caches of the stage (rollout columns, per-stage log-prob passes) go into the stage directory.
 """
+import contextlib
+import datetime
+import gc
+import importlib.util
 import json
 import math
 import os
+import resource
 import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import common
 import loss as L
+import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
-stage_dir = "runs/toy/stage_0"  # holds rollouts/ (read only)
+stage_dir = "runs/toy/stage_0"  # holds rollouts/ (JSONL read only; its columns are built there if missing)
 policy = ""                     # stage policy to start from (default: the one that generated the rollouts)
 out = ""                        # next policy directory (default: <stage_dir>/policy); metrics.jsonl,
                                 # train_state/ and the other outputs go next to it (replays: elsewhere)
+init_state = ""                 # the previous stage's train_state/: continue its fp32 weights, AdamW moments
+                                # and update count (run_stages.sh passes it); empty: `policy`, fresh AdamW
+save_train_state = True         # keep train_state/ at the end (the next stage's --init_state)
 updates_per_stage = 16          # μ: optimizer updates on this stage's rollouts (paper: 1024; GRPO: 4)
 prompts_per_update = 8          # whole groups per update (paper: 64 prompts × G=8 = 512 responses)
-skip_zero_variance = True       # leave out groups whose rewards are all equal (zero advantage)
-seed = 0                        # minibatch order: a seeded shuffle of the groups, reshuffled each pass
+skip_zero_variance = False      # True: leave out groups whose rewards are all equal and draw minibatches from
+                                # repeated passes over the rest (responses reused: an ablation, not the paper)
+seed = 0                        # the seeded order in which the stage's groups become minibatches
 lr = 1e-6                       # AdamW learning rate (constant after warmup)
-warmup_updates = 0              # linear warmup from 0
+warmup_updates = 0              # linear warmup over the run's first updates (counted across stages)
 weight_decay = 0.01
 adam_betas = "0.9,0.999"
 grad_clip = 1.0                 # max global grad norm
@@ -43,22 +60,36 @@ clip_high = 5.0
 dual_clip = None                # c > 1 caps the A<0 loss at −c·A (None: off)
 nav_delta = 1e-4                # NAV trigger threshold on the ratio (None: NAV off)
 nav_scope = "H"                 # none | T | H | S | seq
-m2po_tau = None                 # M2PO second-moment threshold (None: off; M2PO uses 0.04 with no clip)
+m2po_tau = None                 # M2PO second-moment threshold over the whole minibatch (None: off; M2PO: 0.04)
 tis_cap = None                  # truncated importance weight cap for engine/trainer mismatch (None: off)
+kl_coef = 0.0                   # β of the KL(π ‖ π_ref) penalty (0: none); needs ref_policy's log-probs
+kl_estimator = "k3"             # k1 | k2 | k3
+ref_policy = ""                 # π_ref (run_stages.sh: the run's first MODEL); empty: the stage policy when
+                                # kl_coef > 0, else none. With kl_coef = 0 the KL is logged, not optimized
 agg = "token-mean"              # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+token_normalizer = "kept"       # means divide by kept tokens (vetoed/masked ones leave, as verl) | all
 norm_len = 0                    # Dr. GRPO constant length (0: the manifest's max response tokens)
 micro_batch_tokens = 16384      # tokens (prompt + response) packed into one micro-batch, per GPU
-gradient_checkpointing = False
+gradient_checkpointing = False  # recompute each layer in backward: activations of one layer at a time
+attn_implementation = "auto"    # auto | flash_attention_2 | flex_attention | varlen_sdpa | sdpa (see README)
 lora_rank = 0                   # > 0: train LoRA adapters (peft) on all linear layers; merged at save
 lora_alpha = 32
-checkpoint_every = 0            # updates between resumable states (0: only at the end)
+checkpoint_every = 0            # updates between resumable states (0: only the final one)
+save_policy_every = 0           # also write the policy every K updates, to <out>_u<k> (curves within a stage)
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
 mismatch_warn = 0.05            # warn when the first update's mean |log ratio| exceeds this
+check_packing = False           # update 0: log check/packed_max_abs_diff (packed vs one-sequence forwards)
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
 common.check_choice("agg", agg, L.AGG_MODES)
+common.check_choice("token_normalizer", token_normalizer, L.TOKEN_NORMALIZERS)
+common.check_choice("kl_estimator", kl_estimator, L.KL_ESTIMATORS)
+ATTENTION = ("auto", "flash_attention_2", "flex_attention", "varlen_sdpa", "sdpa", "eager")
+common.check_choice("attn_implementation", attn_implementation, ATTENTION)
 betas = tuple(float(b) for b in adam_betas.split(","))
+if updates_per_stage < 0 or prompts_per_update < 1 or micro_batch_tokens < 1:
+    sys.exit("--updates_per_stage must be >= 0, --prompts_per_update and --micro_batch_tokens >= 1")
 
 # distributed is an if: torchrun sets WORLD_SIZE
 distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -67,17 +98,17 @@ world = int(os.environ.get("WORLD_SIZE", "1"))
 device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
 if device.type == "cuda":
     torch.cuda.set_device(device)
-if distributed:
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+if distributed:  # an hour: rank 0 may build rollout columns or save a 15 GB policy while the others wait
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
 is_main = rank == 0
 if distributed and lora_rank:
     sys.exit("--lora_rank with torchrun is not supported: LoRA runs in one process (its adapters are small)")
 stage_path = Path(stage_dir)
-rollout_dir = stage_path / "rollouts"
 out_dir = Path(out) if out else stage_path / "policy"
 work_dir = out_dir.parent                       # everything this run writes lives here
 state_dir = work_dir / "train_state"
 metrics_path = work_dir / "metrics.jsonl"
+deferred_norm = agg == "token-mean" and token_normalizer == "kept"   # divide by the kept count at the end
 
 
 def log(*args):
@@ -85,117 +116,91 @@ def log(*args):
         print(*args, flush=True)
 
 
-# ----------------------------------------------------------------------------- rollouts
-
-REQUIRED = ("prompt_id", "sample_idx", "prompt_token_ids", "response_token_ids", "behavior_logprobs",
-            "finish_reason", "reward", "advantage", "stage", "policy")
-
-
-def _all_finite(values):
-    """True when every value is a finite number: one C-level sum (NaN and ±inf survive a sum, and a
-    non-number raises) instead of a Python check per token, which matters at a billion tokens."""
-    try:
-        return math.isfinite(sum(values))
-    except TypeError:
-        return False
+def barrier():
+    if distributed:
+        dist.barrier()
 
 
-def load_rollouts(directory):
-    """Validated groups of a complete stage: a list of lists of response dicts (G per group)."""
-    manifest_file = directory / "manifest.json"
-    if not manifest_file.exists():
-        shards = sorted(directory.glob("shard_*.jsonl"))
-        raise SystemExit(f"{directory}: no manifest.json ({len(shards)} shards present): the stage's generation "
-                         f"is incomplete; rerun generate.py to finish it")
-    manifest = json.loads(manifest_file.read_text())
-    groups = {}
-    for name in manifest["shards"]:
-        path = directory / name
-        if not path.exists():
-            raise SystemExit(f"{path}: listed in the manifest but missing")
-        for n, row in enumerate(common.read_jsonl(path), 1):
-            where = f"{path}:{n}"
-            for field in REQUIRED:
-                if field not in row:
-                    raise SystemExit(f"{where}: missing field {field!r}")
-            if len(row["response_token_ids"]) != len(row["behavior_logprobs"]):
-                raise SystemExit(f"{where}: {len(row['response_token_ids'])} response tokens but "
-                                 f"{len(row['behavior_logprobs'])} behavior_logprobs")
-            if not row["response_token_ids"] or not row["prompt_token_ids"]:
-                raise SystemExit(f"{where}: empty prompt_token_ids or response_token_ids")
-            if not _all_finite(row["behavior_logprobs"]):
-                raise SystemExit(f"{where}: non-finite value in behavior_logprobs")
-            if not math.isfinite(row["advantage"]) or not math.isfinite(row["reward"]):
-                raise SystemExit(f"{where}: non-finite reward or advantage")
-            groups.setdefault(row.get("group", row["prompt_id"]), []).append(row)  # a prompt may recur in a stage
-    G = manifest["sampling"]["n"]
-    for pid, g in groups.items():
-        if sorted(r["sample_idx"] for r in g) != list(range(G)):
-            raise SystemExit(f"{directory}: group {pid!r} has samples {sorted(r['sample_idx'] for r in g)}, "
-                             f"expected 0..{G - 1}")
-        g.sort(key=lambda r: r["sample_idx"])
-    return manifest, list(groups.values())
+# ----------------------------------------------------------------------------- packed attention
+
+
+def varlen_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
+    """Attention over packed sequences one sequence at a time: causal sdpa within each (position ids
+    restart at 0 where a sequence starts), so cost grows with Σ Lᵢ², not N², and no [N, N] mask is
+    built. query [1, H, N, D], key/value [1, H_kv, N, D] → [1, N, H, D]. The CPU default (flex
+    attention has no backward on CPU); on a GPU each call runs sdpa's flash kernel."""
+    starts = torch.nonzero(position_ids[0] == 0).flatten().tolist() + [query.shape[2]]
+    gqa = key.shape[1] != query.shape[1]
+    outs = [torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                             is_causal=True, scale=scaling, enable_gqa=gqa)
+            for a, b in zip(starts, starts[1:])]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register_varlen_sdpa():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionInterface.register("varlen_sdpa", varlen_sdpa)
+    AttentionMaskInterface.register("varlen_sdpa", lambda *args, **kwargs: None)   # no mask to build
+
+
+def choose_attention():
+    """flash-attn's varlen kernel when the package is installed; else flex attention with a document
+    mask (transformers builds a block mask from the restarting position ids) on a GPU, and varlen_sdpa
+    on a CPU. sdpa builds a dense [N, N] block-diagonal mask: the fallback."""
+    if attn_implementation != "auto":
+        return attn_implementation
+    if device.type == "cuda":
+        return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
+    return "varlen_sdpa"
+
+
+# ----------------------------------------------------------------------------- the stage's rollouts
+
+
+def minibatch_schedule(stage):
+    """[updates_per_stage, prompts_per_update] group indices: the stage's groups in one seeded order,
+    cut into consecutive minibatches, so update u sees groups it alone sees, u updates stale. A stage
+    with too few groups wraps into a new seeded order (said loudly: responses are then reused)."""
+    candidates = np.arange(len(stage.groups))
+    if skip_zero_variance:
+        candidates = candidates[~stage.zero_variance]
+        log(f"skip_zero_variance: leaving out {int(stage.zero_variance.sum())} of {len(stage.groups)} groups "
+            f"with zero reward variance")
+    need = updates_per_stage * prompts_per_update
+    if len(candidates) < prompts_per_update:
+        raise SystemExit(f"{stage.directory}: {len(candidates)} usable groups, fewer than --prompts_per_update="
+                         f"{prompts_per_update}")
+    if need > len(candidates):
+        log(f"WARNING: {updates_per_stage} updates × {prompts_per_update} prompts need {need} groups but the stage "
+            f"has {len(candidates)} usable: the schedule wraps into {need / len(candidates):.2f} passes, so responses "
+            f"are reused and update u is no longer exactly u updates stale")
+    elif need < len(candidates):
+        log(f"note: {len(candidates) - need} of the stage's {len(candidates)} groups are left unused "
+            f"({updates_per_stage} updates × {prompts_per_update} prompts)")
+    order = common.shuffled_window(candidates.tolist(), 0, need, seed)
+    return np.asarray(order, dtype=np.int64).reshape(updates_per_stage, prompts_per_update)
 
 
 def micro_batches(responses):
     """Micro-batches of at most micro_batch_tokens tokens (prompt + response), longest first; each
     is packed into one row, so no compute goes to padding."""
-    ordered = sorted(responses, key=lambda r: len(r["prompt_token_ids"]) + len(r["response_token_ids"]), reverse=True)
+    lengths = stage.prompt_len[responses] + stage.response_len[responses]
+    order = np.argsort(-lengths, kind="stable")
     batches, current, tokens = [], [], 0
-    for r in ordered:
-        n = len(r["prompt_token_ids"]) + len(r["response_token_ids"])
+    for i, n in zip(responses[order].tolist(), lengths[order].tolist()):
         if current and tokens + n > micro_batch_tokens:
             batches.append(current)
             current, tokens = [], 0
-        current.append(r)
+        current.append(i)
         tokens += n
     return batches + ([current] if current else [])
-
-
-def pack(batch):
-    """One packed row for the model and the per-response tensors the loss needs.
-
-    input_ids, position_ids [1, N]: the sequences back to back, positions restarting at 0 for each
-    (transformers then masks attention block-diagonally); keep [R]: the positions whose logits
-    predict a response token; targets [R]; behavior, old, mask [b, T_resp]; advantages [b].
-    """
-    ids, pos, keep, targets = [], [], [], []
-    resp_width = max(len(r["response_token_ids"]) for r in batch)
-    behavior = torch.zeros(len(batch), resp_width)
-    old = torch.zeros(len(batch), resp_width)       # trainer log-probs of the behavior policy (TIS)
-    mask = torch.zeros(len(batch), resp_width, dtype=torch.bool)
-    for i, r in enumerate(batch):
-        p, n, offset = len(r["prompt_token_ids"]), len(r["response_token_ids"]), len(ids)
-        ids += r["prompt_token_ids"] + r["response_token_ids"]
-        pos += list(range(p + n))
-        keep += range(offset + p - 1, offset + p + n - 1)    # logits at t predict token t+1
-        targets += r["response_token_ids"]
-        behavior[i, :n] = torch.tensor(r["behavior_logprobs"])
-        if "old_logprobs" in r:
-            old[i, :n] = torch.tensor(r["old_logprobs"])
-        mask[i, :n] = True
-    adv = torch.tensor([float(r["advantage"]) for r in batch])
-    return (torch.tensor([ids]), torch.tensor([pos]), torch.tensor(keep), torch.tensor(targets), behavior, old,
-            mask, adv)
-
-
-def response_logprobs(model, batch, temp, with_entropy=False):
-    """Current log-probs [b, T_resp] (padded with 0) of the batch's response tokens, the stored
-    behavior (and old) log-probs, mask and advantages, and the summed entropy. Logits are computed
-    only at response positions ([R, V], bf16 on GPU); token_logprobs upcasts them chunk by chunk."""
-    ids, pos, keep, targets, behavior, old, mask, adv = (t.to(device) for t in pack(batch))
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not distributed):
-        logits = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False).logits[0]  # [R, V]
-    lp_flat = L.token_logprobs(logits, targets, temp)                                 # [R] fp32
-    lp = torch.zeros(mask.shape, device=device).masked_scatter(mask, lp_flat)         # [b, T_resp]
-    entropy = L.token_entropy(logits.detach(), temp).sum() if with_entropy else None
-    return lp, behavior, old, mask, adv, entropy
 
 
 def padded_micro_batches(responses):
     """This rank's micro-batches, padded with None to the largest count over the ranks: FSDP's
     collectives need every rank to run the same number of forward/backward passes."""
-    mbs = micro_batches(responses)
+    mbs = micro_batches(np.asarray(responses, dtype=np.int64))
     if distributed:
         count = torch.tensor([len(mbs)], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -203,48 +208,175 @@ def padded_micro_batches(responses):
     return mbs
 
 
-# ----------------------------------------------------------------------------- model and state
+def pack(mb, columns):
+    """One packed row for the model and per-response tensors for the loss, on the device.
+
+    input_ids, position_ids [1, N]: the sequences back to back, positions restarting at 0 for each;
+    keep [R]: the positions whose logits predict a response token; targets [R]; behavior and each
+    extra column (TIS old, KL reference) [b, T]; mask [b, T]; advantages [b]."""
+    parts = [stage.tokens(i) for i in mb]
+    seq = [len(p) + len(r) for p, r, _ in parts]
+    start = np.concatenate([[0], np.cumsum(seq)[:-1]])
+    ids = np.concatenate([np.concatenate([p, r]) for p, r, _ in parts]).astype(np.int64)
+    pos = np.concatenate([np.arange(n) for n in seq])
+    keep = np.concatenate([np.arange(s + len(p) - 1, s + len(p) + len(r) - 1) for s, (p, r, _) in zip(start, parts)])
+    lens = np.array([len(r) for _, r, _ in parts])
+    mask = np.arange(lens.max())[None, :] < lens[:, None]                    # [b, T]
+
+    def per_token(values):
+        out = np.zeros(mask.shape, dtype=np.float32)
+        out[mask] = np.concatenate(values)
+        return torch.from_numpy(out).to(device)
+
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)      # noqa: E731
+    return dict(ids=t(ids)[None], pos=t(pos)[None], keep=t(keep), targets=t(np.concatenate([r for _, r, _ in parts])
+                                                                               .astype(np.int64)),
+                behavior=per_token([b for _, _, b in parts]), mask=t(mask), adv=t(stage.advantage[mb]),
+                **{name: per_token([col.get(stage, i) for i in mb]) for name, col in columns.items()})
 
 
-def load_model(path):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # fp32 master weights
-    model.config.use_cache = False
-    if gradient_checkpointing:
+def forward(model, mb, columns=None, with_entropy=False):
+    """Current log-probs [b, T] (0 on padding) of a micro-batch's response tokens, with the packed
+    tensors. Logits are computed only at response positions ([R, V], bf16 on GPU);
+    token_logprobs upcasts them chunk by chunk."""
+    x = pack(mb, columns or {})
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not distributed):
+        logits = model(input_ids=x["ids"], position_ids=x["pos"], logits_to_keep=x["keep"], use_cache=False).logits[0]
+    lp_flat = L.token_logprobs(logits, x["targets"], temp)                          # [R] fp32
+    x["lp"] = torch.zeros(x["mask"].shape, device=device).masked_scatter(x["mask"], lp_flat)
+    if with_entropy:
+        x["entropy_sum"] = L.token_entropy(logits.detach(), temp).sum()
+    return x
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no init cost) and their
+    buffers as usual: non-persistent buffers (rotary frequencies) are computed in __init__ and are in
+    no checkpoint."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        p = module._parameters[name]
+        if p is not None and p.device.type != "meta":
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def safetensors_index(path):
+    """{tensor name: file} of an HF checkpoint directory."""
+    index = Path(path) / "model.safetensors.index.json"
+    if index.exists():
+        return {k: Path(path) / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"{path}: no *.safetensors weights (convert .bin checkpoints with save_pretrained first)")
+    from safetensors import safe_open
+    found = {}
+    for f in files:
+        with safe_open(str(f), "pt") as sf:
+            found.update({k: f for k in sf.keys()})
+    return found
+
+
+def checkpoint_dtype(path):
+    """The floating dtype of a checkpoint's weights, read from the safetensors header."""
+    from safetensors import safe_open
+    index = safetensors_index(path)
+    name, file = next(iter(index.items()))
+    with safe_open(str(file), "pt") as sf:
+        return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(
+            sf.get_slice(name).get_dtype(), torch.float32)
+
+
+@torch.no_grad()
+def load_weights(model, path):
+    """Fill the model's parameters from an HF checkpoint, each rank reading only its own rows: FSDP2
+    shards every parameter along dim 0 in chunks of ceil(n / world) rows (torch.chunk), and
+    safetensors' get_slice reads just those. No rank ever holds the whole model."""
+    from safetensors import safe_open
+    index = safetensors_index(path)
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), "pt")) for f in set(index.values())}
+        for name, param in model.named_parameters():               # tied weights appear once
+            if name not in index:
+                raise SystemExit(f"{path}: the checkpoint has no tensor {name!r} (its names must match the "
+                                 f"transformers class of its config)")
+            local = param.to_local() if hasattr(param, "to_local") else param
+            start = rank * math.ceil(param.shape[0] / world) if hasattr(param, "to_local") else 0
+            if local.shape[0]:
+                local.copy_(handles[index[name]].get_slice(name)[start:start + local.shape[0]])
+        for name, buf in model.named_buffers():                     # persistent buffers, if any are saved
+            if name in index:
+                buf.copy_(handles[index[name]].get_tensor(name))
+
+
+def build_model(source, weights=True, trainable=True):
+    """The policy as the trainer runs it: fp32 master weights (bf16 compute on a GPU), dropout off,
+    train mode, the chosen attention, gradient checkpointing; FSDP2-sharded under torchrun. Built on
+    the meta device, sharded, then filled from `source`'s safetensors shard by shard (weights=False:
+    left empty for a DCP state)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(source)
+    for key, value in list(vars(config).items()):    # RL log-probs must be deterministic in train mode
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    config.use_cache = False
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    if gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora_rank:
-        from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
-                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
     if distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                                   reduce_dtype=torch.float32)
-        model.to(device)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-    else:
-        model.to(device)
+    buffers = {name: b.detach().to(device, copy=True) for name, b in model.named_buffers()}
+    model.to_empty(device=device)                  # uninitialized storage for this rank's shards (and buffers)
+    for name, b in model.named_buffers():
+        b.copy_(buffers[name])
+    if weights:
+        load_weights(model, source)
+    if lora_rank and trainable:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model.train(trainable)  # transformers checkpoints a layer only when `self.training` (modeling_layers.py)
+    if not trainable:
+        model.requires_grad_(False)
+    live = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    live += [n for n, m in model.named_modules() if (getattr(m, "attention_dropout", 0) or 0) > 0]
+    if live:
+        raise SystemExit(f"dropout is still on in {live[:3]}: in train mode the log-probs would be random")
     return model
 
 
-def save_state(model, optimizer, update):
+def save_state(model, optimizer, update, final=False):
     """Resumable state, atomically: written to train_state.tmp, then renamed over train_state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     tmp = state_dir.with_name("train_state.tmp")
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    if distributed:
-        dist.barrier()
+    barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    if distributed:
-        dist.barrier()
+    barrier()
     if is_main:
-        common.atomic_write_json(tmp / "progress.json", {"update": update, "world": world,
-                                                         "rng": torch.get_rng_state().tolist()})
+        common.atomic_write_json(tmp / "progress.json", {
+            "update": update, "global_update": update_offset + update, "complete": final, "world": world,
+            "state_id": uuid.uuid4().hex[:16], "start_weights": start_weights, "rng": torch.get_rng_state().tolist()})
         old = state_dir.with_name("train_state.old")
         shutil.rmtree(old, ignore_errors=True)
         if state_dir.exists():
@@ -252,184 +384,369 @@ def save_state(model, optimizer, update):
         os.replace(tmp, state_dir)
         shutil.rmtree(old, ignore_errors=True)
         common.fsync_dir(work_dir)
-    if distributed:
-        dist.barrier()
+    barrier()
 
 
-def load_state(model, optimizer):
-    """Update index to continue from (0 when there is no saved state)."""
-    progress = state_dir / "progress.json"
-    if not progress.exists():
-        return 0
+def load_state(model, optimizer, directory):
+    """Load a train_state (DCP; any number of ranks) into the model and optimizer; its progress.json."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(state_dir))
+    dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = json.loads(progress.read_text())
-    torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
-    return meta["update"]
+    return json.loads((Path(directory) / "progress.json").read_text())
 
 
-def save_policy(model, source_dir, dtype):
-    """The next policy as an HF directory vLLM loads: full weights (LoRA merged), tokenizer, configs."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def full_state(model, dtype):
+    """{name: full tensor in dtype, on CPU} on rank 0 (None elsewhere), one parameter gathered at a time;
+    LoRA adapters merged into their base weights without touching the model."""
+    base = model.get_base_model() if lora_rank else model
+    state = {}
+    for name, t in base.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if is_main and "lora_" not in name:
+            state[name.replace(".base_layer.", ".")] = full.detach().to(dtype).cpu()
     if lora_rank:
-        model = model.merge_and_unload()
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main:
-        return
-    bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
-    if bad:
-        raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
-    state = {k: v.to(dtype) for k, v in state.items()}
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    if not Path(source_dir).is_dir():      # a hub name: fetch its small files (weights are ours)
-        from huggingface_hub import snapshot_download
-        source_dir = snapshot_download(source_dir, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken"])
-    for f in Path(source_dir).iterdir():   # tokenizer, chat template, generation config
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".pt")) \
-                and f.name != "config.json":
-            shutil.copy2(f, tmp / f.name)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    common.fsync_dir(out_dir.parent)
+        from peft.tuners.lora import LoraLayer
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and "default" in module.lora_A:
+                key = f"{name}.weight"
+                state[key] = (state[key].float() + module.get_delta_weight("default").detach().float().cpu()).to(dtype)
+    return state if is_main else None
 
 
-# ----------------------------------------------------------------------------- the loop
+def save_policy(model, source_dir, dtype, directory):
+    """The policy as an HF directory vLLM loads: full weights in `dtype` (the initial model's), a config
+    that says so, the source's tokenizer and generation files, and policy_id.json (a content hash)."""
+    state = full_state(model, dtype)
+    if is_main:
+        bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
+        if bad:
+            raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
+        base = model.get_base_model() if lora_rank else model
+        tmp = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept_dtype, base.config.dtype = base.config.dtype, dtype     # the saved config states the saved dtype
+        base.config.use_cache = True                                 # for inference (vLLM, generate)
+        try:
+            base.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        finally:
+            base.config.dtype, base.config.use_cache = kept_dtype, False
+        for f in Path(source_dir).iterdir():   # tokenizer, chat template, generation config
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".pt")) \
+                    and f.name not in ("config.json", common.POLICY_ID_FILE):
+                shutil.copy2(f, tmp / f.name)
+        common.atomic_write_json(tmp / common.POLICY_ID_FILE, {"fingerprint": common.content_fingerprint(tmp)})
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+        common.fsync_dir(directory.parent)
+    barrier()
 
 
-def reduce_metrics(m, tokens):
-    """Combine the ranks' metrics: token-weighted means, except min, max and the token count."""
-    keys = sorted(m)
-    finite = [math.isfinite(m[k]) for k in keys]
-    vals = torch.tensor([m[k] if f else 0.0 for k, f in zip(keys, finite)], dtype=torch.float64, device=device)
-    weights = torch.tensor([float(tokens) if f else 0.0 for f in finite], dtype=torch.float64, device=device)
-    lo = torch.tensor([m[k] if f else math.inf for k, f in zip(keys, finite)], dtype=torch.float64, device=device)
-    hi = torch.tensor([m[k] if f else -math.inf for k, f in zip(keys, finite)], dtype=torch.float64, device=device)
-    sums = torch.stack([vals * weights, weights, vals])
-    dist.all_reduce(sums)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    out = {}
-    for i, k in enumerate(keys):
-        if k.endswith("/min"):
-            out[k] = lo[i].item()
-        elif k.endswith("/max") or k.endswith("max_abs_log_ratio"):
-            out[k] = hi[i].item()
-        elif k == "loss/tokens":
-            out[k] = sums[2, i].item()
-        else:
-            out[k] = (sums[0, i] / sums[1, i]).item() if sums[1, i] > 0 else math.nan
+# ----------------------------------------------------------------------------- per-stage log-prob passes
+
+
+def logprob_pass(model, name, key, may_compute=True):
+    """A model's log-probs of every response token of the stage, computed once: one no-grad pass
+    (sharded like training) before the first update, stored as a TokenColumn in the stage's logprobs/
+    and read like the behavior log-probs, so a resume or a replay with the same model reuses it. TIS's
+    old log-probs (the stage policy) and KL's reference log-probs are both such passes."""
+    root = stage_path / "logprobs" if os.access(stage_path, os.W_OK) else work_dir / "logprobs"
+    path = root / f"{name}-{key}-T{temp}.f32"
+    n_tokens = int(stage.token_offset[-1])
+    if is_main:
+        rollouts.TokenColumn(path, n_tokens, create=True)
+    barrier()
+    column = rollouts.TokenColumn(path, n_tokens, create=False)
+    if column.complete:
+        log(f"{name} log-probs: stored in {path}")
+        return column, 0.0
+    if not may_compute:
+        raise SystemExit(f"{path} is incomplete but training already started: the stage policy's log-probs cannot "
+                         f"be recomputed from moved weights; delete {state_dir} to restart the stage")
+    t0 = time.perf_counter()
+    mine = np.arange(rank, stage.n, world)
+    todo = mine[column.missing(stage)[mine]]
+    log(f"{name} log-probs: one pass over {stage.n} responses ({len(todo)} still to do on rank 0) → {path}")
+    from tqdm import tqdm
+    with torch.no_grad():
+        for k, mb in enumerate(tqdm(padded_micro_batches(todo), disable=not is_main, desc=f"{name} pass")):
+            x = forward(model, mb if mb is not None else [0])
+            for j, i in enumerate(mb or []):
+                column.put(stage, i, x["lp"][j, :stage.response_len[i]].cpu().numpy())
+            if k % 64 == 63:
+                column.flush()
+    column.flush()
+    barrier()
+    if is_main:
+        column.mark_complete({"model": key, "temperature": temp, "responses": stage.n})
+    barrier()
+    return rollouts.TokenColumn(path, n_tokens, create=False), time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- one update
+
+
+def m2po_minibatch_cutoff(model, mbs, columns):
+    """M2PO's cutoff over the whole minibatch: a no-grad pass over this rank's micro-batches, then every
+    rank's harmful (log ρ)² gathered, so the mask does not depend on the number of GPUs."""
+    sq = [torch.zeros(0, device=device)]
+    with torch.no_grad():
+        for mb in mbs:
+            x = forward(model, mb if mb is not None else [0], columns)
+            if mb is None:
+                continue
+            reference = x["old"] if "old" in x and tis_cap is not None else x["behavior"]
+            log_ratio = torch.clamp(x["lp"] - reference, -L.LOG_RATIO_LIMIT, L.LOG_RATIO_LIMIT) * x["mask"]
+            sq.append((log_ratio ** 2)[L.m2po_harmful(log_ratio, x["adv"], x["mask"])])
+    sq = torch.cat(sq)
+    if distributed:
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([sq.numel()], device=device))
+        longest = max(int(s) for s in sizes)
+        parts = [torch.zeros(longest, device=device) for _ in range(world)]
+        dist.all_gather(parts, torch.nn.functional.pad(sq, (0, longest - sq.numel())))
+        sq = torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
+    return L.m2po_cutoff(sq, m2po_tau)
+
+
+def reduce_stats(stats):
+    """Sum the ranks' stats (extremes: min/max), two collectives in all."""
+    if not distributed:
+        return stats
+    names = sorted(stats)
+    sums = [n for n in names if not n.endswith(("_min", "_max"))]
+    extremes = [n for n in names if n.endswith(("_min", "_max"))]
+    total = torch.stack([stats[n].double() for n in sums])
+    dist.all_reduce(total)
+    ext = torch.stack([(stats[n] if n.endswith("_max") else -stats[n]).double() for n in extremes])
+    dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+    out = {n: total[i].float() for i, n in enumerate(sums)}
+    out.update({n: (ext[i] if n.endswith("_max") else -ext[i]).float() for i, n in enumerate(extremes)})
     return out
 
 
+def saved_activation_bytes():
+    """A context counting the bytes autograd saves for backward (parameters aside): what gradient
+    checkpointing exists to cut. Returns (context, counter list)."""
+    total, seen = [0], set()
+
+    def pack_hook(t):
+        if not isinstance(t, torch.nn.Parameter):
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total[0] += key[1]
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t), total
+
+
+def packing_check(model, mb):
+    """Largest |log-prob difference| between the packed forward of micro-batch `mb` and forwards of
+    its sequences one at a time (the first 8): the attention implementation keeps sequences apart."""
+    with torch.no_grad():
+        packed = forward(model, mb or [0])
+        worst = torch.zeros((), device=device)
+        singles = (mb or [])[:8]
+        count = torch.tensor([len(singles)], device=device)
+        if distributed:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        for j in range(int(count)):
+            if j < len(singles):
+                one = forward(model, [singles[j]])["lp"][0]
+                n = int(stage.response_len[singles[j]])
+                worst = torch.maximum(worst, (one[:n] - packed["lp"][j, :n]).abs().max())
+            else:
+                forward(model, [0])
+    return worst
+
+
+def empty_stats(columns, cutoff):
+    """policy_loss's stats of no tokens (zeros; extremes ±inf), with the same names as a real call's."""
+    zero, none = torch.zeros(1, 1, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
+    stats = L.policy_loss(zero, zero, zero[0], none, **loss_kw, m2po_cutoff=cutoff,
+                          old_logprobs=zero if tis_cap is not None else None,
+                          ref_logprobs=zero if "ref" in columns else None)[1]
+    stats["entropy_sum"] = stats["saved_activations_gib_max"] = torch.zeros((), device=device)
+    return stats
+
+
+def run_update(model, optimizer, u, batch, columns, trainable):
+    """One AdamW update on the minibatch `batch` (response indices). Returns (metrics, stepped)."""
+    lengths = stage.prompt_len[batch] + stage.response_len[batch]
+    mine = batch[np.argsort(-lengths, kind="stable")][rank::world]              # balanced by length
+    mbs = padded_micro_batches(mine)
+    cutoff = m2po_minibatch_cutoff(model, mbs, columns) if m2po_tau is not None else None
+    optimizer.zero_grad(set_to_none=True)
+    n_tokens = int(stage.response_len[batch].sum())
+    stats = empty_stats(columns, cutoff)     # a rank may have no response of this minibatch
+    for k, mb in enumerate(mbs):
+        measure, saved = saved_activation_bytes() if u == start and k == 0 else (contextlib.nullcontext(), [0])
+        with measure:
+            x = forward(model, mb if mb is not None else [0], columns, with_entropy=True)
+        if mb is None:                 # padding pass: keeps FSDP's collectives in step, adds nothing
+            (x["lp"].sum() * 0.0).backward()
+            continue
+        part, s = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], **loss_kw, m2po_cutoff=cutoff,
+                                old_logprobs=x.get("old") if tis_cap is not None else None, ref_logprobs=x.get("ref"),
+                                num_tokens=1.0 if deferred_norm else n_tokens, num_seqs=len(batch))
+        (part * world).backward()      # FSDP averages gradients over ranks; ×world makes it the sum
+        s["entropy_sum"] = x["entropy_sum"]
+        s["saved_activations_gib_max"] = torch.tensor(saved[0] / 2**30, device=device)
+        stats = L.merge_stats(stats, s)
+    if device.type == "cuda":
+        stats["memory_peak_gib_max"] = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+    stats = reduce_stats(stats)
+    if deferred_norm:              # Σ kept loss / N_kept: the count is known only now (NAV uses the current ratios)
+        scale = 1.0 / stats["kept"].clamp(min=1.0)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in trainable if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+        stats["loss"] = stats["loss"] * scale
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    extra = {"grad_norm": grad_norm, "entropy": stats["entropy_sum"] / stats["tokens"].clamp(min=1.0),
+             "memory/saved_activations_gib": stats["saved_activations_gib_max"]}
+    if "memory_peak_gib_max" in stats:
+        extra["memory/peak_gib"] = stats["memory_peak_gib_max"]
+    m = L.metrics(stats, extra)                                                   # the one host sync
+    stepped = math.isfinite(m["grad_norm"]) and math.isfinite(m["loss/policy"])
+    if stepped:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    return m, stepped
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def local_dir(name):
+    """A checkpoint directory; a hub name becomes its local snapshot (weights, tokenizer)."""
+    if Path(name).is_dir():
+        return str(name)
+    from huggingface_hub import snapshot_download
+    return snapshot_download(name)
+
+
 def main():
+    global stage, temp, attention, loss_kw, start, update_offset, start_weights
     t_start = time.perf_counter()
-    manifest, groups = load_rollouts(rollout_dir)
-    start_policy = policy or manifest["policy"]
+    try:
+        stage = rollouts.open_stage(stage_path / "rollouts", rank, world, barrier)
+    except rollouts.RolloutError as e:
+        raise SystemExit(str(e)) from None
+    manifest = stage.manifest
+    start_policy = local_dir(policy or manifest["policy"])
     temp = temperature or manifest["sampling"]["temperature"]
     if temperature and temperature != manifest["sampling"]["temperature"]:
         log(f"WARNING: --temperature={temperature} differs from the sampling temperature "
             f"{manifest['sampling']['temperature']}: the ratios will not start at 1")
-    G = manifest["sampling"]["n"]
-    if skip_zero_variance:
-        kept = [g for g in groups if not all(r["reward"] == g[0]["reward"] for r in g)]
-        log(f"skipping {len(groups) - len(kept)} of {len(groups)} groups with zero reward variance")
-        groups = kept
-    if len(groups) < prompts_per_update:
-        raise SystemExit(f"{rollout_dir}: {len(groups)} usable groups, fewer than --prompts_per_update="
-                         f"{prompts_per_update}")
-    tokens_per_group = sum(len(r["response_token_ids"]) for g in groups for r in g) / len(groups)
-    log(f"stage {manifest['stage']}: {len(groups)} groups × G={G}; {updates_per_stage} updates of {prompts_per_update} "
-        f"prompts ({prompts_per_update * G} responses, ~{tokens_per_group * prompts_per_update:.0f} response tokens) = "
-        f"{updates_per_stage * prompts_per_update / len(groups):.2f} passes over the data; staleness 0..{updates_per_stage - 1} "
-        f"updates; {world} process(es) on {device.type}; temperature {temp}; clip [{clip_low}, {clip_high}], "
-        f"dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, M2PO τ={m2po_tau}, TIS cap {tis_cap}, agg {agg}")
+    attention = choose_attention()
+    if attention == "varlen_sdpa":
+        register_varlen_sdpa()
+    schedule = minibatch_schedule(stage)
+    G = stage.group_size
+    tokens_per_group = stage.response_len.sum() / max(1, len(stage.groups))
+    log(f"stage {manifest['stage']}: {len(stage.groups)} groups × G={G} ({int(stage.zero_variance.sum())} with zero "
+        f"reward variance, kept: zero advantage); {updates_per_stage} updates of {prompts_per_update} prompts "
+        f"({prompts_per_update * G} responses, ~{tokens_per_group * prompts_per_update:.0f} response tokens); "
+        f"staleness 0..{max(updates_per_stage - 1, 0)} updates; {world} process(es) on {device.type}, attention "
+        f"{attention}; temperature {temp}; clip [{clip_low}, {clip_high}], dual clip {dual_clip}, NAV δ={nav_delta} "
+        f"scope {nav_scope}, M2PO τ={m2po_tau}, TIS cap {tis_cap}, KL β={kl_coef} ({kl_estimator}), agg {agg} "
+        f"over {token_normalizer} tokens")
 
     from transformers import AutoConfig
-    src_cfg = AutoConfig.from_pretrained(start_policy)
-    save_dtype = getattr(src_cfg, "dtype", None) or getattr(src_cfg, "torch_dtype", None) or torch.float32
-    save_dtype = getattr(torch, save_dtype) if isinstance(save_dtype, str) else save_dtype
+    vocab = AutoConfig.from_pretrained(start_policy).vocab_size
+    if stage.max_token_id() >= vocab:
+        raise SystemExit(f"{stage.directory}: token id {stage.max_token_id()} ≥ the policy's vocabulary size {vocab}: "
+                         f"rollouts made with another tokenizer?")
+    save_dtype = checkpoint_dtype(start_policy)           # every stage's policy keeps the initial model's dtype
     torch.manual_seed(seed)
-    model = load_model(start_policy)
+    loss_kw = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, nav_delta=nav_delta,
+                   nav_scope=nav_scope, m2po_tau=m2po_tau, tis_cap=tis_cap, kl_coef=kl_coef,
+                   kl_estimator=kl_estimator, agg=agg, token_normalizer=token_normalizer,
+                   norm_len=norm_len or manifest["sampling"]["max_tokens"])
+
+    # π_ref's log-probs first (its model is freed before the trainer's is built)
+    columns, timing = {}, {}
+    reference = local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
+    if reference:
+        if not ref_policy:
+            log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
+        ref_model = build_model(reference, trainable=False)
+        columns["ref"], timing["ref_pass_seconds"] = logprob_pass(ref_model, "ref", common.policy_fingerprint(reference))
+        del ref_model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    progress = state_dir / "progress.json"
+    resume = progress.exists()
+    source_state = state_dir if resume else (Path(init_state) if init_state else None)
+    model = build_model(start_policy, weights=source_state is None)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay, eps=1e-8)
-    start = load_state(model, optimizer)
-    if start:
-        log(f"resuming from {state_dir} at update {start}")
+    start, update_offset, start_weights = 0, 0, common.policy_fingerprint(start_policy)
+    if source_state is not None:
+        if not (source_state / "progress.json").exists():
+            raise SystemExit(f"--init_state={init_state}: no progress.json there (not a train_state directory)")
+        meta = load_state(model, optimizer, source_state)
+        if resume:
+            start, update_offset = meta["update"], meta["global_update"] - meta["update"]
+            torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+            start_weights = meta["start_weights"]         # what TIS's old log-probs were computed from
+            log(f"resuming from {state_dir} at update {start}")
+        else:
+            update_offset = meta["global_update"]
+            start_weights = meta["state_id"]
+            log(f"continuing the previous stage's fp32 weights and AdamW state from {init_state} "
+                f"({update_offset} updates so far)")
     if tis_cap is not None:
-        attach_old_logprobs(model, groups, temp, fresh=start == 0)
+        columns["old"], timing["old_pass_seconds"] = logprob_pass(model, "old", start_weights, may_compute=start == 0)
     if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
         work_dir.mkdir(parents=True, exist_ok=True)
         rows = common.read_jsonl(metrics_path) if metrics_path.exists() else []
         common.atomic_write_lines(metrics_path, [r for r in rows if r.get("update", 0) < start])
-    load_seconds = time.perf_counter() - t_start
-    length_norm = norm_len or manifest["sampling"]["max_tokens"]
-    loss_kw = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, nav_delta=nav_delta,
-                   nav_scope=nav_scope, tis_cap=tis_cap, agg=agg, norm_len=length_norm)
+    timing["load_seconds"] = time.perf_counter() - t_start - sum(timing.values())
+    if check_packing and start < updates_per_stage:
+        first = stage.groups[schedule[start]].ravel()
+        mb = padded_micro_batches(first[np.argsort(-stage.response_len[first], kind="stable")][rank::world])[0]
+        packed_diff = packing_check(model, mb)
+        if distributed:
+            dist.all_reduce(packed_diff, op=dist.ReduceOp.MAX)
     nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
     from tqdm import tqdm
     bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {manifest['stage']} updates",
                initial=start, total=updates_per_stage)
     for u in bar:
         t0 = time.perf_counter()
-        lr_now = lr * min(1.0, (u + 1) / warmup_updates) if warmup_updates else lr
+        g = update_offset + u                               # the run's update count (warmup spans stages)
+        lr_now = lr * min(1.0, (g + 1) / warmup_updates) if warmup_updates else lr
         for group in optimizer.param_groups:
             group["lr"] = lr_now
-        batch = [r for g in common.shuffled_window(groups, u * prompts_per_update, prompts_per_update, seed)
-                 for r in g]  # whole groups, reshuffled each pass
-        n_tokens = sum(len(r["response_token_ids"]) for r in batch)
-        mine = sorted(batch, key=lambda r: -len(r["response_token_ids"]))[rank::world]   # balanced by length
-        mbs = padded_micro_batches(mine)
-        m2po_keep = m2po_masks(model, mbs, batch, temp) if m2po_tau is not None else None
-        collected, entropy_sum = [], 0.0
-        optimizer.zero_grad(set_to_none=True)
-        for k, mb in enumerate(mbs):
-            lp, behavior, old, mask, adv, entropy = response_logprobs(model, mb or batch[:1], temp,
-                                                                      with_entropy=True)
-            if mb is None:                 # padding pass: keeps FSDP's collectives in step, adds nothing
-                (lp.sum() * 0.0).backward()
-                continue
-            keep = m2po_keep[k] if m2po_keep is not None else None
-            part, _ = L.policy_loss(lp, behavior, adv, mask, old_logprobs=old if tis_cap is not None else None,
-                                    num_tokens=n_tokens, num_seqs=len(batch), keep_mask=keep, return_metrics=False,
-                                    **loss_kw)
-            (part * world).backward()   # FSDP averages gradients over ranks; ×world makes it the sum
-            collected.append((lp.detach(), behavior, old, mask, adv, keep))
-            entropy_sum += entropy.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        m, my_tokens = update_metrics(collected, loss_kw)
-        if distributed:
-            m = reduce_metrics(m, my_tokens)
-        finite = math.isfinite(grad_norm) and math.isfinite(m["loss/policy"])
-        if finite:
-            optimizer.step()
+        batch = stage.groups[schedule[u]].ravel()           # whole groups: response indices
+        m, stepped = run_update(model, optimizer, u, batch, columns, trainable)
+        if stepped:
             nonfinite_in_row = 0
         else:
-            optimizer.zero_grad(set_to_none=True)
             nonfinite_in_row += 1
             skipped_total += 1
             if nonfinite_in_row >= max_nonfinite:
                 raise SystemExit(f"{nonfinite_in_row} non-finite updates in a row (at update {u}): stopping; "
                                  f"lower --lr or check the rollouts")
-        entropy = torch.tensor([entropy_sum, float(my_tokens)], dtype=torch.float64)
-        if distributed:
-            dist.all_reduce(entropy)
         seconds = time.perf_counter() - t0
         train_seconds += seconds
-        row = {"update": u, "stage": manifest["stage"], "staleness": u, "lr": lr_now, "grad_norm": grad_norm,
-               "entropy": (entropy[0] / entropy[1]).item(), "reward/mean": sum(r["reward"] for r in batch) / len(batch),
-               "skipped_nonfinite": skipped_total, "update_skipped": not finite, "time": time.time(),
-               "seconds": seconds, "tokens": sum(len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in batch)}
+        row = {"update": u, "global_update": g, "stage": manifest["stage"], "staleness": u, "lr": lr_now,
+               "reward/mean": float(stage.reward[batch].mean()),
+               "minibatch/zero_variance_frac": float(stage.zero_variance[schedule[u]].mean()),
+               "skipped_nonfinite": skipped_total, "update_skipped": not stepped, "time": time.time(),
+               "seconds": seconds, "tokens": int((stage.prompt_len[batch] + stage.response_len[batch]).sum())}
         row["tokens_per_s"] = row["tokens"] / seconds
-        if device.type == "cuda":
-            row["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         row.update({k: v for k, v in m.items() if u == 0 or not k.startswith("mismatch/")})
+        if u == start and check_packing:
+            row["check/packed_max_abs_diff"] = packed_diff.item()
         if u == 0 and m["mismatch/mean_abs_log_ratio"] > mismatch_warn:
             log(f"WARNING: before any update the mean |log ratio| between trainer and engine is "
                 f"{m['mismatch/mean_abs_log_ratio']:.3f} (> {mismatch_warn}): check the temperature, top_p/top_k "
@@ -439,88 +756,31 @@ def main():
             common.append_jsonl(metrics_path, row)
             bar.set_postfix(loss=f"{m['loss/policy']:.4f}", reward=f"{row['reward/mean']:.2f}",
                             ratio_neg=f"{m['ratio/mean_neg_adv']:.3f}")
-        if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates_per_stage:
-            save_state(model, optimizer, u + 1)
+        done = u + 1
+        if save_policy_every and done % save_policy_every == 0 and done < updates_per_stage:
+            save_policy(model, start_policy, save_dtype, out_dir.with_name(f"{out_dir.name}_u{done:05d}"))
+        if checkpoint_every and done % checkpoint_every == 0 and done < updates_per_stage:
+            save_state(model, optimizer, done)
     t_save = time.perf_counter()
-    save_policy(model, start_policy, save_dtype)
-    if is_main:
+    if save_train_state:
+        save_state(model, optimizer, updates_per_stage, final=True)
+    save_policy(model, start_policy, save_dtype, out_dir)
+    if not save_train_state and is_main:
         shutil.rmtree(state_dir, ignore_errors=True)
-        common.atomic_write_json(work_dir / "optimize_timing.json", {
-            "load_seconds": load_seconds, "train_seconds": train_seconds,
-            "save_seconds": time.perf_counter() - t_save, "updates_this_run": updates_per_stage - start})
-        log(f"next policy written to {out_dir} (load {load_seconds:.1f} s, train {train_seconds:.1f} s, "
-            f"save {time.perf_counter() - t_save:.1f} s)")
+    peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], device=device)   # GiB
     if distributed:
-        dist.barrier()
+        parts = [torch.zeros(1, device=device) for _ in range(world)]
+        dist.all_gather(parts, peak_rss)
+        peak_rss = torch.cat(parts)
+    if is_main:
+        timing.update({"train_seconds": train_seconds, "save_seconds": time.perf_counter() - t_save,
+                       "updates_this_run": updates_per_stage - start, "world": world, "attention": attention,
+                       "peak_rss_gib_per_rank": peak_rss.tolist()})
+        common.atomic_write_json(work_dir / "optimize_timing.json", timing)
+        log(f"next policy written to {out_dir} ({', '.join(f'{k} {v:.1f}' for k, v in timing.items() if k.endswith('seconds'))})")
+    if distributed:
+        barrier()
         dist.destroy_process_group()
-
-
-def attach_old_logprobs(model, groups, temp, fresh):
-    """TIS needs the trainer's log-probs of the stage policy for every response: one no-grad pass
-    over the stage before the first update, saved to old_logprobs.jsonl for resumes."""
-    path = work_dir / "old_logprobs.jsonl"
-    responses = [r for g in groups for r in g]
-    key = lambda r: f"{r.get('group', r['prompt_id'])}/{r['sample_idx']}"  # noqa: E731
-    if not path.exists():
-        if not fresh:
-            raise SystemExit(f"{path} is missing but training already started: the stage policy's log-probs "
-                             f"cannot be recomputed; delete {state_dir} to restart the stage")
-        mine = sorted(responses, key=lambda r: -len(r["response_token_ids"]))[rank::world]
-        found = {}
-        with torch.no_grad():
-            for mb in padded_micro_batches(mine):
-                lp, _, _, mask, _, _ = response_logprobs(model, mb or responses[:1], temp)
-                for r, row, m in zip(mb or [], lp.cpu(), mask.cpu()):
-                    found[key(r)] = [round(x, 6) for x in row[m].tolist()]
-        if distributed:
-            parts = [None] * world
-            dist.all_gather_object(parts, found)
-            found = {k: v for p in parts for k, v in p.items()}
-        if is_main:
-            common.atomic_write_lines(path, [{"key": k, "old_logprobs": v} for k, v in found.items()])
-        if distributed:
-            dist.barrier()
-    table = {row["key"]: row["old_logprobs"] for row in common.read_jsonl(path)}
-    for r in responses:
-        r["old_logprobs"] = table[key(r)]
-
-
-def m2po_masks(model, mbs, batch, temp):
-    """M2PO keep-masks for this rank's micro-batches, from a no-grad pass over all of them at once."""
-    with torch.no_grad():
-        parts = [response_logprobs(model, mb or batch[:1], temp) for mb in mbs]
-    parts = [p for p, mb in zip(parts, mbs) if mb is not None]
-    T = max(p[0].shape[1] for p in parts)
-    pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731
-    reference = [old if tis_cap is not None else behavior for _, behavior, old, _, _, _ in parts]
-    log_ratio = torch.cat([pad(p[0] - ref) for p, ref in zip(parts, reference)])
-    mask = torch.cat([pad(p[3]) for p in parts])
-    adv = torch.cat([p[4] for p in parts])
-    keep = L.m2po_mask(log_ratio, adv, mask, m2po_tau)
-    out, i = [], 0
-    for p in parts:
-        out.append(keep[i:i + p[0].shape[0], :p[0].shape[1]])
-        i += p[0].shape[0]
-    return out + [None] * (len(mbs) - len(parts))
-
-
-def update_metrics(collected, loss_kw):
-    """policy_loss metrics over all micro-batches of this rank's share, the mismatch figures, and
-    this rank's response-token count."""
-    T = max(c[0].shape[1] for c in collected)
-    pad = lambda x: torch.nn.functional.pad(x, (0, T - x.shape[1]))  # noqa: E731
-    lp, behavior, old, mask = (torch.cat([pad(c[i]) for c in collected]) for i in range(4))
-    adv = torch.cat([c[4] for c in collected])
-    keep = torch.cat([pad(c[5]) for c in collected]) if collected[0][5] is not None else None
-    _, m = L.policy_loss(lp, behavior, adv, mask, old_logprobs=old if tis_cap is not None else None,
-                         keep_mask=keep, **loss_kw)
-    if m2po_tau is not None:
-        m["m2po/masked_frac"] = float((mask & ~keep).sum() / mask.sum().clamp(min=1))
-    abs_lr = (lp - behavior).abs()[mask]            # trainer vs engine, whatever the ratio's reference
-    m["mismatch/mean_abs_log_ratio"] = abs_lr.mean().item()
-    m["mismatch/max_abs_log_ratio"] = abs_lr.max().item()
-    m["mismatch/kl"] = ((lp - behavior).exp() - 1 - (lp - behavior))[mask].mean().item()
-    return m, int(mask.sum())
 
 
 if __name__ == "__main__":

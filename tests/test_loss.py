@@ -18,9 +18,9 @@ def _loss_and_grad(behavior, ratios, adv, mask=None, **kw):
     lp = _lp_from_ratio(behavior, ratios)
     b = torch.tensor(behavior)
     mask = torch.ones_like(b, dtype=torch.bool) if mask is None else torch.tensor(mask)
-    loss, metrics = L.policy_loss(lp, b, torch.tensor(adv), mask, **kw)
+    loss, stats = L.policy_loss(lp, b, torch.tensor(adv), mask, **kw)
     loss.backward()
-    return loss.item(), lp.grad, metrics
+    return loss.item(), lp.grad, L.metrics(stats)
 
 
 # ------------------------------------------------------------------ surrogate and its gradient
@@ -69,6 +69,14 @@ def test_dual_clip_caps_negative_advantage():
     assert m["clip/dual_frac"] == pytest.approx(0.5)
 
 
+def test_stats_merge_sums_and_extremes():
+    a = {"tokens": torch.tensor(3.0), "ratio_min": torch.tensor(0.5), "ratio_max": torch.tensor(2.0)}
+    b = {"tokens": torch.tensor(4.0), "ratio_min": torch.tensor(0.2), "ratio_max": torch.tensor(1.5)}
+    assert {k: v.item() for k, v in L.merge_stats(a, b).items()} == {"tokens": 7.0, "ratio_min": pytest.approx(0.2),
+                                                                     "ratio_max": 2.0}
+    assert L.merge_stats({}, a) == a
+
+
 def test_padding_contributes_nothing():
     loss, grad, m = _loss_and_grad([[0.0, 0.0, 0.0]], [[1.0, 1.0, 7.0]], [1.0], mask=[[T_, T_, F_]],
                                    clip_low=0.8, clip_high=1.2)
@@ -77,12 +85,24 @@ def test_padding_contributes_nothing():
     assert m["loss/tokens"] == 2 and m["ratio/max"] == pytest.approx(1.0)
 
 
-def test_vetoed_tokens_have_zero_gradient():
-    # A = −1, ratios [1, 1e-5 (trigger), 2, 3]; scope H vetoes t=2,3; N stays 4 (token-mean)
+def test_vetoed_tokens_leave_the_token_mean():
+    # A = −1, ratios [1, 1e-5 (trigger), 2, 3]; scope H vetoes t=2,3: the mean is over the 2 kept tokens
+    # (verl's masked token-mean, DESIGN.md §4); with token_normalizer="all" over all 4 response tokens
     loss, grad, m = _loss_and_grad([[0.0] * 4], [[1.0, 1e-5, 2.0, 3.0]], [-1.0],
                                    clip_low=0.0, clip_high=5.0, nav_delta=1e-4, nav_scope="H")
+    assert loss == pytest.approx((1.0 + 1e-5) / 2, abs=1e-7)
+    assert grad.tolist()[0] == pytest.approx([1 / 2, 1e-5 / 2, 0.0, 0.0], abs=1e-7)
+    assert m["loss/kept_tokens"] == 2 and m["loss/kept_frac"] == 0.5
+    loss, grad, _ = _loss_and_grad([[0.0] * 4], [[1.0, 1e-5, 2.0, 3.0]], [-1.0], clip_low=0.0, clip_high=5.0,
+                                   nav_delta=1e-4, nav_scope="H", token_normalizer="all")
     assert loss == pytest.approx((1.0 + 1e-5) / 4, abs=1e-7)
     assert grad.tolist()[0] == pytest.approx([1 / 4, 1e-5 / 4, 0.0, 0.0], abs=1e-7)
+    # seq-mean-token-mean: each response's mean is over its kept tokens as well
+    loss, _, _ = _loss_and_grad([[0.0] * 4, [0.0] * 4], [[1.0, 1e-5, 2.0, 3.0], [1.0] * 4], [-1.0, 1.0],
+                                clip_low=0.0, clip_high=5.0, nav_delta=1e-4, nav_scope="H", agg="seq-mean-token-mean")
+    assert loss == pytest.approx(((1.0 + 1e-5) / 2 + -1.0) / 2, abs=1e-7)
+    _, _, m = _loss_and_grad([[0.0] * 4], [[1.0, 1e-5, 2.0, 3.0]], [-1.0],
+                             clip_low=0.0, clip_high=5.0, nav_delta=1e-4, nav_scope="H")
     assert m["nav/trigger_frac"] == pytest.approx(0.25)
     assert m["nav/vetoed_frac"] == pytest.approx(0.5)
     assert m["nav/vetoed_frac_neg"] == pytest.approx(0.5)
@@ -140,8 +160,12 @@ def test_aggregations_by_hand():
 
 
 @pytest.mark.parametrize("agg", L.AGG_MODES)
-@pytest.mark.parametrize("options", [dict(), dict(nav_delta=0.3, nav_scope="H"), dict(dual_clip=3.0)])
-def test_micro_batch_split_does_not_change_loss_or_grad(agg, options):
+@pytest.mark.parametrize("normalizer", L.TOKEN_NORMALIZERS)
+@pytest.mark.parametrize("options", [dict(), dict(nav_delta=0.3, nav_scope="H"), dict(dual_clip=3.0),
+                                     dict(m2po_tau=0.04, m2po_cutoff=0.5)])
+def test_micro_batch_split_does_not_change_loss_grad_or_stats(agg, normalizer, options):
+    # the recipe of optimize.py: micro-batch losses with the minibatch's counts (token-mean over kept
+    # tokens: sums, the gradient divided by the merged kept count afterwards), stats merged
     g = torch.Generator().manual_seed(0)
     B, T = 6, 7
     lengths = torch.tensor([7, 3, 5, 1, 6, 2])
@@ -149,23 +173,33 @@ def test_micro_batch_split_does_not_change_loss_or_grad(agg, options):
     behavior = -torch.rand(B, T, generator=g) * 3
     current = behavior + torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
-    kw = dict(clip_low=0.0, clip_high=5.0, agg=agg, num_tokens=int(mask.sum()), num_seqs=B, norm_len=T,
-              **options)
+    kw = dict(clip_low=0.0, clip_high=5.0, agg=agg, token_normalizer=normalizer, num_seqs=B, norm_len=T, **options)
+    deferred = agg == "token-mean" and normalizer == "kept"
 
     def run(splits):
         lp = current.clone().requires_grad_(True)
-        total = 0.0
+        stats = {}
         for idx in torch.tensor_split(torch.arange(B), splits):
-            part, _ = L.policy_loss(lp[idx], behavior[idx], adv[idx], mask[idx], **kw)
+            n_tok = 1.0 if deferred else (int(mask.sum()) if splits > 1 else None)
+            part, s = L.policy_loss(lp[idx], behavior[idx], adv[idx], mask[idx], num_tokens=n_tok, **kw)
             part.backward()
-            total += part.item()
-        return total, lp.grad.clone()
+            stats = L.merge_stats(stats, s)
+        if deferred:
+            lp.grad /= stats["kept"]
+            stats["loss"] = stats["loss"] / stats["kept"]
+        return lp.grad.clone(), L.metrics(stats)
 
-    loss1, grad1 = run(1)
-    for splits in (2, 3):
-        loss_n, grad_n = run(splits)
-        assert loss_n == pytest.approx(loss1, abs=1e-6)
-        assert torch.allclose(grad_n, grad1, atol=1e-6)
+    lp = current.clone().requires_grad_(True)
+    whole, whole_stats = L.policy_loss(lp, behavior, adv, mask, **kw)
+    whole.backward()
+    expected = L.metrics(whole_stats)
+    assert expected["loss/policy"] == pytest.approx(whole.item())
+    for splits in (1, 2, 3):
+        grad, m = run(splits)
+        assert torch.allclose(grad, lp.grad, atol=1e-6)
+        assert m.keys() == expected.keys()
+        for k in m:
+            assert m[k] == pytest.approx(expected[k], abs=1e-6, nan_ok=True), k
 
 
 # ------------------------------------------------------------------ NAV masks, written out by hand
@@ -236,12 +270,69 @@ def test_m2po_leaves_harmless_and_padding_alone():
     assert L.m2po_mask(log_ratio, torch.tensor([1.0]), mask, 0.04).tolist() == [[T_, T_, F_]]
 
 
+def test_m2po_cutoff_by_hand():
+    # same numbers as above: after removing 0.25 and 0.16 the mean is ≤ 0.04, so the cutoff is 0.16
+    sq = torch.tensor([0.25, 0.01, 0.16, 0.0025])
+    assert L.m2po_cutoff(sq, 0.04).item() == pytest.approx(0.16)
+    assert L.m2po_cutoff(sq, 0.2).item() == math.inf              # mean 0.105625 is already ≤ 0.2
+    assert L.m2po_cutoff(torch.tensor([]), 0.04).item() == math.inf
+    assert L.m2po_cutoff(torch.tensor([1.0, 1.0]), 0.04).item() == 1.0   # nothing may stay: all go
+    # ties with the last removed value go too: 0.3, 0.3, 0.3, 0.0 → removing one 0.3 leaves 0.2 > 0.1,
+    # two leave 0.15 > 0.1, three leave 0 ≤ 0.1
+    assert L.m2po_cutoff(torch.tensor([0.3, 0.3, 0.3, 0.0]), 0.1).item() == pytest.approx(0.3)
+    # the order of the tokens (how a minibatch is split over ranks) does not matter
+    assert L.m2po_cutoff(sq.flip(0), 0.04) == L.m2po_cutoff(sq, 0.04)
+
+
 def test_m2po_in_policy_loss_reports_masked_fraction():
     b = torch.zeros(2, 3)
     lp = torch.tensor([[0.5, -0.3, 0.1], [-0.4, 0.2, -0.05]])
-    _, m = L.policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
+    _, s = L.policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
                          clip_low=0.0, clip_high=5.0, m2po_tau=0.04)
-    assert m["m2po/masked_frac"] == pytest.approx(2 / 6)
+    assert L.metrics(s)["m2po/masked_frac"] == pytest.approx(2 / 6)
+    # a cutoff from the whole minibatch overrides this call's: 0.2 masks only the 0.25 token
+    _, s = L.policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
+                         clip_low=0.0, clip_high=5.0, m2po_tau=0.04, m2po_cutoff=0.2)
+    assert L.metrics(s)["m2po/masked_frac"] == pytest.approx(1 / 6)
+
+
+# ------------------------------------------------------------------ KL to the reference policy
+
+
+def test_kl_estimators_by_hand():
+    # ℓ = log 0.5, ℓ_ref = log 0.25: d = ℓ_ref − ℓ = −log 2
+    lp, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
+    d = -math.log(2)
+    assert L.kl_penalty(lp, ref, "k1").item() == pytest.approx(math.log(2))
+    assert L.kl_penalty(lp, ref, "k2").item() == pytest.approx(0.5 * math.log(2) ** 2)
+    assert L.kl_penalty(lp, ref, "k3").item() == pytest.approx(math.exp(d) - d - 1)     # 0.5 + 0.693 − 1
+    assert L.kl_penalty(lp, lp, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="k1"):
+        L.kl_penalty(lp, ref, "k4")
+
+
+def test_kl_penalty_is_added_per_token_before_aggregation():
+    # ratios 1 (ℓ = b), A = 0: the surrogate is 0, so the loss is β · mean k3 over kept tokens.
+    # tokens: ℓ = log 0.5 each, ref = log 0.25 and log 0.5 → k3 = (0.5 − ln 2 ... ) and 0
+    lp = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_(True)
+    ref = torch.log(torch.tensor([[0.25, 0.5]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    k3 = math.exp(-math.log(2)) + math.log(2) - 1
+    loss, s = L.policy_loss(lp, lp.detach(), torch.tensor([0.0]), mask, clip_low=0.0, clip_high=5.0,
+                            kl_coef=0.1, ref_logprobs=ref)
+    assert loss.item() == pytest.approx(0.1 * k3 / 2)
+    loss.backward()
+    # d k3 / d ℓ = 1 − exp(ℓ_ref − ℓ): 1 − 0.5 and 0; times β / N
+    assert lp.grad.tolist()[0] == pytest.approx([0.1 * 0.5 / 2, 0.0])
+    m = L.metrics(s)
+    assert m["kl/ref_mean"] == pytest.approx(k3 / 2) and m["kl/in_loss"] == 1.0
+    # β = 0: monitored, not in the loss; and bit-identical to a call without a reference
+    loss0, s0 = L.policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0,
+                              kl_coef=0.0, ref_logprobs=ref)
+    plain, _ = L.policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0)
+    assert loss0.item() == plain.item() and L.metrics(s0)["kl/in_loss"] == 0.0
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        L.policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0, kl_coef=0.1)
 
 
 # ------------------------------------------------------------------ advantages

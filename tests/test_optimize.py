@@ -5,6 +5,7 @@ import math
 import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,7 +42,7 @@ def write_stage(stage_dir, model_dir, answers_by_prompt, temperature=1.0):
                          "reward": rewards[i], "advantage": float(adv[i]), "stage": 0, "policy": str(model_dir)})
     out = stage_dir / "rollouts"
     out.mkdir(parents=True, exist_ok=True)
-    common.atomic_write_lines(out / "shard_00000.jsonl", rows)
+    common.atomic_write_lines(out / "shard_00000.jsonl", rows)      # no columns: optimize.py builds them
     common.atomic_write_json(out / "manifest.json", {
         "complete": True, "stage": 0, "policy": str(model_dir), "shards": ["shard_00000.jsonl"],
         "sampling": {"n": G, "temperature": temperature, "top_p": 1.0, "max_tokens": 12}})
@@ -76,7 +77,9 @@ def test_policy_moves_toward_rewarded_responses(toy, stage):
             lp = L.token_logprobs(model(ids).logits[0, p - 1:-1], torch.tensor(r["response_token_ids"])).sum()
         moved = lp.item() - sum(r["behavior_logprobs"])
         assert (moved > 0) == (r["advantage"] > 0), (r["sample_idx"], moved)
-    assert (stage / "policy" / "tokenizer.json").exists() and not (stage / "train_state").exists()
+    assert (stage / "policy" / "tokenizer.json").exists()
+    progress = json.loads((stage / "train_state" / "progress.json").read_text())   # the next stage continues it
+    assert progress["complete"] and progress["update"] == progress["global_update"] == 6
 
 
 @pytest.mark.parametrize("breakage,message", [
@@ -183,11 +186,11 @@ def test_lora_trains_and_saves_a_merged_policy(toy, stage):
 
 def test_truncated_importance_weight_uses_the_trainers_old_logprobs(stage):
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--tis_cap=2")
-    old = read_lines(stage / "old_logprobs.jsonl")
-    rows = {f"{r['group']}/{r['sample_idx']}": r for r in read_lines(stage / "rollouts" / "shard_00000.jsonl")}
-    assert len(old) == len(rows) == 16
-    for o in old:   # same weights generated the behavior log-probs: old ≈ behavior
-        assert o["old_logprobs"] == pytest.approx(rows[o["key"]]["behavior_logprobs"], abs=1e-4)
+    [old] = (stage / "logprobs").glob("old-*.f32")
+    assert old.with_name(old.name + ".complete").exists()
+    rows = read_lines(stage / "rollouts" / "shard_00000.jsonl")
+    # same weights generated the behavior log-probs: old ≈ behavior, token for token in the stage's order
+    assert np.fromfile(old, dtype="<f4") == pytest.approx([x for r in rows for x in r["behavior_logprobs"]], abs=1e-4)
     first = read_lines(stage / "metrics.jsonl")[0]
     assert abs(first["ratio/kl"]) < 1e-8 and (stage / "policy" / "model.safetensors").exists()
 

@@ -1,0 +1,362 @@
+"""The rollout files (DESIGN.md §3): written by generate.py, read by optimize.py.
+
+A stage's `rollouts/` directory holds JSONL shards, the readable contract (one line per response),
+and beside each shard its **columns**: the numbers training needs, as flat binary arrays that every
+training rank memory-maps instead of parsing JSON.
+
+    rollouts/shard_00000.jsonl                      one response per line (REQUIRED fields and more)
+    rollouts/columns/shard_00000/<name>.bin         raw little-endian arrays (COLUMNS)
+    rollouts/columns/shard_00000/columns.json       counts, group keys, and the JSONL they were built from
+
+generate.py writes a shard's columns as it writes the shard; open_stage() builds them from the JSONL,
+streaming and validating line by line, when they are absent or older than the JSONL (an edited shard).
+
+Why raw arrays described by a JSON file, rather than .npy or Arrow: they are appended to row by row
+while a shard is parsed, so building them needs no more memory than one line; np.memmap reads them
+with nothing beyond numpy (a notebook too: np.fromfile(path, dtype)); and a token's position in the
+stage is a plain offset, which the per-stage log-prob passes (TokenColumn) share.
+"""
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+import common
+
+try:
+    import orjson
+except ImportError:          # 5-7× faster parsing of the token lists; plain json works too
+    orjson = None
+
+REQUIRED = ("prompt_id", "sample_idx", "prompt_token_ids", "response_token_ids", "behavior_logprobs",
+            "finish_reason", "reward", "advantage", "stage", "policy")
+FINISH_REASONS = ("stop", "length", "abort", "error")      # stored as their index; only stop/length train
+TRAINABLE_FINISH = ("stop", "length")
+# name → dtype; *_ids, behavior_logprobs per token; *_offsets per response + 1; the rest per response
+COLUMNS = {
+    "prompt_ids": "<i4", "prompt_offsets": "<i8",
+    "response_ids": "<i4", "behavior_logprobs": "<f4", "response_offsets": "<i8",
+    "reward": "<f4", "advantage": "<f4", "sample_idx": "<i4", "group": "<i4", "finish": "<i1", "line": "<i4",
+}
+VERSION = 1
+
+
+class RolloutError(ValueError):
+    """A rollout file that cannot be trained on; the message names the file and line."""
+
+
+def dumps(row):
+    return orjson.dumps(row) + b"\n" if orjson else (json.dumps(row, separators=(",", ":")) + "\n").encode()
+
+
+def _loads(text):
+    if orjson:
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass             # maybe NaN/Infinity, which only the standard parser reads (then refused below)
+    return json.loads(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing: JSONL shard + columns
+
+
+class ColumnWriter:
+    """Appends rows to a shard's columns in a temporary directory; close() renames it into place."""
+
+    def __init__(self, directory):
+        self.final = Path(directory)
+        self.tmp = self.final.with_name(f".{self.final.name}.tmp{os.getpid()}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in COLUMNS}
+        self.group_keys, self.group_index = [], {}
+        self.n = self.prompt_tokens = self.response_tokens = 0
+        self.files["prompt_offsets"].write(np.zeros(1, "<i8").tobytes())
+        self.files["response_offsets"].write(np.zeros(1, "<i8").tobytes())
+
+    def add(self, row, line, where):
+        """Validate one row (errors name `where`, e.g. file:line) and append it."""
+        for field in REQUIRED:
+            if field not in row:
+                raise RolloutError(f"{where}: missing field {field!r}")
+        prompt, response = row["prompt_token_ids"], row["response_token_ids"]
+        if not prompt or not response:
+            raise RolloutError(f"{where}: empty prompt_token_ids or response_token_ids")
+        if len(response) != len(row["behavior_logprobs"]):
+            raise RolloutError(f"{where}: {len(response)} response tokens but {len(row['behavior_logprobs'])} "
+                               f"behavior_logprobs")
+        behavior = np.asarray(row["behavior_logprobs"], dtype="<f4")
+        if not np.isfinite(behavior).all():
+            raise RolloutError(f"{where}: non-finite value in behavior_logprobs")
+        if not (math.isfinite(row["advantage"]) and math.isfinite(row["reward"])):
+            raise RolloutError(f"{where}: non-finite reward or advantage")
+        if row["finish_reason"] not in FINISH_REASONS:
+            raise RolloutError(f"{where}: finish_reason {row['finish_reason']!r} is not one of {FINISH_REASONS}")
+        key = row.get("group", row["prompt_id"])
+        if key not in self.group_index:
+            self.group_index[key] = len(self.group_keys)
+            self.group_keys.append(key)
+        self.prompt_tokens += len(prompt)
+        self.response_tokens += len(response)
+        f = self.files
+        f["prompt_ids"].write(np.asarray(prompt, dtype="<i4").tobytes())
+        f["response_ids"].write(np.asarray(response, dtype="<i4").tobytes())
+        f["behavior_logprobs"].write(behavior.tobytes())
+        f["prompt_offsets"].write(np.array([self.prompt_tokens], "<i8").tobytes())
+        f["response_offsets"].write(np.array([self.response_tokens], "<i8").tobytes())
+        for name, value in (("reward", row["reward"]), ("advantage", row["advantage"]),
+                            ("sample_idx", row["sample_idx"]), ("group", self.group_index[key]),
+                            ("finish", FINISH_REASONS.index(row["finish_reason"])), ("line", line)):
+            f[name].write(np.array([value], COLUMNS[name]).tobytes())
+        self.n += 1
+
+    def close(self, source):
+        """Finish: columns.json names the JSONL `source` (size and mtime, to notice later edits)."""
+        for f in self.files.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        stat = Path(source).stat()
+        meta = {"version": VERSION, "source": Path(source).name, "source_size": stat.st_size,
+                "source_mtime_ns": stat.st_mtime_ns, "responses": self.n, "prompt_tokens": self.prompt_tokens,
+                "response_tokens": self.response_tokens, "group_keys": self.group_keys,
+                "dtypes": COLUMNS}
+        (self.tmp / "columns.json").write_text(json.dumps(meta))
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        old = self.final.with_name(f".{self.final.name}.old{os.getpid()}")
+        if self.final.exists():
+            os.replace(self.final, old)
+        try:
+            os.replace(self.tmp, self.final)
+        except OSError:          # another process finished the same columns first: keep theirs
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self):
+        for f in self.files.values():
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def columns_dir(shard_path):
+    shard_path = Path(shard_path)
+    return shard_path.parent / "columns" / shard_path.stem
+
+
+def write_shard(path, rows):
+    """A JSONL shard, atomically (temporary name, fsync, rename), then its columns."""
+    common.atomic_write(path, b"".join(dumps(r) for r in rows))
+    writer = ColumnWriter(columns_dir(path))
+    try:
+        for n, row in enumerate(rows, 1):
+            writer.add(row, n, f"{path}:{n}")
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(path)
+
+
+def build_columns(path):
+    """Columns of an existing JSONL shard, streaming: one line in memory at a time. Returns its path."""
+    path = Path(path)
+    writer = ColumnWriter(columns_dir(path))
+    try:
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                where = f"{path}:{n}"
+                if not line.endswith(b"\n"):
+                    raise RolloutError(f"{where}: truncated last line (no newline): the file is incomplete")
+                if not line.strip():
+                    continue
+                try:
+                    row = _loads(line)
+                except ValueError as e:
+                    raise RolloutError(f"{where}: not valid JSON ({e})") from None
+                writer.add(row, n, where)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(path)
+    return str(columns_dir(path))
+
+
+def columns_fresh(shard_path):
+    """True when the shard's columns exist and were built from the JSONL as it is now."""
+    meta_file = columns_dir(shard_path) / "columns.json"
+    if not meta_file.exists():
+        return False
+    meta, stat = json.loads(meta_file.read_text()), Path(shard_path).stat()
+    return (meta.get("version") == VERSION and meta["source_size"] == stat.st_size
+            and meta["source_mtime_ns"] == stat.st_mtime_ns)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading: a whole stage, memory-mapped
+
+
+class Shard:
+    def __init__(self, path):
+        self.path = Path(path)
+        cdir = columns_dir(path)
+        self.meta = json.loads((cdir / "columns.json").read_text())
+        self.col = {name: np.memmap(cdir / f"{name}.bin", dtype=dtype, mode="r")
+                    if (cdir / f"{name}.bin").stat().st_size else np.zeros(0, dtype)
+                    for name, dtype in COLUMNS.items()}
+
+
+class Stage:
+    """A complete stage's rollouts, validated and memory-mapped.
+
+    Responses are numbered 0..n−1 in manifest shard order. Per response (numpy arrays [n]):
+    prompt_len, response_len, reward, advantage, group (index into groups). groups [n_groups, G]:
+    response indices of each group by sample_idx. token_offset [n+1]: where each response's tokens
+    start in the stage's concatenated response tokens (the layout of TokenColumn).
+    """
+
+    def __init__(self, directory, manifest, shards):
+        self.directory, self.manifest, self.shards = Path(directory), manifest, shards
+        self.group_size = manifest["sampling"]["n"]
+        cat = lambda name: np.concatenate([s.col[name] for s in shards]) if shards else np.zeros(0)  # noqa: E731
+        counts = [s.meta["responses"] for s in shards]
+        self.n = sum(counts)
+        self.shard_of = np.repeat(np.arange(len(shards)), counts)
+        self.local = np.concatenate([np.arange(c) for c in counts]) if shards else np.zeros(0, np.int64)
+        self.prompt_len = np.concatenate([np.diff(s.col["prompt_offsets"]) for s in shards])
+        self.response_len = np.concatenate([np.diff(s.col["response_offsets"]) for s in shards])
+        self.token_offset = np.concatenate([[0], np.cumsum(self.response_len)])
+        self.reward, self.advantage = cat("reward").astype(np.float32), cat("advantage").astype(np.float32)
+        self.finish = cat("finish")
+        # groups across shards, by their keys (a prompt may recur in a stage: keys are positions)
+        index, group = {}, []
+        for s in shards:
+            local_to_global = [index.setdefault(json.dumps(k), len(index)) for k in s.meta["group_keys"]]
+            group.append(np.asarray(local_to_global, dtype=np.int64)[s.col["group"]])
+        self.group = np.concatenate(group) if group else np.zeros(0, np.int64)
+        self.group_keys = [json.loads(k) for k in index]
+        self._validate(cat("sample_idx"))
+
+    def where(self, i):
+        s = self.shards[self.shard_of[i]]
+        return f"{s.path}:{int(s.col['line'][self.local[i]])}"
+
+    def _validate(self, sample_idx):
+        G = self.group_size
+        bad = np.flatnonzero(~np.isin(self.finish, [FINISH_REASONS.index(f) for f in TRAINABLE_FINISH]))
+        if len(bad):
+            raise RolloutError(f"{self.where(bad[0])}: finish_reason {FINISH_REASONS[self.finish[bad[0]]]!r} "
+                               f"({len(bad)} such responses): the engine did not finish them, so they cannot "
+                               f"be trained on; delete the shard and rerun generate.py to regenerate it")
+        size = np.bincount(self.group, minlength=len(self.group_keys))
+        order = np.lexsort((sample_idx, self.group))                  # by group, then sample_idx
+        ok = size == G
+        if ok.all():
+            self.groups = order.reshape(-1, G)
+            ok = (sample_idx[self.groups] == np.arange(G)).all(axis=1)
+        if not ok.all():
+            g = int(np.flatnonzero(~ok)[0])
+            members = np.flatnonzero(self.group == g)
+            raise RolloutError(f"{self.directory}: group {self.group_keys[g]!r} has samples "
+                               f"{sorted(sample_idx[members].tolist())}, expected 0..{G - 1} "
+                               f"(first line: {self.where(members[0])})")
+        rewards = self.reward[self.groups]
+        self.zero_variance = (rewards == rewards[:, :1]).all(axis=1)
+
+    def tokens(self, i):
+        """(prompt ids, response ids, behavior log-probs) of response i: views into the memory maps."""
+        s, j = self.shards[self.shard_of[i]], self.local[i]
+        po, ro = s.col["prompt_offsets"], s.col["response_offsets"]
+        r = slice(ro[j], ro[j + 1])
+        return s.col["prompt_ids"][po[j]:po[j + 1]], s.col["response_ids"][r], s.col["behavior_logprobs"][r]
+
+    def max_token_id(self):
+        return max((int(max(s.col["prompt_ids"].max(initial=0), s.col["response_ids"].max(initial=0)))
+                    for s in self.shards), default=0)
+
+
+def _build(path):
+    return build_columns(path)
+
+
+def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
+    """The validated, memory-mapped rollouts of a complete stage (manifest.json present).
+
+    Shards without fresh columns are built from their JSONL first: under torchrun each rank builds its
+    share (shard k on rank k % world) in `workers` processes, then `barrier()` lines the ranks up.
+    Raises RolloutError naming the file and line of the first bad response.
+    """
+    directory = Path(directory)
+    manifest_file = directory / "manifest.json"
+    if not manifest_file.exists():
+        shards = sorted(directory.glob("shard_*.jsonl"))
+        raise RolloutError(f"{directory}: no manifest.json ({len(shards)} shards present): the stage's "
+                           f"generation is incomplete; rerun generate.py to finish it")
+    manifest = json.loads(manifest_file.read_text())
+    paths = [directory / name for name in manifest["shards"]]
+    for p in paths:
+        if not p.exists():
+            raise RolloutError(f"{p}: listed in the manifest but missing")
+    todo = [p for k, p in enumerate(paths) if k % world == rank and not columns_fresh(p)]
+    workers = min(len(todo), workers or max(1, (os.cpu_count() or 1) // world))
+    if workers > 1:
+        import concurrent.futures
+        import multiprocessing
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_build, todo))
+    else:
+        for p in todo:
+            build_columns(p)
+    if barrier is not None:
+        barrier()
+    stale = [p for p in paths if not columns_fresh(p)]
+    if stale:
+        raise RolloutError(f"{stale[0]}: its columns were not built (another rank failed?)")
+    return Stage(directory, manifest, [Shard(p) for p in paths])
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token log-prob columns computed by the trainer (TIS's old log-probs, KL's reference log-probs)
+
+
+class TokenColumn:
+    """float32 values per response token of a stage (the Stage.token_offset layout), in one file that
+    every rank memory-maps and writes its own responses into. NaN marks a response not yet computed,
+    so a killed pass resumes where it stopped, whatever the number of ranks; `complete` is written
+    (atomically, by rank 0) once every response is in."""
+
+    def __init__(self, path, n_tokens, create):
+        self.path, self.done_file = Path(path), Path(str(path) + ".complete")
+        if create and not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+            np.full(n_tokens, np.nan, dtype="<f4").tofile(tmp)
+            os.replace(tmp, self.path)
+        self.values = np.memmap(self.path, dtype="<f4", mode="r+" if not self.complete else "r", shape=(n_tokens,))
+
+    @property
+    def complete(self):
+        return self.done_file.exists()
+
+    def missing(self, stage):
+        """[n] bool: the responses whose values are not all there yet (one vectorized read)."""
+        if stage.n == 0:
+            return np.zeros(0, dtype=bool)
+        return np.logical_or.reduceat(np.isnan(self.values), stage.token_offset[:-1])
+
+    def put(self, stage, i, values):
+        self.values[stage.token_offset[i]:stage.token_offset[i + 1]] = values
+
+    def get(self, stage, i):
+        return self.values[stage.token_offset[i]:stage.token_offset[i + 1]]
+
+    def flush(self):
+        if self.values.mode != "r":
+            self.values.flush()
+
+    def mark_complete(self, summary):
+        self.flush()
+        common.atomic_write_json(self.done_file, summary)
