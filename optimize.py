@@ -168,6 +168,8 @@ def minibatch_schedule(stage):
         log(f"skip_zero_variance: leaving out {int(stage.zero_variance.sum())} of {len(stage.groups)} groups "
             f"with zero reward variance")
     need = updates_per_stage * prompts_per_update
+    if need == 0:
+        return np.zeros((0, prompts_per_update), dtype=np.int64)
     if len(candidates) < prompts_per_update:
         raise SystemExit(f"{stage.directory}: {len(candidates)} usable groups, fewer than --prompts_per_update="
                          f"{prompts_per_update}")
@@ -427,12 +429,11 @@ def save_policy(model, source_dir, dtype, directory):
         base = model.get_base_model() if lora_rank else model
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        kept_dtype, base.config.dtype = base.config.dtype, dtype     # the saved config states the saved dtype
-        base.config.use_cache = True                                 # for inference (vLLM, generate)
-        try:
-            base.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        finally:
-            base.config.dtype, base.config.use_cache = kept_dtype, False
+        base.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        config = json.loads((tmp / "config.json").read_text())     # save_pretrained writes the fp32 master's dtype
+        config.update(dtype=str(dtype).removeprefix("torch."), use_cache=True)
+        config.pop("torch_dtype", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for f in Path(source_dir).iterdir():   # tokenizer, chat template, generation config
             if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".pt")) \
                     and f.name not in ("config.json", common.POLICY_ID_FILE):
@@ -741,6 +742,7 @@ def main():
         row = {"update": u, "global_update": g, "stage": manifest["stage"], "staleness": u, "lr": lr_now,
                "reward/mean": float(stage.reward[batch].mean()),
                "minibatch/zero_variance_frac": float(stage.zero_variance[schedule[u]].mean()),
+               "groups": [stage.group_keys[i] for i in schedule[u]],     # which prompts (stage positions)
                "skipped_nonfinite": skipped_total, "update_skipped": not stepped, "time": time.time(),
                "seconds": seconds, "tokens": int((stage.prompt_len[batch] + stage.response_len[batch]).sum())}
         row["tokens_per_s"] = row["tokens"] / seconds

@@ -3,6 +3,7 @@ same weights (so the first update's ratios are 1 up to float noise)."""
 import json
 import math
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -21,17 +22,19 @@ def _weights(policy_dir):
     return load_file(str(policy_dir / "model.safetensors"))
 
 
-def write_stage(stage_dir, model_dir, answers_by_prompt, temperature=1.0):
-    """A complete rollouts directory: for each (problem, gold), G responses; the first one correct."""
+def write_stage(stage_dir, model_dir, answers_by_prompt, temperature=1.0, group_size=G, all_wrong=()):
+    """A complete rollouts directory: for each (problem, gold), group_size responses; the first one
+    correct, except in the groups listed in all_wrong (zero reward variance)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = []
     for gi, (problem, gold) in enumerate(answers_by_prompt):
         prompt_ids = common.build_prompt_ids(tok, problem, "{problem}")
-        responses = [f" \\boxed{{{gold}}}", f" \\boxed{{{int(gold) + 1}}}", f" {gold}", f" \\boxed{{{int(gold) + 2}}}"]
-        rewards = [1.0, 0.0, 0.0, 0.0]
-        adv, _ = L.group_advantages(rewards, G)
+        responses = [f" \\boxed{{{gold}}}", f" \\boxed{{{int(gold) + 1}}}", f" {gold}",
+                     f" \\boxed{{{int(gold) + 2}}}"][:group_size]
+        rewards = [0.0 if gi in all_wrong else 1.0] + [0.0] * (group_size - 1)
+        adv, _ = L.group_advantages(rewards, group_size)
         for i, text in enumerate(responses):
             resp = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
             with torch.no_grad():
@@ -45,7 +48,7 @@ def write_stage(stage_dir, model_dir, answers_by_prompt, temperature=1.0):
     common.atomic_write_lines(out / "shard_00000.jsonl", rows)      # no columns: optimize.py builds them
     common.atomic_write_json(out / "manifest.json", {
         "complete": True, "stage": 0, "policy": str(model_dir), "shards": ["shard_00000.jsonl"],
-        "sampling": {"n": G, "temperature": temperature, "top_p": 1.0, "max_tokens": 12}})
+        "sampling": {"n": group_size, "temperature": temperature, "top_p": 1.0, "max_tokens": 12}})
     return rows
 
 
@@ -136,24 +139,71 @@ def test_micro_batch_size_does_not_change_the_update(toy, stage, tmp_path):
     assert all(torch.allclose(big[k], small[k], atol=3e-5) for k in big)
 
 
-@pytest.mark.parametrize("micro_batch_tokens", [16384, 50])
-def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_tokens):
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+NOT_COMPARED = ("time", "seconds", "tokens_per_s")
+
+
+def torchrun(nproc, *args):
+    proc = subprocess.run([*TORCHRUN, f"--nproc_per_node={nproc}", "optimize.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def assert_same_run(one, two, atol=2e-5):
+    """Same weights and, key by key, the same metrics lines (a metric reduced over ranks equals the
+    one-process figure)."""
+    w1, w2 = _weights(one / "policy"), _weights(two / "policy")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=atol), k
+    m1, m2 = read_lines(one / "metrics.jsonl"), read_lines(two / "metrics.jsonl")
+    assert len(m1) == len(m2)
+    for a, b in zip(m1, m2):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k in NOT_COMPARED or k.startswith("memory/"):
+                continue
+            if isinstance(a[k], float):
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["update"], k)
+            else:
+                assert a[k] == b[k], (a["update"], k)
+    return m1
+
+
+@pytest.mark.parametrize("micro_batch_tokens,loss_args", [
+    (16384, []),                                                              # μ-GRPO
+    (50, ["--m2po_tau=1e-4", "--nav_delta=none", "--clip_high=1e9"]),        # M2PO's mask binds
+    (50, ["--tis_cap=2", "--nav_delta=0.95", "--nav_scope=S"]),              # TIS pass; NAV vetoes
+])
+def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_tokens, loss_args):
     # with 50-token micro-batches the two ranks get different numbers of micro-batches
+    twin = tmp_path / "twin"                        # its own stage dir: per-stage passes are not shared
+    shutil.copytree(stage, twin)
     args = ["--updates_per_stage=3", "--prompts_per_update=3", f"--micro_batch_tokens={micro_batch_tokens}",
-            *FAST[:1], "--nav_delta=1e-4"]
+            "--lr=1e-3", "--nav_delta=1e-4", *loss_args]
     run_script("optimize.py", f"--stage_dir={stage}", *args, f"--out={tmp_path / 'one' / 'policy'}")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = __import__("subprocess").run([*torchrun, "optimize.py", f"--stage_dir={stage}", *args,
-                                         f"--out={tmp_path / 'two' / 'policy'}"], cwd=ROOT, capture_output=True, text=True,
-                                        timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    one, two = _weights(tmp_path / "one" / "policy"), _weights(tmp_path / "two" / "policy")
-    assert len(read_lines(tmp_path / "two" / "metrics.jsonl")) == 3 and not (stage / "metrics.jsonl").exists()
-    assert one.keys() == two.keys()
-    initial = _weights(toy / "model")
-    for k in one:
-        assert torch.allclose(one[k], two[k], atol=2e-5), k
+    torchrun(2, f"--stage_dir={twin}", *args, f"--out={tmp_path / 'two' / 'policy'}")
+    assert not (stage / "metrics.jsonl").exists()
+    metrics = assert_same_run(tmp_path / "one", tmp_path / "two")
+    initial, one = _weights(toy / "model"), _weights(tmp_path / "one" / "policy")
     assert any(not torch.equal(one[k], initial[k]) for k in one)
+    if "--m2po_tau=1e-4" in loss_args:
+        assert max(m["m2po/masked_frac"] for m in metrics) > 0
+    if "--nav_scope=S" in loss_args:
+        assert min(m["loss/kept_tokens"] - m["loss/tokens"] for m in metrics) < 0
+    timing = json.loads((tmp_path / "two" / "optimize_timing.json").read_text())
+    assert len(timing["peak_rss_gib_per_rank"]) == 2 and timing["attention"] == "varlen_sdpa"
+
+
+def test_a_rank_without_responses_keeps_in_step(toy, tmp_path):
+    # 1 prompt × G=2 responses per update on 3 ranks: the third rank has nothing to train on
+    write_stage(tmp_path / "stage_0", toy / "model", PROBLEMS[:2], group_size=2)
+    shutil.copytree(tmp_path / "stage_0", tmp_path / "twin")
+    args = ["--updates_per_stage=2", "--prompts_per_update=1", "--lr=1e-3"]
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", *args, f"--out={tmp_path / 'one' / 'policy'}")
+    torchrun(3, f"--stage_dir={tmp_path / 'twin'}", *args, f"--out={tmp_path / 'three' / 'policy'}")
+    assert_same_run(tmp_path / "one", tmp_path / "three")
 
 
 def test_killed_mid_stage_resumes_to_the_same_weights(toy, stage, tmp_path):
@@ -199,3 +249,82 @@ def test_m2po_and_grpo_presets_run(stage):
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--nav_delta=none",
                "--clip_low=0", "--clip_high=1e9", "--m2po_tau=0.04")
     assert "m2po/masked_frac" in read_lines(stage / "metrics.jsonl")[0]
+
+
+def test_each_group_is_used_once_and_zero_variance_groups_stay(toy, tmp_path):
+    # 8 groups, 2 of them all wrong; μ = 4 updates × 2 prompts: the stage is cut once into 4 minibatches
+    problems = [(f"Question: What is {a} + {b}? Answer:", str(a + b)) for a, b in
+                [(1, 2), (3, 4), (2, 5), (6, 1), (0, 3), (4, 4), (5, 2), (1, 1)]]
+    write_stage(tmp_path / "stage_0", toy / "model", problems, all_wrong=(2, 5))
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", "--updates_per_stage=4", "--prompts_per_update=2")
+    metrics = read_lines(tmp_path / "stage_0" / "metrics.jsonl")
+    assert sorted(g for m in metrics for g in m["groups"]) == list(range(8))       # each once, all of them
+    assert sum(m["minibatch/zero_variance_frac"] * 2 for m in metrics) == 2
+    assert [m["staleness"] for m in metrics] == [0, 1, 2, 3]
+    # the old schedule, as an option: zero-variance groups out, passes over the other 6 (said loudly)
+    proc = run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", "--updates_per_stage=4",
+                      "--prompts_per_update=2", "--skip_zero_variance=true", f"--out={tmp_path / 'skip' / 'policy'}")
+    assert "wraps into 1.33 passes" in proc.stdout
+    used = [g for m in read_lines(tmp_path / "skip" / "metrics.jsonl") for g in m["groups"]]
+    assert not {2, 5} & set(used) and len(used) == 8 and len(set(used)) == 6
+
+
+def test_gradient_checkpointing_engages_and_dropout_is_off(toy, tmp_path):
+    # a config asking for attention dropout: optimize.py turns it off, since it now trains in train mode
+    model_dir = tmp_path / "model"
+    shutil.copytree(toy / "model", model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))
+    write_stage(tmp_path / "stage_0", model_dir, PROBLEMS)
+    runs = {}
+    for ckpt in (False, True):
+        run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", "--updates_per_stage=1", "--prompts_per_update=4",
+                   f"--gradient_checkpointing={ckpt}", f"--out={tmp_path / str(ckpt) / 'policy'}")
+        runs[ckpt] = read_lines(tmp_path / str(ckpt) / "metrics.jsonl")[0]
+    # checkpointing keeps only each layer's input for backward: far fewer saved activation bytes
+    assert runs[True]["memory/saved_activations_gib"] < 0.5 * runs[False]["memory/saved_activations_gib"]
+    assert runs[True]["loss/policy"] == pytest.approx(runs[False]["loss/policy"], abs=1e-7)
+    assert runs[True]["grad_norm"] == pytest.approx(runs[False]["grad_norm"], rel=1e-5)
+    for m in runs.values():          # with dropout on, train-mode log-probs would be random
+        assert m["mismatch/max_abs_log_ratio"] < 1e-4
+
+
+def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(toy / "model", dtype=torch.bfloat16).save_pretrained(bf16)
+    for f in (toy / "model").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            shutil.copy(f, bf16 / f.name)
+    policy = bf16
+    for s in range(2):               # stage 1 starts from stage 0's saved policy
+        write_stage(tmp_path / f"stage_{s}", policy, PROBLEMS)
+        run_script("optimize.py", f"--stage_dir={tmp_path / f'stage_{s}'}", "--updates_per_stage=1", "--prompts_per_update=4")
+        policy = tmp_path / f"stage_{s}" / "policy"
+        with safe_open(str(policy / "model.safetensors"), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, s
+        assert json.loads((policy / "config.json").read_text())["dtype"] == "bfloat16"
+        assert json.loads((policy / "policy_id.json").read_text())["fingerprint"] == common.content_fingerprint(policy)
+
+
+def test_adam_state_and_update_count_carry_over_to_the_next_stage(toy, stage, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    args = ["--updates_per_stage=2", "--prompts_per_update=2", "--lr=1e-3", "--warmup_updates=4"]
+    run_script("optimize.py", f"--stage_dir={stage}", *args)
+    shutil.copytree(stage / "rollouts", tmp_path / "stage_1" / "rollouts")           # the next stage's data
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--init_state={stage / 'train_state'}")
+    carried = read_lines(tmp_path / "stage_1" / "metrics.jsonl")
+    assert [m["global_update"] for m in carried] == [2, 3]
+    assert [m["lr"] for m in carried] == pytest.approx([1e-3 * 3 / 4, 1e-3 * 4 / 4])    # warmup goes on
+    dcp_to_torch_save(tmp_path / "stage_1" / "train_state", tmp_path / "state.pt")
+    optim = torch.load(tmp_path / "state.pt", weights_only=False)["optim"]["state"]
+    assert {int(s["step"]) for s in optim.values()} == {4}                          # AdamW's 4th step
+    # --init_state with no update: the policy is the previous stage's fp32 weights, exactly
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", "--updates_per_stage=0",
+               f"--init_state={stage / 'train_state'}", f"--out={tmp_path / 'zero' / 'policy'}")
+    a, b = _weights(stage / "policy"), _weights(tmp_path / "zero" / "policy")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # without it (a reset): fresh AdamW and warmup, other weights
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--out={tmp_path / 'reset' / 'policy'}")
+    assert [m["lr"] for m in read_lines(tmp_path / "reset" / "metrics.jsonl")] == pytest.approx([1e-3 / 4, 2e-3 / 4])
