@@ -171,6 +171,43 @@ def build_prompt_ids(tokenizer, problem, template=DEFAULT_PROMPT_TEMPLATE, chat_
     return ids
 
 
+def end_of_turn_ids(tokenizer, chat_template=True):
+    """Token ids that end the assistant's turn besides EOS, read from the chat template: the special
+    token(s) the template writes right after an assistant message (Qwen's <|im_end|>, Llama 3's
+    <|eot_id|>). A base model prompted through a chat template ends its turn with one and may then
+    invent a next turn; generation must stop there. [] without a chat template."""
+    if not (chat_template and getattr(tokenizer, "chat_template", None)):
+        return []
+    marker = "MUGRPOENDMARKER"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    after = text[text.rindex(marker) + len(marker):]
+    special = {t: i for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids)}
+    special.update({t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special})
+    ids, rest = [], after.lstrip()
+    while rest:                      # the special tokens at the start of what follows the message
+        hit = next((t for t in sorted(special, key=len, reverse=True) if t and rest.startswith(t)), None)
+        if hit is None:
+            break
+        ids.append(special[hit])
+        rest = rest[len(hit):].lstrip()
+    return [i for i in ids[:1] if i != tokenizer.eos_token_id]
+
+
+def stop_token_ids(tokenizer, chat_template=True):
+    """EOS and the end-of-turn token: where a response ends (vLLM SamplingParams.stop_token_ids)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return eos + end_of_turn_ids(tokenizer, chat_template)
+
+
+def sample_seed(seed, *key):
+    """A 31-bit sampling seed per (seed, stage, position, ...), well separated: vLLM seeds a request's n
+    children seed, seed+1, ... (v1/engine/parallel_sampling.py), so consecutive seeds per prompt would
+    share n-1 of their samples' random streams with the neighbouring prompt."""
+    digest = hashlib.blake2b("/".join(map(str, (seed, *key))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1024)
+
+
 POLICY_ID_FILE = "policy_id.json"
 
 
@@ -210,6 +247,55 @@ def gpu_count():
         return torch.cuda.device_count()
     except Exception:
         return 0
+
+
+def engine_gpu_groups(n_engines, tensor_parallel, visible=None):
+    """CUDA_VISIBLE_DEVICES for each data-parallel engine: consecutive groups of tensor_parallel GPUs
+    taken from the parent's visible list (CUDA_VISIBLE_DEVICES=4,5,6,7 → engines on 4..7, not 0..3)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    gpus = [g.strip() for g in visible.split(",") if g.strip()] if visible else \
+        [str(i) for i in range(n_engines * tensor_parallel)]
+    if len(gpus) < n_engines * tensor_parallel:
+        raise SystemExit(f"{n_engines} engines × tensor_parallel {tensor_parallel} need "
+                         f"{n_engines * tensor_parallel} GPUs; CUDA_VISIBLE_DEVICES has {len(gpus)} ({visible})")
+    return [",".join(gpus[r * tensor_parallel:(r + 1) * tensor_parallel]) for r in range(n_engines)]
+
+
+def n_engines(gpus, tensor_parallel):
+    """Data-parallel engines for `gpus` GPUs (-1: all visible; 0: CPU, one engine)."""
+    gpus = gpu_count() if gpus < 0 else gpus
+    return max(1, gpus // tensor_parallel)
+
+
+def run_engine_workers(script, argv, n, tensor_parallel):
+    """Run `script argv --worker_rank=r --engines=n` for r < n, each on its GPU group, and wait. A
+    SIGTERM or Ctrl-C to this process terminates them too (no orphan engine holding a GPU)."""
+    import signal
+    import subprocess
+    procs = []
+
+    def stop(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise SystemExit(f"stopped by signal {signum}; engine processes terminated")
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        for r, group in enumerate(engine_gpu_groups(n, tensor_parallel)):
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
+            procs.append(subprocess.Popen([sys.executable, script, *argv, f"--worker_rank={r}", f"--engines={n}"],
+                                          env=env))
+        return [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        stop(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85):

@@ -4,12 +4,14 @@
         --results=runs/toy/results.jsonl --stage=0
 
 avg@k is the mean accuracy over k samples per problem; pass@k the share of problems with at least one
-correct sample among the k. One row per benchmark is written to the results table (replacing rows of
-the same stage label, so a rerun after a crash does not duplicate them), and the graded samples go to
+correct sample among the k. All benchmarks go to the engines in one call, one data-parallel engine per
+GPU. One row per benchmark is written to the results table (replacing the row of the same stage and
+benchmark, so a rerun after a crash does not duplicate it), and the graded samples go to
 <samples_dir>/<benchmark>.jsonl. Benchmarks missing from data_dir are fetched with data/prepare.py.
 """
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ policy = "data/toy/model"       # HF checkpoint directory
 benchmarks = "amc23,amc24,aime24,aime25,math500"   # comma list; also gsm8k, minerva_math, olympiadbench
 data_dir = "data/benchmarks"    # <benchmark>.jsonl files (id, problem, answer, source)
 k = 4                           # samples per problem (paper: avg@4)
+k_per_benchmark = ""            # e.g. "aime24:32,aime25:32": another k for small, noisy benchmarks
 temperature = 1.0               # paper protocol: temperature 1.0, top_p 0.7
 top_p = 0.7
 max_prompt_tokens = 1536
@@ -34,10 +37,14 @@ samples_dir = ""                # graded samples go here (default: next to the r
 stage = -1                      # labels for the results row: stage index (-1: the initial policy)
 updates = 0                     # optimizer updates so far in the run
 run_start = 0.0                 # unix time the run started (for hours since start; 0: now)
+gpus = -1                       # GPUs to use: one data-parallel engine per tensor_parallel of them (-1: all; 0: CPU)
 tensor_parallel = 1
 gpu_memory_utilization = 0.85
 grader_workers = 4
 grader_timeout_s = 10.0
+worker_rank = -1                # internal: set for the per-GPU engine subprocesses
+engines = 0                     # data-parallel engines (0: gpus // tensor_parallel; 1 on CPU)
+parts_dir = ""                  # internal: where the subprocesses leave their graded samples
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 
@@ -66,53 +73,85 @@ def benchmark_rows(name):
     return rows[:max_problems] if max_problems else rows
 
 
-def main():
+def k_for(name):
+    """Samples per problem for a benchmark: --k, or its entry in --k_per_benchmark."""
+    ks = dict(item.split(":") for item in k_per_benchmark.split(",") if item.strip()) if k_per_benchmark else {}
+    return int(ks.get(name, k))
+
+
+def sample_and_grade(rank, n):
+    """Every benchmark's prompts at positions ≡ rank (mod n), submitted in one generate call to this
+    process's engine, then graded: [(benchmark, problem index, sample index, text, reward, info)]."""
     from vllm import SamplingParams
-    names = [b.strip() for b in benchmarks.split(",") if b.strip()]
-    sets = {name: benchmark_rows(name) for name in names}
     llm = common.make_llm(policy, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
     tokenizer = llm.get_tokenizer()
+    stops = common.stop_token_ids(tokenizer, chat_template)      # EOS and the chat turn's end
+    requests = [(name, j, row, ids) for name, rows in sets.items() for j, row in enumerate(rows)
+                if len(ids := common.build_prompt_ids(tokenizer, row["problem"], prompt_template, chat_template))
+                <= max_prompt_tokens][rank::n]
+    params = [SamplingParams(n=k_for(name), temperature=temperature, top_p=top_p, max_tokens=max_response_tokens,
+                             stop_token_ids=stops, seed=common.sample_seed(seed, name, j))
+              for name, j, _, _ in requests]
+    outputs = llm.generate([{"prompt_token_ids": ids} for *_, ids in requests], params, use_tqdm=rank == 0)
+    samples = [(name, j, c.index, c.text, row["answer"], row.get("source", name))
+               for (name, j, row, _), o in zip(requests, outputs) for c in sorted(o.outputs, key=lambda c: c.index)]
+    graded = reward.grade_batch([(text, gold, source) for *_, text, gold, source in samples],
+                                workers=grader_workers, timeout_s=grader_timeout_s)
+    return [(name, j, i, text, r, {"reason": info["reason"], "extracted": info.get("extracted")})
+            for (name, j, i, text, _, _), (r, info) in zip(samples, graded)]
+
+
+def main():
+    global sets
+    names = [b.strip() for b in benchmarks.split(",") if b.strip()]
+    sets = {name: benchmark_rows(name) for name in names}
+    n = engines or common.n_engines(gpus, tensor_parallel)
+    if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
+        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(worker_rank, n))
+        return
+    t0 = time.perf_counter()
+    if n > 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            codes = common.run_engine_workers(__file__, [*sys.argv[1:], f"--parts_dir={tmp}"], n, tensor_parallel)
+            if any(codes):
+                sys.exit(f"evaluation engines failed with exit codes {codes}")
+            parts = [x for r in range(n) for x in json.loads((Path(tmp) / f"part_{r}.json").read_text())]
+    else:
+        parts = sample_and_grade(0, 1)
+    seconds = time.perf_counter() - t0
+    by_problem = {}
+    for name, j, i, text, r, info in parts:
+        by_problem.setdefault((name, j), []).append((i, text, r, info))
     out_rows = []
     sample_dir = Path(samples_dir) if samples_dir else (Path(results).parent / "eval_samples" / f"stage_{stage}"
                                                         if results else None)
     for name, rows in sets.items():
-        prompts, kept = [], []
-        for i, row in enumerate(rows):
-            ids = common.build_prompt_ids(tokenizer, row["problem"], prompt_template, chat_template)
-            if len(ids) <= max_prompt_tokens:
-                prompts.append({"prompt_token_ids": ids})
-                kept.append(row)
-        params = [SamplingParams(n=k, temperature=temperature, top_p=top_p, max_tokens=max_response_tokens,
-                                 seed=(seed * 1_000_003 + i) % 2**31) for i in range(len(prompts))]
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=True)
-        texts = [(c.text, row["answer"], row.get("source", name)) for row, o in zip(kept, outputs)
-                 for c in sorted(o.outputs, key=lambda c: c.index)]
-        graded = reward.grade_batch(texts, workers=grader_workers, timeout_s=grader_timeout_s)
-        correct = [[graded[j * k + s][0] for s in range(k)] for j in range(len(kept))]
+        done = sorted(j for b, j in by_problem if b == name)
+        correct = [[r for _, _, r, _ in sorted(by_problem[name, j])] for j in done]
         avg, passed = avg_and_pass_at_k(correct)
-        out_rows.append({"stage": stage, "updates": updates, "benchmark": name, "k": k,
-                         "avg_at_k": avg, "pass_at_k": passed, "problems": len(kept),
-                         "skipped_long_prompts": len(rows) - len(kept),
+        kn = k_for(name)
+        out_rows.append({"stage": stage, "updates": updates, "benchmark": name, "k": kn,
+                         "avg_at_k": avg, "pass_at_k": passed, "problems": len(done),
+                         "skipped_long_prompts": len(rows) - len(done),
                          "hours": (time.time() - run_start) / 3600 if run_start else 0.0,
                          "policy": str(policy), "temperature": temperature, "top_p": top_p, "time": time.time(),
-                         "seconds": time.perf_counter() - t0})
-        print(f"{name}: avg@{k} {avg:.4f}  pass@{k} {passed:.4f}  ({len(kept)} problems)", flush=True)
+                         "seconds": seconds, "engines": n})
+        print(f"{name}: avg@{kn} {avg:.4f}  pass@{kn} {passed:.4f}  ({len(done)} problems)", flush=True)
         if sample_dir:
             sample_dir.mkdir(parents=True, exist_ok=True)
             common.atomic_write_lines(sample_dir / f"{name}.jsonl", [
-                {"id": row["id"], "sample_idx": s, "response": texts[j * k + s][0], "answer": row["answer"],
-                 "reward": graded[j * k + s][0], "reason": graded[j * k + s][1]["reason"],
-                 "extracted": graded[j * k + s][1].get("extracted")}
-                for j, row in enumerate(kept) for s in range(k)])
-    if results:
+                {"id": rows[j]["id"], "sample_idx": i, "response": text, "answer": rows[j]["answer"], "reward": r,
+                 "reason": info["reason"], "extracted": info.get("extracted")}
+                for j in done for i, text, r, info in sorted(by_problem[name, j])])
+    if results:       # rows are keyed on (stage, benchmark): a rerun on a subset keeps the others
         path = Path(results)
         path.parent.mkdir(parents=True, exist_ok=True)
         old = common.read_jsonl(path) if path.exists() else []
-        common.atomic_write_lines(path, [r for r in old if r["stage"] != stage] + out_rows)
+        common.atomic_write_lines(path, [r for r in old if (r["stage"], r["benchmark"]) not in
+                                         {(stage, name) for name in sets}] + out_rows)
     mean = sum(r["avg_at_k"] for r in out_rows) / max(1, len(out_rows))
-    print(f"average avg@{k} over {len(out_rows)} benchmarks: {mean:.4f}")
+    print(f"average avg@k over {len(out_rows)} benchmarks: {mean:.4f} ({n} engine(s), {seconds:.0f} s)")
 
 
 if __name__ == "__main__":

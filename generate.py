@@ -9,10 +9,10 @@ the same command after a crash keeps the finished shards and produces the rest, 
 prompt has its own sampling seed). On a multi-GPU box one engine runs per GPU group (data parallel),
 each on its own shards; --tensor_parallel shards one engine across GPUs for models too big for one.
 """
+import concurrent.futures
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -31,8 +31,8 @@ stage = 0                       # stage index: selects prompts [s·P, (s+1)·P) 
 prompts_per_stage = 64          # P (paper: 65,536 = 1024 updates × 64 prompts)
 group_size = 8                  # G responses per prompt
 temperature = 1.0               # sampling temperature (the trainer uses the same one)
-top_p = 1.0                     # < 1 makes engine log-probs differ from the trainer's full softmax
-top_k = 0                       # 0: off
+top_p = 1.0                     # must stay 1 and top_k 0: truncated sampling renormalizes the engine's
+top_k = 0                       # log-probs over the kept tokens, the trainer's full softmax does not
 max_prompt_tokens = 1536        # longer prompts are skipped and counted, never truncated
 max_response_tokens = 2560
 prompt_template = common.DEFAULT_PROMPT_TEMPLATE   # {problem} is replaced; the chat template follows
@@ -40,10 +40,11 @@ chat_template = True            # wrap in the tokenizer's chat template when it 
 seed = 0                        # prompt order and sampling seeds
 shard_prompts = 1024            # prompts per shard: the unit of resume
 normalize_std = True            # advantages (r − mean) / std; False: Dr. GRPO (r − mean)
-engines = 0                     # data-parallel vLLM engines; 0: GPUs // tensor_parallel (1 on CPU)
+gpus = -1                       # GPUs to use (-1: all of CUDA_VISIBLE_DEVICES; 0: CPU)
+engines = 0                     # data-parallel vLLM engines; 0: gpus // tensor_parallel (1 on CPU)
 tensor_parallel = 1             # GPUs per engine
 gpu_memory_utilization = 0.85
-grader_workers = 4              # reward.grade_batch processes
+grader_workers = 0              # reward.grade_batch processes per engine (0: the CPUs left over by the engines)
 grader_timeout_s = 10.0         # per response
 format_bonus = 0.0              # reward for a boxed but wrong answer
 worker_rank = -1                # internal: set for the per-GPU engine subprocesses
@@ -51,12 +52,15 @@ worker_rank = -1                # internal: set for the per-GPU engine subproces
 overrides = common.apply_overrides(globals(), sys.argv[1:])
 if group_size < 2:
     sys.exit("--group_size must be >= 2 (advantages are normalized within a group)")
-if top_k < 0:
-    top_k = 0
+if top_p < 1.0 or top_k > 0:
+    sys.exit(f"--top_p={top_p} --top_k={top_k}: truncated sampling is refused for training rollouts. vLLM's "
+             f"log-probs are then renormalized over the kept tokens while optimize.py's full softmax is not, so "
+             f"the ratios would start away from 1 (evaluate.py may truncate freely); use top_p=1, top_k=0")
 stage_dir = Path(run_dir) / f"stage_{stage}"
 out_dir = stage_dir / "rollouts"
-n_engines = engines or max(1, common.gpu_count() // tensor_parallel)
+n_engines = engines or common.n_engines(gpus, tensor_parallel)
 is_main = worker_rank < 0
+graders = grader_workers or max(1, ((os.cpu_count() or 2) - n_engines) // n_engines)
 plan = {k: globals()[k] for k in ("policy", "data", "stage", "prompts_per_stage", "group_size", "temperature",
                                   "top_p", "top_k", "max_prompt_tokens", "max_response_tokens", "prompt_template",
                                   "chat_template", "seed", "shard_prompts", "normalize_std", "format_bonus")}
@@ -74,8 +78,8 @@ def shard_done(k):
     return shard_path(k).exists() and stats_path(k).exists()
 
 
-def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
-    """Sample, grade and write shard k: the stage's prompts at `positions`."""
+def sample_shard(llm, tokenizer, rows, positions):
+    """Sample G responses for each of the stage's prompts at `positions` (one generate call)."""
     from vllm import SamplingParams
     prompts, kept, skipped = [], [], 0
     for pos, row in zip(positions, rows):
@@ -85,14 +89,19 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
             continue
         prompts.append({"prompt_token_ids": ids})
         kept.append((pos, row, ids))
+    stops = common.stop_token_ids(tokenizer, chat_template)      # EOS and the chat turn's end
     params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
-                             max_tokens=max_response_tokens, logprobs=0, skip_special_tokens=True,
-                             seed=(seed * 1_000_003 + stage * 100_003 + pos) % 2**31)
+                             max_tokens=max_response_tokens, logprobs=0, flat_logprobs=True,
+                             stop_token_ids=stops, skip_special_tokens=True,
+                             seed=common.sample_seed(seed, stage, pos))
               for pos, _, _ in kept]
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=is_main and len(prompts) > 0) if prompts else []
-    gen_seconds = time.perf_counter() - t0
+    return kept, outputs, skipped, time.perf_counter() - t0
 
+
+def grade_and_write(k, kept, outputs, skipped, gen_seconds, policy_id):
+    """Grade shard k's responses, compute group advantages and write the shard (stats first)."""
     samples = []  # (position in stage, row, prompt ids, completion) in group order
     for (pos, row, ids), out in zip(kept, outputs):
         completions = sorted(out.outputs, key=lambda c: c.index)
@@ -101,7 +110,7 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
                                f"expected {group_size}")
         samples += [(pos, row, ids, c) for c in completions]
     graded = reward.grade_batch([(c.text, row["answer"], row.get("source")) for _, row, _, c in samples],
-                                workers=grader_workers, timeout_s=grader_timeout_s,
+                                workers=graders, timeout_s=grader_timeout_s,
                                 reward_fn=functools.partial(reward.grade, format_bonus=format_bonus))
     rewards = [r for r, _ in graded]
     advantages, zero_var = (loss.group_advantages(rewards, group_size, normalize_std) if samples
@@ -109,11 +118,11 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
     lines = []
     for i, ((pos, row, ids, c), (r, info)) in enumerate(zip(samples, graded)):
         token_ids = list(c.token_ids)
-        logprobs = [round(d[t].logprob, 6) for d, t in zip(c.logprobs, token_ids)]
+        logprobs = sampled_logprobs(c.logprobs, token_ids)
         lines.append({
             "prompt_id": row["id"], "group": pos, "sample_idx": c.index, "stage": stage, "policy": str(policy),
             "policy_id": policy_id, "prompt_token_ids": ids, "response_token_ids": token_ids,
-            "behavior_logprobs": logprobs, "finish_reason": "length" if c.finish_reason == "length" else "stop",
+            "behavior_logprobs": logprobs, "finish_reason": finish_reason(c),
             "reward": r, "advantage": round(float(advantages[i]), 6), "zero_variance": bool(zero_var[i // group_size]),
             "prompt": row["problem"], "response": c.text, "answer": row["answer"], "source": row.get("source"),
             "reward_info": {"reason": info["reason"], "extracted": info.get("extracted")},
@@ -133,6 +142,22 @@ def generate_shard(llm, tokenizer, k, rows, positions, policy_id):
     return stats
 
 
+def sampled_logprobs(flat, token_ids):
+    """The sampled tokens' log-probs from vLLM's FlatLogprobs (logprobs=0: one entry per position,
+    the sampled token's; vllm/logprobs.py), rounded to 6 decimals."""
+    if flat.token_ids != token_ids:
+        raise RuntimeError(f"vLLM returned log-probs for tokens other than the sampled ones "
+                           f"({len(flat.token_ids)} entries for {len(token_ids)} tokens)")
+    return [round(x, 6) for x in flat.logprobs]
+
+
+def finish_reason(completion):
+    """stop | length | abort | error, as vLLM says (None: the request did not finish, an abort);
+    optimize.py refuses to train on abort and error."""
+    reason = completion.finish_reason or "abort"
+    return reason if reason in rollouts.FINISH_REASONS else "error"
+
+
 def run_engine(shard_ids, shards):
     """One vLLM engine generating the given shards in order (this process)."""
     if not shard_ids:
@@ -141,12 +166,24 @@ def run_engine(shard_ids, shards):
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
     tokenizer = llm.get_tokenizer()
     policy_id = common.policy_fingerprint(policy)
-    for k in shard_ids:
-        positions, rows = shards[k]
-        s = generate_shard(llm, tokenizer, k, rows, positions, policy_id)
-        print(f"[engine {max(worker_rank, 0)}] shard {k}: {s['responses']} responses, mean reward "
+
+    def report(future):
+        s = future.result()
+        print(f"[engine {max(worker_rank, 0)}] shard {s['shard']}: {s['responses']} responses, mean reward "
               f"{s['reward_sum'] / max(1, s['responses']):.3f}, {s['response_tokens'] / max(s['generation_seconds'], 1e-9):.0f} "
               f"tokens/s", flush=True)
+
+    # shard k is graded and written in a background thread (its graders are processes) while shard k+1
+    # generates, so the engine does not idle during grading
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as grading:
+        pending = None
+        for k in shard_ids:
+            positions, rows = shards[k]
+            sampled = sample_shard(llm, tokenizer, rows, positions)
+            if pending is not None:
+                report(pending)
+            pending = grading.submit(grade_and_write, k, *sampled, policy_id)
+        report(pending)
 
 
 def write_manifest(stats):
@@ -200,19 +237,9 @@ if __name__ == "__main__":
     if is_main:
         print(f"stage {stage}: {len(stage_rows)} prompts × G={group_size} = {len(stage_rows) * group_size} responses "
               f"in {len(shards)} shards ({len(shards) - len(todo)} already done); {n_engines} engine(s) × "
-              f"TP {tensor_parallel}; temperature {temperature}, top_p {top_p}, max {max_response_tokens} tokens")
-        if top_p < 1.0 or top_k > 0:
-            print(f"WARNING: top_p={top_p}, top_k={top_k} truncate the sampling distribution; the engine's "
-                  f"log-probs are normalized over the kept tokens while the trainer's full softmax is not, so "
-                  f"the importance ratio starts away from 1 (see the mismatch/ metrics of optimize.py)")
+              f"TP {tensor_parallel}; temperature {temperature}, max {max_response_tokens} tokens")
     if is_main and n_engines > 1 and len(todo) > 1:
-        gpus = list(range(n_engines * tensor_parallel))
-        procs = []
-        for r in range(n_engines):
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, gpus[r * tensor_parallel:(r + 1) * tensor_parallel])))
-            procs.append(subprocess.Popen([sys.executable, __file__, *sys.argv[1:], f"--worker_rank={r}",
-                                           f"--engines={n_engines}"], env=env))
-        codes = [p.wait() for p in procs]
+        codes = common.run_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
         if any(codes):
             sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
     elif is_main:

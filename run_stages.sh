@@ -8,7 +8,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 # ------------------------------------------------------------------------------ hyperparameters
 PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy
 LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | nav-none | nav-T | nav-S | nav-seq
+                                # | offpolicy-grpo (clip [0.8, 1.2] + β·KL to the initial policy)
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
+EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last)
+RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and warmup afresh from the saved policy
+KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
+PREFLIGHT=${PREFLIGHT:-1}       # paper preset: 1 runs preflight.py first (cached once passed) | 0 skips | force
 # the rest is set per preset below, unless given in the environment:
 #   MODEL            initial policy (HF name or directory)
 #   TRAIN_DATA       prepared training problems (JSONL)
@@ -21,7 +26,9 @@ RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 #   MAX_PROMPT, MAX_RESPONSE  token limits                                   (paper 1536, 2560)
 #   TEMPERATURE      sampling temperature for rollouts                       (paper 1.0)
 #   EVAL_K, EVAL_TEMPERATURE, EVAL_TOP_P  avg@k protocol                     (paper 4, 1.0, 0.7)
-#   GPUS             GPUs used by every phase                                (paper 4)
+#   GPUS             GPUs used by every phase: generate's and evaluate's data-parallel
+#                    engines, optimize's torchrun ranks (paper: all; toy 0 = CPU)
+#   WARMUP           linear warmup updates, counted over the whole run        (paper 0)
 # ------------------------------------------------------------------------------
 
 bash setup.sh >&2
@@ -36,13 +43,13 @@ case "$PRESET" in
     : "${MODEL:=Qwen/Qwen2.5-Math-7B}" "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
     : "${BENCHMARKS:=amc23,amc24,aime24,aime25,math500}" "${STAGES:=4}" "${UPDATES:=1024}" "${PROMPTS_PER_UPDATE:=64}"
     : "${GROUP_SIZE:=8}" "${LR:=1e-6}" "${MAX_PROMPT:=1536}" "${MAX_RESPONSE:=2560}" "${TEMPERATURE:=1.0}"
-    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$(nvidia-smi -L | wc -l)}" "${TEMPLATE:=default}"
+    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$(nvidia-smi -L | wc -l)}" "${TEMPLATE:=default}" "${WARMUP:=0}"
     : "${MICRO_BATCH_TOKENS:=16384}" "${GRAD_CKPT:=true}" "${SHARD_PROMPTS:=4096}" ;;
   toy)
     : "${MODEL:=data/toy/model}" "${TRAIN_DATA:=data/toy/train.jsonl}" "${EVAL_DATA_DIR:=data/toy}"
     : "${BENCHMARKS:=test}" "${STAGES:=3}" "${UPDATES:=8}" "${PROMPTS_PER_UPDATE:=16}"
     : "${GROUP_SIZE:=8}" "${LR:=2e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=16}" "${TEMPERATURE:=1.0}"
-    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}"
+    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
     : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=64}" ;;
   *) echo "PRESET must be auto, paper or toy, got '$PRESET'" >&2; exit 2 ;;
 esac
@@ -53,14 +60,37 @@ case "$LOSS" in
   dapo)           LOSS_ARGS="--clip_low=0.8 --clip_high=1.28 --nav_delta=none" ;;
   m2po)           LOSS_ARGS="--clip_low=0 --clip_high=1e9 --nav_delta=none --m2po_tau=0.04" ;;
   relaxed-no-nav) LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=none" ;;
+  offpolicy-grpo) LOSS_ARGS="--clip_low=0.8 --clip_high=1.2 --nav_delta=none --kl_estimator=k3"
+                  : "${KL_COEF:=0.04}" ;;   # our choice (DeepSeekMath's GRPO β); the lag v is UPDATES
   nav-none|nav-T|nav-S|nav-seq)
                   LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=1e-4 --nav_scope=${LOSS#nav-}" ;;
-  *) echo "LOSS must be one of mu-grpo grpo dapo m2po relaxed-no-nav nav-none nav-T nav-S nav-seq, got '$LOSS'" >&2; exit 2 ;;
+  *) echo "LOSS must be one of mu-grpo grpo dapo m2po relaxed-no-nav nav-none nav-T nav-S nav-seq offpolicy-grpo," \
+          "got '$LOSS'" >&2; exit 2 ;;
 esac
+: "${KL_COEF:=0}"
+
+# every setting is checked before any phase runs: a typo fails here, not after the first evaluation
+for v in STAGES UPDATES PROMPTS_PER_UPDATE GROUP_SIZE MAX_PROMPT MAX_RESPONSE EVAL_K GPUS SHARD_PROMPTS \
+         MICRO_BATCH_TOKENS EVAL_EVERY WARMUP; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
+done
+for v in STAGES UPDATES PROMPTS_PER_UPDATE EVAL_EVERY MICRO_BATCH_TOKENS SHARD_PROMPTS; do
+  (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
+done
+(( GROUP_SIZE >= 2 )) || { echo "GROUP_SIZE must be at least 2, got '$GROUP_SIZE'" >&2; exit 2; }
+for v in LR TEMPERATURE EVAL_TEMPERATURE EVAL_TOP_P KL_COEF; do
+  [[ "${!v}" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || { echo "$v must be a non-negative number, got '${!v}'" >&2; exit 2; }
+done
+for v in GRAD_CKPT RESET_OPTIMIZER; do
+  [[ "${!v}" == true || "${!v}" == false ]] || { echo "$v must be true or false, got '${!v}'" >&2; exit 2; }
+done
+[[ "$PREFLIGHT" == 0 || "$PREFLIGHT" == 1 || "$PREFLIGHT" == force ]] || { echo "PREFLIGHT must be 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
 RUN=${RUN:-runs/$PRESET-$LOSS}
 PROMPTS_PER_STAGE=$((UPDATES * PROMPTS_PER_UPDATE))
 TEMPLATE_ARG=(); [[ "$TEMPLATE" == plain ]] && TEMPLATE_ARG=("--prompt_template={problem}")  # plain: the problem alone
 mkdir -p "$RUN/logs" "$RUN/.done"
+exec 9>"$RUN/.lock"    # one run_stages.sh per run directory: a second one would race on the same files
+flock -n 9 || { echo "another run_stages.sh is running on $RUN (it holds $RUN/.lock); wait for it or choose another RUN" >&2; exit 1; }
 echo "run $RUN: $PRESET preset, loss $LOSS; $STAGES stages × $UPDATES updates × $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE" \
      "($PROMPTS_PER_STAGE prompts per stage); model $MODEL; GPUs $GPUS"
 
@@ -74,6 +104,8 @@ fi
 if [[ ! -d "$MODEL" ]]; then  # a hub name: download once, then every phase reads the local copy
   MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
 fi
+$PY -c "import common, sys; rows = common.load_problems(sys.argv[1]); assert rows, sys.argv[1] + ': no problems'" "$TRAIN_DATA" \
+  || { echo "TRAIN_DATA=$TRAIN_DATA is not a prepared problem file (see data/prepare.py)" >&2; exit 2; }
 [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
 START=$(cat "$RUN/.done/start")
 
@@ -97,23 +129,35 @@ fi
 
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
-           --results="$RUN/results.jsonl" --run_start="$START" "${TEMPLATE_ARG[@]}")
+           --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" "${TEMPLATE_ARG[@]}")
 phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
 
+if [[ "$PRESET" == paper && "$PREFLIGHT" != 0 ]]; then   # minutes of checks before days of run
+  $PY preflight.py --policy="$MODEL" --data="$TRAIN_DATA" --out="$RUN/preflight.json" --gpus="$GPUS" \
+      --micro_batch_tokens="$MICRO_BATCH_TOKENS" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE" \
+      --temperature="$TEMPERATURE" --group_size="$GROUP_SIZE" --force=$([[ $PREFLIGHT == force ]] && echo true || echo false) \
+      --estimate_stage_prompts="$PROMPTS_PER_STAGE" "${TEMPLATE_ARG[@]}"
+fi
+
 POLICY=$MODEL
+STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
+KL_ARGS=(--kl_coef="$KL_COEF"); [[ "$KL_COEF" != 0 ]] && KL_ARGS+=(--ref_policy="$MODEL")
 for ((s = 0; s < STAGES; s++)); do
   STAGE_DIR=$RUN/stage_$s
   phase "generate_$s" $s $PY generate.py --policy="$POLICY" --data="$TRAIN_DATA" --run_dir="$RUN" --stage=$s \
       --prompts_per_stage=$PROMPTS_PER_STAGE --group_size=$GROUP_SIZE --temperature=$TEMPERATURE \
       --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE --shard_prompts=$SHARD_PROMPTS \
-      "${TEMPLATE_ARG[@]}"
+      --gpus="$GPUS" "${TEMPLATE_ARG[@]}"
   if [[ "$GPUS" -gt 1 ]]; then TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node="$GPUS"); else TRAIN=($PY); fi
   phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
       --updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR \
       --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT \
-      --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS
+      --warmup_updates=$WARMUP --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}" "${STATE_ARGS[@]}"
   POLICY=$STAGE_DIR/policy
-  phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s --updates=$(( (s + 1) * UPDATES )) "${EVAL_ARGS[@]}"
+  [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
+  if (( (s + 1) % EVAL_EVERY == 0 || s == STAGES - 1 )); then
+    phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s --updates=$(( (s + 1) * UPDATES )) "${EVAL_ARGS[@]}"
+  fi
 done
 
 $PY plot.py --run_dir="$RUN" --summary=true | tee "$RUN/logs/summary.log"

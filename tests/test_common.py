@@ -48,3 +48,51 @@ def test_atomic_write_leaves_no_temporary_files(tmp_path):
     common.atomic_write_json(tmp_path / "m.json", {"done": True})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "m.json"]
     assert common.read_jsonl(tmp_path / "a.jsonl") == [{"x": 1}, {"x": 2}]
+
+
+def _chat_tokenizer(toy, template, end_token):
+    """The toy tokenizer with a chat template whose assistant turns end with `end_token`."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    if end_token not in tok.all_special_tokens:
+        tok.add_special_tokens({"additional_special_tokens": [end_token]})
+    tok.chat_template = template
+    return tok
+
+
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3_LIKE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+               "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+               "\n\n{% endif %}")
+
+
+@pytest.mark.parametrize("template,end", [(QWEN_LIKE, "<|im_end|>"), (LLAMA3_LIKE, "<|eot_id|>")])
+def test_end_of_turn_token_is_read_from_the_chat_template(toy, template, end):
+    tok = _chat_tokenizer(toy, template, end)
+    assert common.end_of_turn_ids(tok) == [tok.convert_tokens_to_ids(end)]
+    assert common.stop_token_ids(tok) == [tok.eos_token_id, tok.convert_tokens_to_ids(end)]
+    assert common.stop_token_ids(tok, chat_template=False) == [tok.eos_token_id]
+
+
+def test_no_chat_template_means_eos_only(toy):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    assert common.stop_token_ids(tok) == [tok.eos_token_id] == [2]
+
+
+def test_engines_take_their_gpus_from_the_visible_list():
+    assert common.engine_gpu_groups(4, 1, "4,5,6,7") == ["4", "5", "6", "7"]
+    assert common.engine_gpu_groups(2, 2, "4,5,6,7") == ["4,5", "6,7"]
+    assert common.engine_gpu_groups(2, 1, "") == ["0", "1"]
+    with pytest.raises(SystemExit, match="need 4 GPUs"):
+        common.engine_gpu_groups(2, 2, "3,4,5")
+
+
+def test_sample_seeds_are_well_separated():
+    # vLLM seeds a request's G children seed, seed+1, ...: neighbouring prompts must not share those streams
+    # (the old seed + position gave neighbours 7 of 8 shared children for G = 8)
+    seeds = sorted(common.sample_seed(0, 0, pos) for pos in range(1000))
+    assert min(b - a for a, b in zip(seeds, seeds[1:])) >= 8
+    assert common.sample_seed(0, 0, 5) == common.sample_seed(0, 0, 5) != common.sample_seed(0, 1, 5)
+    assert all(0 <= s < 2**31 for s in seeds)

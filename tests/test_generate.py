@@ -105,3 +105,44 @@ def test_two_data_parallel_engines_write_the_same_stage(toy, stage, tmp_path):
         assert filecmp.cmp(rollouts / name, stage / name, shallow=False), name
     ours, ref = (json.loads((d / "manifest.json").read_text()) for d in (rollouts, stage))
     assert ours["responses"] == ref["responses"] and ours["mean_reward"] == ref["mean_reward"]
+
+
+def test_generation_stops_at_the_chat_templates_end_of_turn(toy, tmp_path):
+    # a policy prompted through a chat template whose assistant turn ends with <pad> (id 0, not EOS); the
+    # model is edited so that <pad> is as likely as "{": without the stop token it would go on after it
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+    model = tmp_path / "chat_model"
+    shutil.copytree(toy / "model", model)
+    weights = load_file(str(model / "model.safetensors"))
+    tok = AutoTokenizer.from_pretrained(model)
+    brace = tok.convert_tokens_to_ids("{")
+    weights["lm_head.weight"][0] = weights["lm_head.weight"][brace]
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<pad>{% endif %}"
+                         "{% endfor %}")
+    tok.save_pretrained(model)
+    run_script("generate.py", f"--policy={model}", f"--data={toy / 'train.jsonl'}", f"--run_dir={tmp_path}",
+               "--prompts_per_stage=8", "--shard_prompts=8", "--group_size=4", *TOY_GEN)
+    rows = read_lines(tmp_path / "stage_0" / "rollouts" / "shard_00000.jsonl")
+    ended = [r for r in rows if 0 in r["response_token_ids"]]
+    assert len(ended) >= 4                                   # the end-of-turn token is really sampled...
+    for r in ended:                                          # ...and ends the response there
+        assert r["response_token_ids"].index(0) == len(r["response_token_ids"]) - 1
+        assert r["finish_reason"] == "stop"
+
+
+def test_truncated_sampling_is_refused_for_training(toy, tmp_path):
+    proc = generate(toy, tmp_path, "--top_p=0.9", check=False)
+    assert proc.returncode != 0 and "truncated sampling is refused" in proc.stderr
+    assert not (tmp_path / "stage_0").exists()
+
+
+def test_finish_reasons_stay_distinct(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+    monkeypatch.setattr(sys, "argv", ["generate.py"])
+    import generate
+    reasons = [generate.finish_reason(SimpleNamespace(finish_reason=r)) for r in ("stop", "length", "abort", None, "odd")]
+    assert reasons == ["stop", "length", "abort", "abort", "error"]        # optimize.py refuses the last three

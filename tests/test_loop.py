@@ -155,3 +155,20 @@ def test_notebook_cells_run_on_a_finished_run(finished_run, tmp_path, monkeypatc
             exec(compile(code, "results.ipynb", "exec"), namespace)
     assert len(namespace["runs"]) == 1 and len(namespace["metrics"]) == 12
     assert len(list((tmp_path / "plots_notebook").glob("*.png"))) == 5
+
+
+@needs_vllm
+def test_evaluate_rows_are_keyed_by_stage_and_benchmark_and_engines_agree(toy, tmp_path):
+    results = tmp_path / "results.jsonl"
+    common = [f"--policy={toy / 'model'}", f"--data_dir={toy}", "--max_problems=6", "--k=2", "--max_response_tokens=8",
+              "--prompt_template={problem}", f"--results={results}", "--stage=0", "--grader_workers=1"]
+    run_script("evaluate.py", *common, "--benchmarks=test", "--engines=2")          # two data-parallel engines
+    [two_engines] = read_lines(results)
+    assert two_engines["engines"] == 2
+    # another benchmark for the same stage, with its own k: the first row stays
+    run_script("evaluate.py", *common, "--benchmarks=train,test", "--k_per_benchmark=train:3")
+    rows = {r["benchmark"]: r for r in read_lines(results)}
+    assert set(rows) == {"test", "train"} and rows["train"]["k"] == 3 and rows["test"]["k"] == 2
+    assert len(read_lines(tmp_path / "eval_samples" / "stage_0" / "train.jsonl")) == 3 * 6
+    # per-problem seeds: one engine samples what two did
+    assert rows["test"]["avg_at_k"] == two_engines["avg_at_k"] and rows["test"]["engines"] == 1
