@@ -13,6 +13,7 @@ RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last)
 RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and warmup afresh from the saved policy
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
+KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
 PREFLIGHT=${PREFLIGHT:-1}       # paper preset: 1 runs preflight.py first (cached once passed) | 0 skips | force
 # the rest is set per preset below, unless given in the environment:
 #   MODEL            initial policy (HF name or directory)
@@ -81,7 +82,7 @@ done
 for v in LR TEMPERATURE EVAL_TEMPERATURE EVAL_TOP_P KL_COEF; do
   [[ "${!v}" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || { echo "$v must be a non-negative number, got '${!v}'" >&2; exit 2; }
 done
-for v in GRAD_CKPT RESET_OPTIMIZER; do
+for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES; do
   [[ "${!v}" == true || "${!v}" == false ]] || { echo "$v must be true or false, got '${!v}'" >&2; exit 2; }
 done
 [[ "$PREFLIGHT" == 0 || "$PREFLIGHT" == 1 || "$PREFLIGHT" == force ]] || { echo "PREFLIGHT must be 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
@@ -141,7 +142,8 @@ fi
 
 POLICY=$MODEL
 STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
-KL_ARGS=(--kl_coef="$KL_COEF"); [[ "$KL_COEF" != 0 ]] && KL_ARGS+=(--ref_policy="$MODEL")
+KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
+[[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
 for ((s = 0; s < STAGES; s++)); do
   STAGE_DIR=$RUN/stage_$s
   phase "generate_$s" $s $PY generate.py --policy="$POLICY" --data="$TRAIN_DATA" --run_dir="$RUN" --stage=$s \
@@ -155,6 +157,9 @@ for ((s = 0; s < STAGES; s++)); do
       --warmup_updates=$WARMUP --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}" "${STATE_ARGS[@]}"
   POLICY=$STAGE_DIR/policy
   [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
+  if (( s > 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes/parameter
+    rm -rf "$RUN/stage_$((s - 1))/train_state"                  # stage s carries it on
+  fi
   if (( (s + 1) % EVAL_EVERY == 0 || s == STAGES - 1 )); then
     phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s --updates=$(( (s + 1) * UPDATES )) "${EVAL_ARGS[@]}"
   fi

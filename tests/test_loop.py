@@ -172,3 +172,60 @@ def test_evaluate_rows_are_keyed_by_stage_and_benchmark_and_engines_agree(toy, t
     assert len(read_lines(tmp_path / "eval_samples" / "stage_0" / "train.jsonl")) == 3 * 6
     # per-problem seeds: one engine samples what two did
     assert rows["test"]["avg_at_k"] == two_engines["avg_at_k"] and rows["test"]["engines"] == 1
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("STAGES", "abc", "STAGES must be a whole number, got 'abc'"),
+    ("LR", "1e-x", "LR must be a non-negative number"),
+    ("GROUP_SIZE", "1", "GROUP_SIZE must be at least 2"),
+    ("LOSS", "ppo", "LOSS must be one of"),
+    ("GRAD_CKPT", "yes", "GRAD_CKPT must be true or false"),
+])
+def test_bad_settings_fail_before_any_phase(toy, tmp_path, name, value, message):
+    env = {**loop_env(toy, tmp_path / "run"), name: value}
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()          # nothing ran
+
+
+def test_training_data_without_answers_fails_before_any_phase(toy, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "a", "problem": "1+1?"}) + "\n")
+    env = {**loop_env(toy, tmp_path / "run"), "TRAIN_DATA": str(bad)}
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+    assert proc.returncode == 2 and "has no field 'answer'" in proc.stderr
+    assert not (tmp_path / "run" / ".done" / "eval_init").exists()
+
+
+def test_a_second_run_on_the_same_directory_is_refused(toy, tmp_path):
+    import fcntl
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".lock", "w") as held:           # as a running run_stages.sh holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, **loop_env(toy, run_dir)}, timeout=300)
+    assert proc.returncode == 1 and "another run_stages.sh is running" in proc.stderr
+
+
+@needs_vllm
+def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation(toy, tmp_path):
+    # the second seed's objective: clip [0.8, 1.2] and β·KL to the initial policy; evaluation at the end only
+    run_dir = tmp_path / "run"
+    env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES": "2", "EVAL_EVERY": "2"}
+    run_loop(env)
+    phases = [t["name"] for t in read_lines(run_dir / "timeline.jsonl")]
+    assert phases == ["eval_init", "generate_0", "optimize_0", "generate_1", "optimize_1", "eval_1"]
+    for s in (0, 1):
+        metrics = read_lines(run_dir / f"stage_{s}" / "metrics.jsonl")
+        assert all(m["kl/in_loss"] == 1 and m["kl/ref_mean"] >= 0 for m in metrics)
+        assert [m["global_update"] for m in metrics] == [2 * s, 2 * s + 1]          # one run across stages
+        timing = json.loads((run_dir / f"stage_{s}" / "optimize_timing.json").read_text())
+        assert timing["ref_pass_seconds"] > 0 and timing["train_seconds"] > 0
+    first = read_lines(run_dir / "stage_0" / "metrics.jsonl")[0]
+    assert first["kl/ref_mean"] == pytest.approx(0, abs=1e-5)       # π = π_ref before the first update
+    assert not (run_dir / "stage_0" / "train_state").exists()           # the next stage took it over
+    assert (run_dir / "stage_1" / "train_state" / "progress.json").exists()
+    assert {r["stage"] for r in read_lines(run_dir / "results.jsonl")} == {-1, 1}

@@ -328,3 +328,33 @@ def test_adam_state_and_update_count_carry_over_to_the_next_stage(toy, stage, tm
     # without it (a reset): fresh AdamW and warmup, other weights
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--out={tmp_path / 'reset' / 'policy'}")
     assert [m["lr"] for m in read_lines(tmp_path / "reset" / "metrics.jsonl")] == pytest.approx([1e-3 / 4, 2e-3 / 4])
+
+
+def test_kl_penalty_reference_pass_is_stored_once_and_beta_zero_changes_nothing(toy, stage, tmp_path):
+    args = ["--updates_per_stage=2", *FAST, f"--ref_policy={toy / 'model'}"]
+    first = run_script("optimize.py", f"--stage_dir={stage}", *args, "--kl_coef=0.1", f"--out={tmp_path / 'a' / 'policy'}")
+    assert "ref log-probs: one pass" in first.stdout
+    [ref] = (stage / "logprobs").glob("ref-*.f32")
+    rows = read_lines(stage / "rollouts" / "shard_00000.jsonl")      # π_ref generated them: ref = behavior
+    assert np.fromfile(ref, dtype="<f4") == pytest.approx([x for r in rows for x in r["behavior_logprobs"]], abs=1e-4)
+    metrics = read_lines(tmp_path / "a" / "metrics.jsonl")
+    assert [m["kl/in_loss"] for m in metrics] == [1, 1] and metrics[1]["kl/ref_mean"] > 0
+    timing = json.loads((tmp_path / "a" / "optimize_timing.json").read_text())
+    assert timing["ref_pass_seconds"] > 0
+    # a replay into another directory reads the stored pass, and ends at the same weights
+    replay = run_script("optimize.py", f"--stage_dir={stage}", *args, "--kl_coef=0.1", f"--out={tmp_path / 'b' / 'policy'}")
+    assert "ref log-probs: stored in" in replay.stdout and "one pass" not in replay.stdout
+    a, b = _weights(tmp_path / "a" / "policy"), _weights(tmp_path / "b" / "policy")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # β = 0: the KL is measured, not optimized; the update is bit-identical to no reference at all
+    run_script("optimize.py", f"--stage_dir={stage}", *args, "--kl_coef=0", f"--out={tmp_path / 'zero' / 'policy'}")
+    run_script("optimize.py", f"--stage_dir={stage}", *FAST, "--updates_per_stage=2", f"--out={tmp_path / 'none' / 'policy'}")
+    a, b = _weights(tmp_path / "zero" / "policy"), _weights(tmp_path / "none" / "policy")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_lines(tmp_path / "zero" / "metrics.jsonl")[1]["kl/in_loss"] == 0
+
+
+def test_tis_replay_into_a_new_directory(toy, stage, tmp_path):
+    out = tmp_path / "replays" / "tis" / "policy"           # a directory that does not exist yet
+    run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--tis_cap=2", f"--out={out}")
+    assert (out / "model.safetensors").exists() and len(read_lines(out.parent / "metrics.jsonl")) == 2
