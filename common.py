@@ -237,6 +237,19 @@ def policy_fingerprint(policy_dir):
     return content_fingerprint(p)
 
 
+def peak_rss_gib():
+    """This process's peak resident set size in GiB: VmHWM of /proc/self/status (Linux). Not ru_maxrss:
+    Linux carries a parent's high-water mark across fork + exec into it."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 # ----------------------------------------------------------------------------------------------
 # vLLM
 

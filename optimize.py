@@ -21,7 +21,6 @@ import importlib.util
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 import time
@@ -769,7 +768,7 @@ def main():
     save_policy(model, start_policy, save_dtype, out_dir)
     if not save_train_state and is_main:
         shutil.rmtree(state_dir, ignore_errors=True)
-    peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20], device=device)   # GiB
+    peak_rss = torch.tensor([common.peak_rss_gib()], device=device)
     if distributed:
         parts = [torch.zeros(1, device=device) for _ in range(world)]
         dist.all_gather(parts, peak_rss)

@@ -1,19 +1,23 @@
-"""Training throughput of optimize.py: tokens/s, model FLOPs utilization and peak memory, with and
-without gradient checkpointing, on a randomly initialized model built from a config (no download).
+"""Training throughput of optimize.py: tokens/s, model FLOPs utilization and memory, with and without
+gradient checkpointing, on a randomly initialized model built from a config (no download).
 
-    python bench/bench_train.py                          # Qwen2.5-1.5B shape, bf16 on one GPU
-    python bench/bench_train.py --shape=tiny --updates=2 # a CPU smoke run of the bench itself
+    python bench/bench_train.py                                  # Qwen2.5-1.5B shape, one GPU
+    python bench/bench_train.py --shape=qwen2.5-7b --gpus=4      # the paper's model under torchrun, FSDP2
+    python bench/bench_train.py --shape=tiny --updates=2         # a CPU smoke run of the bench itself
 
-It writes a synthetic stage (random prompt/response tokens of the paper's lengths) and runs the real
-optimize.py on it, then reads its metrics.jsonl. FLOPs per update: 6·N·tokens + 6·layers·hidden·s²
-per sequence (causal attention, forward + backward); MFU against `peak_tflops`.
+It writes a synthetic stage (random tokens; prompt and response lengths drawn from a length mix like a
+math RL stage's: lognormal responses around `mean_response_tokens`, capped) and runs the real
+optimize.py on it, then reads its metrics.jsonl. Model FLOPs per update count the tokens actually
+computed: 2·N_body per token for every token, the lm_head (2·V·H) only at response positions (the
+trainer computes logits only there), causal attention 2·layers·hidden·s² per sequence; ×3 for forward
++ backward (recomputation under gradient checkpointing is not counted: MFU is model FLOPs).
 """
 import json
-import os
-import random
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -21,9 +25,12 @@ import common  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 shape = "qwen2.5-1.5b"      # qwen2.5-1.5b | qwen2.5-7b | tiny
-prompt_tokens = 300         # per response
-response_tokens = 1500
-responses_per_update = 64   # 8 prompts × G=8
+gpus = 1                    # > 1: torchrun --nproc_per_node=gpus (FSDP2; gloo ranks on a CPU machine)
+layers = 0                  # 0: the shape's layer count; > 0: fewer layers (the real shape, scaled down, on CPU)
+mean_prompt_tokens = 200    # prompt lengths uniform in [mean/2, 3·mean/2]
+mean_response_tokens = 1000 # lognormal response lengths (σ 0.6), capped at max_response_tokens
+max_response_tokens = 2560
+prompts_per_update = 8      # × G=8 responses
 updates = 4                 # the first is reported apart (warm-up)
 micro_batch_tokens = 16384
 peak_tflops = 989.0         # dense bf16 peak of one H100/H200 SXM
@@ -43,8 +50,8 @@ def build_model(path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     sys.path.insert(0, str(ROOT / "data"))
     import toy
-    hidden, layers, heads, kv, inter, vocab = SHAPES[shape]
-    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+    hidden, n_layers, heads, kv, inter, vocab = SHAPES[shape]
+    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers or n_layers, num_attention_heads=heads, num_key_value_heads=kv,
                       intermediate_size=inter, vocab_size=vocab, max_position_embeddings=4096,
                       tie_word_embeddings=shape == "qwen2.5-1.5b", torch_dtype="bfloat16")
     torch.manual_seed(0)
@@ -53,7 +60,7 @@ def build_model(path):
     model.save_pretrained(path)
     toy.build_tokenizer(["What is 1 + 2? \\boxed{3}"] * 10, 300).save_pretrained(path)
     n_params = sum(p.numel() for p in model.parameters())
-    return n_params, layers, hidden, vocab
+    return n_params, layers or n_layers, hidden, vocab
 
 
 def count_parameters(model_dir):
@@ -67,27 +74,40 @@ def count_parameters(model_dir):
 
 
 def write_stage(stage, vocab):
-    rng = random.Random(0)
-    rows = []
-    for g in range(responses_per_update // 8 * updates):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_tokens)]
+    """The synthetic stage; returns per response (prompt tokens, response tokens)."""
+    rng = np.random.default_rng(0)
+    rows, lengths = [], []
+    for g in range(prompts_per_update * updates):
+        prompt = rng.integers(3, vocab, int(rng.integers(mean_prompt_tokens // 2, 3 * mean_prompt_tokens // 2 + 1))).tolist()
         for i in range(8):
-            resp = [rng.randrange(vocab) for _ in range(response_tokens)]
+            n = int(min(max_response_tokens, rng.lognormal(np.log(mean_response_tokens) - 0.18, 0.6) + 1))
             rows.append({"prompt_id": f"p{g}", "group": g, "sample_idx": i, "prompt_token_ids": prompt,
-                         "response_token_ids": resp, "behavior_logprobs": [-12.0] * response_tokens,
+                         "response_token_ids": rng.integers(3, vocab, n).tolist(), "behavior_logprobs": [-12.0] * n,
                          "finish_reason": "length", "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0,
                          "stage": 0, "policy": "bench"})
+            lengths.append((len(prompt), n))
     out = stage / "rollouts"
     out.mkdir(parents=True, exist_ok=True)
     common.atomic_write_lines(out / "shard_00000.jsonl", rows)
     common.atomic_write_json(out / "manifest.json", {"complete": True, "stage": 0, "policy": "bench",
                                                      "shards": ["shard_00000.jsonl"],
-                                                     "sampling": {"n": 8, "temperature": 1.0, "max_tokens": response_tokens}})
+                                                     "sampling": {"n": 8, "temperature": 1.0, "max_tokens": max_response_tokens}})
+    return lengths
+
+
+def model_flops(lengths, n_params, layers, hidden, vocab, tied):
+    """Forward + backward FLOPs of one update's responses: [(prompt, response tokens)]."""
+    body = n_params - vocab * hidden * (1 if tied else 2)          # without embedding and lm_head
+    total = 0.0
+    for p, r in lengths:
+        s = p + r
+        total += 2 * body * s + 2 * vocab * hidden * r + 2 * layers * hidden * s * s
+    return 3 * total
 
 
 if __name__ == "__main__":
     out = Path(out_dir)
-    model_dir = out / f"model-{shape}"
+    model_dir = out / (f"model-{shape}" + (f"-{layers}layers" if layers else ""))
     if not (model_dir / "config.json").exists():
         n_params, layers, hidden, vocab = build_model(model_dir)
     else:
@@ -95,37 +115,48 @@ if __name__ == "__main__":
         c = AutoConfig.from_pretrained(model_dir)
         layers, hidden, vocab = c.num_hidden_layers, c.hidden_size, c.vocab_size
         n_params = None
+    from transformers import AutoConfig
+    tied = bool(AutoConfig.from_pretrained(model_dir).tie_word_embeddings)
+    launcher = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 \
+        else [sys.executable]
     table = []
     for ckpt in (False, True):
         stage = out / f"stage-{shape}-ckpt{int(ckpt)}"
         subprocess.run(["rm", "-rf", str(stage)], check=True)
-        write_stage(stage, vocab)
-        proc = subprocess.run([sys.executable, str(ROOT / "optimize.py"), f"--stage_dir={stage}",
+        lengths = write_stage(stage, vocab)
+        proc = subprocess.run([*launcher, str(ROOT / "optimize.py"), f"--stage_dir={stage}",
                                f"--policy={model_dir}", f"--out={stage / 'policy'}", f"--updates_per_stage={updates}",
-                               f"--prompts_per_update={responses_per_update // 8}",
-                               f"--micro_batch_tokens={micro_batch_tokens}", f"--gradient_checkpointing={ckpt}",
-                               "--skip_zero_variance=false"], capture_output=True, text=True)
+                               f"--prompts_per_update={prompts_per_update}", "--save_train_state=false",
+                               f"--micro_batch_tokens={micro_batch_tokens}", f"--gradient_checkpointing={ckpt}"],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             table.append((ckpt, None, proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"))
             continue
         metrics = [json.loads(line) for line in open(stage / "metrics.jsonl")]
-        steady = metrics[1:] or metrics
-        seconds = sum(m["seconds"] for m in steady) / len(steady)
-        tokens = sum(m["tokens"] for m in steady) / len(steady)
+        timing = json.loads((stage / "optimize_timing.json").read_text())
         if n_params is None:
             n_params = count_parameters(model_dir)
-        seq = prompt_tokens + response_tokens
-        flops = 6 * n_params * tokens + 6 * layers * hidden * seq * seq * (tokens / seq)
-        peak = max((m.get("memory/peak_gib") or 0.0) for m in metrics)
-        table.append((ckpt, (tokens / seconds, flops / seconds / (peak_tflops * 1e12), peak, seconds), None))
-    print(f"{shape}: {n_params / 1e9:.2f} B parameters; {responses_per_update} responses × ({prompt_tokens} + "
-          f"{response_tokens}) tokens per update; micro-batches of {micro_batch_tokens} tokens; "
-          f"{updates - 1} timed updates after one warm-up")
-    print(f"| {'gradient checkpointing':<22} | {'tokens/s':>9} | {'MFU':>6} | {'peak GiB':>8} | {'s/update':>8} |")
-    print(f"|{'-' * 24}|{'-' * 11}|{'-' * 8}|{'-' * 10}|{'-' * 10}|")
+        per_update = len(lengths) // updates
+        steady = range(1, updates) if updates > 1 else range(1)
+        seconds = sum(metrics[u]["seconds"] for u in steady)
+        tokens = sum(metrics[u]["tokens"] for u in steady)
+        flops = sum(model_flops(lengths[u * per_update:(u + 1) * per_update], n_params, layers, hidden, vocab, tied)
+                    for u in steady)
+        peak = max((m.get("memory/peak_gib") or 0.0) for m in metrics) or None
+        table.append((ckpt, (tokens / seconds, flops / seconds / (peak_tflops * 1e12 * gpus), peak,
+                             metrics[0]["memory/saved_activations_gib"], max(timing["peak_rss_gib_per_rank"]),
+                             seconds / len(steady)), None))
+    mean_len = np.mean([p + r for p, r in lengths])
+    print(f"{shape}: {n_params / 1e9:.2f} B parameters on {gpus} rank(s); "
+          f"{prompts_per_update * 8} responses per update, mean {mean_len:.0f} tokens (prompt + response); "
+          f"micro-batches of {micro_batch_tokens} tokens per rank; {max(1, updates - 1)} timed updates after one warm-up")
+    print(f"| {'grad ckpt':<9} | {'tokens/s':>9} | {'MFU':>6} | {'peak GPU GiB':>12} | {'saved activations GiB':>21} | "
+          f"{'peak RSS GiB':>12} | {'s/update':>8} |")
+    print(f"|{'-' * 11}|{'-' * 11}|{'-' * 8}|{'-' * 14}|{'-' * 23}|{'-' * 14}|{'-' * 10}|")
     for ckpt, res, err in table:
         if res is None:
-            print(f"| {str(ckpt):<22} | failed: {err}")
+            print(f"| {str(ckpt):<9} | failed: {err}")
         else:
-            tps, mfu, peak, sec = res
-            print(f"| {str(ckpt):<22} | {tps:9.0f} | {100 * mfu:5.1f}% | {peak:8.1f} | {sec:8.2f} |")
+            tps, mfu, peak, saved, rss, sec = res
+            peak_text = f"{peak:12.1f}" if peak else f"{'(CPU)':>12}"
+            print(f"| {str(ckpt):<9} | {tps:9.0f} | {100 * mfu:5.1f}% | {peak_text} | {saved:21.3f} | {rss:12.2f} | {sec:8.2f} |")
