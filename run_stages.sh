@@ -117,7 +117,7 @@ phase() {
   if [[ -f "$RUN/.done/$name" ]]; then echo "[$name] done already"; return; fi
   echo "[$name] $*"
   local t0 t1; t0=$(date +%s.%N)
-  "$@" 2>&1 | tee "$RUN/logs/$name.log"
+  { "$@" 2>&1 | tee "$RUN/logs/$name.log"; } 9>&-   # the lock stays with this script, not its children
   t1=$(date +%s.%N)
   echo "{\"phase\": \"${name%_*}\", \"name\": \"$name\", \"stage\": $stage, \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
   touch "$RUN/.done/$name"
@@ -137,7 +137,7 @@ if [[ "$PRESET" == paper && "$PREFLIGHT" != 0 ]]; then   # minutes of checks bef
   $PY preflight.py --policy="$MODEL" --data="$TRAIN_DATA" --out="$RUN/preflight.json" --gpus="$GPUS" \
       --micro_batch_tokens="$MICRO_BATCH_TOKENS" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE" \
       --temperature="$TEMPERATURE" --group_size="$GROUP_SIZE" --force=$([[ $PREFLIGHT == force ]] && echo true || echo false) \
-      --estimate_stage_prompts="$PROMPTS_PER_STAGE" "${TEMPLATE_ARG[@]}"
+      --estimate_stage_prompts="$PROMPTS_PER_STAGE" "${TEMPLATE_ARG[@]}" 9>&-
 fi
 
 POLICY=$MODEL
