@@ -53,21 +53,12 @@ def test_packed_forward_equals_separate_forwards(toy, optimize, implementation):
     assert (packed - single).abs().max() < 1e-5
 
 
-def saved_bytes(model, n_tokens, seq_len):
+def saved_bytes(optimize, model, n_tokens, seq_len):
     """Bytes autograd saves for backward in one forward of a packed row of n_tokens (sequences of seq_len)."""
     ids = torch.randint(3, model.config.vocab_size, (1, n_tokens))
     pos = torch.arange(n_tokens)[None] % seq_len
-    total, seen = [0], set()
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            if key not in seen:
-                seen.add(key)
-                total[0] += key[1]
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    measure, total = optimize.saved_activation_bytes()
+    with measure:
         model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits.sum().backward()
     return total[0]
 
@@ -77,7 +68,7 @@ def test_packed_attention_memory_grows_linearly_not_quadratically(toy, optimize)
     # a dense [N, N] mask with the math kernel saves its N² scores: ~16× for the attention part
     varlen, dense = model_with(toy, "varlen_sdpa").train(), model_with(toy, "eager").train()
     small, large = 512, 2048
-    ratio_varlen = saved_bytes(varlen, large, 128) / saved_bytes(varlen, small, 128)
-    ratio_dense = saved_bytes(dense, large, 128) / saved_bytes(dense, small, 128)
+    ratio_varlen = saved_bytes(optimize, varlen, large, 128) / saved_bytes(optimize, varlen, small, 128)
+    ratio_dense = saved_bytes(optimize, dense, large, 128) / saved_bytes(optimize, dense, small, 128)
     assert 3.5 < ratio_varlen <= 4.05, (ratio_varlen, ratio_dense)       # linear (a few fixed-size tensors aside)
     assert ratio_dense > 8.0, ratio_dense
