@@ -173,7 +173,7 @@ def build_prompt_ids(tokenizer, problem, template=DEFAULT_PROMPT_TEMPLATE, chat_
 
 def end_of_turn_ids(tokenizer, chat_template=True):
     """Token ids that end the assistant's turn besides EOS, read from the chat template: the special
-    token(s) the template writes right after an assistant message (Qwen's <|im_end|>, Llama 3's
+    token the template writes right after an assistant message (Qwen's <|im_end|>, Llama 3's
     <|eot_id|>). A base model prompted through a chat template ends its turn with one and may then
     invent a next turn; generation must stop there. [] without a chat template."""
     if not (chat_template and getattr(tokenizer, "chat_template", None)):
@@ -184,14 +184,9 @@ def end_of_turn_ids(tokenizer, chat_template=True):
     after = text[text.rindex(marker) + len(marker):]
     special = {t: i for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids)}
     special.update({t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special})
-    ids, rest = [], after.lstrip()
-    while rest:                      # the special tokens at the start of what follows the message
-        hit = next((t for t in sorted(special, key=len, reverse=True) if t and rest.startswith(t)), None)
-        if hit is None:
-            break
-        ids.append(special[hit])
-        rest = rest[len(hit):].lstrip()
-    return [i for i in ids[:1] if i != tokenizer.eos_token_id]
+    rest = after.lstrip()                 # the special token that starts what follows the message
+    hit = next((t for t in sorted(special, key=len, reverse=True) if t and rest.startswith(t)), None)
+    return [special[hit]] if hit is not None and special[hit] != tokenizer.eos_token_id else []
 
 
 def stop_token_ids(tokenizer, chat_template=True):
@@ -235,6 +230,14 @@ def policy_fingerprint(policy_dir):
     if (p / POLICY_ID_FILE).exists():
         return json.loads((p / POLICY_ID_FILE).read_text())["fingerprint"]
     return content_fingerprint(p)
+
+
+def local_dir(name):
+    """A checkpoint directory; a hub name becomes its local snapshot (downloaded once, then cached)."""
+    if Path(name).is_dir():
+        return str(name)
+    from huggingface_hub import snapshot_download
+    return snapshot_download(name)
 
 
 def peak_rss_gib():

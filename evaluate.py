@@ -79,7 +79,7 @@ def k_for(name):
     return int(ks.get(name, k))
 
 
-def sample_and_grade(rank, n):
+def sample_and_grade(sets, rank, n):
     """Every benchmark's prompts at positions ≡ rank (mod n), submitted in one generate call to this
     process's engine, then graded: [(benchmark, problem index, sample index, text, reward, info)]."""
     from vllm import SamplingParams
@@ -103,12 +103,11 @@ def sample_and_grade(rank, n):
 
 
 def main():
-    global sets
     names = [b.strip() for b in benchmarks.split(",") if b.strip()]
     sets = {name: benchmark_rows(name) for name in names}
     n = engines or common.n_engines(gpus, tensor_parallel)
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
-        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(worker_rank, n))
+        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(sets, worker_rank, n))
         return
     t0 = time.perf_counter()
     if n > 1:
@@ -118,7 +117,7 @@ def main():
                 sys.exit(f"evaluation engines failed with exit codes {codes}")
             parts = [x for r in range(n) for x in json.loads((Path(tmp) / f"part_{r}.json").read_text())]
     else:
-        parts = sample_and_grade(0, 1)
+        parts = sample_and_grade(sets, 0, 1)
     seconds = time.perf_counter() - t0
     by_problem = {}
     for name, j, i, text, r, info in parts:

@@ -622,14 +622,6 @@ def run_update(model, optimizer, u, batch, columns, trainable):
 # ----------------------------------------------------------------------------- main
 
 
-def local_dir(name):
-    """A checkpoint directory; a hub name becomes its local snapshot (weights, tokenizer)."""
-    if Path(name).is_dir():
-        return str(name)
-    from huggingface_hub import snapshot_download
-    return snapshot_download(name)
-
-
 def main():
     global stage, temp, attention, loss_kw, start, update_offset, start_weights
     t_start = time.perf_counter()
@@ -638,7 +630,7 @@ def main():
     except rollouts.RolloutError as e:
         raise SystemExit(str(e)) from None
     manifest = stage.manifest
-    start_policy = local_dir(policy or manifest["policy"])
+    start_policy = common.local_dir(policy or manifest["policy"])
     temp = temperature or manifest["sampling"]["temperature"]
     if temperature and temperature != manifest["sampling"]["temperature"]:
         log(f"WARNING: --temperature={temperature} differs from the sampling temperature "
@@ -671,7 +663,7 @@ def main():
 
     # π_ref's log-probs first (its model is freed before the trainer's is built)
     columns, timing = {}, {}
-    reference = local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
+    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
     if reference:
         if not ref_policy:
             log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")

@@ -153,11 +153,7 @@ def code_version():
 
 
 def main():
-    if Path(policy).is_dir():
-        model = policy
-    else:                                   # a hub name: the same local snapshot every phase reads
-        from huggingface_hub import snapshot_download
-        model = snapshot_download(policy)
+    model = common.local_dir(policy)        # a hub name: the same local snapshot every phase reads
     key = {"model": common.policy_fingerprint(model), "code": code_version(), "gpus": n_gpus,
            "micro_batch_tokens": micro_batch_tokens, "optimize_args": optimize_args}
     if report_path.exists():

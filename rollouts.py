@@ -75,7 +75,7 @@ class ColumnWriter:
         self.tmp.mkdir(parents=True)
         self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in COLUMNS}
         self.group_keys, self.group_index = [], {}
-        self.n = self.prompt_tokens = self.response_tokens = 0
+        self.n = self.prompt_tokens = self.response_tokens = self.max_token_id = 0
         self.files["prompt_offsets"].write(np.zeros(1, "<i8").tobytes())
         self.files["response_offsets"].write(np.zeros(1, "<i8").tobytes())
 
@@ -104,8 +104,10 @@ class ColumnWriter:
         self.prompt_tokens += len(prompt)
         self.response_tokens += len(response)
         f = self.files
-        f["prompt_ids"].write(np.asarray(prompt, dtype="<i4").tobytes())
-        f["response_ids"].write(np.asarray(response, dtype="<i4").tobytes())
+        prompt, response = np.asarray(prompt, dtype="<i4"), np.asarray(response, dtype="<i4")
+        self.max_token_id = max(self.max_token_id, int(prompt.max()), int(response.max()))
+        f["prompt_ids"].write(prompt.tobytes())
+        f["response_ids"].write(response.tobytes())
         f["behavior_logprobs"].write(behavior.tobytes())
         f["prompt_offsets"].write(np.array([self.prompt_tokens], "<i8").tobytes())
         f["response_offsets"].write(np.array([self.response_tokens], "<i8").tobytes())
@@ -124,7 +126,8 @@ class ColumnWriter:
         stat = Path(source).stat()
         meta = {"version": VERSION, "source": Path(source).name, "source_size": stat.st_size,
                 "source_mtime_ns": stat.st_mtime_ns, "responses": self.n, "prompt_tokens": self.prompt_tokens,
-                "response_tokens": self.response_tokens, "group_keys": self.group_keys,
+                "response_tokens": self.response_tokens, "max_token_id": self.max_token_id,
+                "group_keys": self.group_keys,
                 "dtypes": COLUMNS}
         (self.tmp / "columns.json").write_text(json.dumps(meta))
         self.final.parent.mkdir(parents=True, exist_ok=True)
@@ -274,12 +277,10 @@ class Stage:
         return s.col["prompt_ids"][po[j]:po[j + 1]], s.col["response_ids"][r], s.col["behavior_logprobs"][r]
 
     def max_token_id(self):
-        return max((int(max(s.col["prompt_ids"].max(initial=0), s.col["response_ids"].max(initial=0)))
+        """The largest token id in the stage, recorded when the columns were built (no scan of the ids)."""
+        return max((s.meta["max_token_id"] if "max_token_id" in s.meta else
+                    int(max(s.col["prompt_ids"].max(initial=0), s.col["response_ids"].max(initial=0)))
                     for s in self.shards), default=0)
-
-
-def _build(path):
-    return build_columns(path)
 
 
 def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
@@ -306,7 +307,7 @@ def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
         import concurrent.futures
         import multiprocessing
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(_build, todo))
+            list(pool.map(build_columns, todo))
     else:
         for p in todo:
             build_columns(p)

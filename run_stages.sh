@@ -103,7 +103,7 @@ if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then
   $PY data/prepare.py --name=deepscaler --out="$TRAIN_DATA"
 fi
 if [[ ! -d "$MODEL" ]]; then  # a hub name: download once, then every phase reads the local copy
-  MODEL=$($PY -c "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))" "$MODEL")
+  MODEL=$($PY -c "import common, sys; print(common.local_dir(sys.argv[1]))" "$MODEL")
 fi
 $PY -c "import common, sys; rows = common.load_problems(sys.argv[1]); assert rows, sys.argv[1] + ': no problems'" "$TRAIN_DATA" \
   || { echo "TRAIN_DATA=$TRAIN_DATA is not a prepared problem file (see data/prepare.py)" >&2; exit 2; }

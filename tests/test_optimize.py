@@ -358,3 +358,12 @@ def test_tis_replay_into_a_new_directory(toy, stage, tmp_path):
     out = tmp_path / "replays" / "tis" / "policy"           # a directory that does not exist yet
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--tis_cap=2", f"--out={out}")
     assert (out / "model.safetensors").exists() and len(read_lines(out.parent / "metrics.jsonl")) == 2
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(stage):
+    shard = stage / "rollouts" / "shard_00000.jsonl"
+    rows = read_lines(shard)
+    rows[3]["response_token_ids"][0] = 10_000                       # the toy vocabulary has a few hundred
+    common.atomic_write_lines(shard, rows)
+    proc = run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=1", *FAST, check=False)
+    assert proc.returncode != 0 and "token id 10000 ≥ the policy's vocabulary size" in proc.stderr
