@@ -5,13 +5,17 @@
 
 What is rewarded: 1.0 when the content of the **last** `\\boxed{...}` (also `\\boxed 5`, `\\fbox{...}`)
 is equivalent to the gold answer, else 0.0 (optionally `format_bonus` for a boxed but wrong answer).
+Boxes joined to the last one by `,`, `and` or `or` are part of it, as in math-verify:
+`\\boxed{1} and \\boxed{2}` answers `{1, 2}` (so a hedge `\\boxed{2} or \\boxed{3}` is not the answer 3).
 No box means 0 with reason `no_box`: there is no last-number fallback, which a policy learns to game.
 
 How answers are compared (in this order):
 1. Both sides are normalized as text: `\\%` and `\\text{ percent}` dropped (so `50\\%` equals `50`
-   but *not* `0.5`: no ×100 leniency), `\\dfrac`/`\\tfrac` → `\\frac`, `$`, `\\!` and `\\displaystyle` removed.
+   but *not* `0.5`: no ×100 leniency), `\\dfrac`/`\\tfrac` → `\\frac`, `$`, `\\!` and
+   `\\displaystyle` removed, thousands separators between groups of three digits dropped
+   (`32,\\!349`, `32{,}349`, `1 000`, `1\\,000`), e-notation `4.5e33` → `4.5 \\times 10^{33}`.
    Gold answers get the per-dataset fixes of `normalize_gold` (AIME/AMC `025`/`27.0` → integers,
-   GSM8K thousands separators, Minerva e-notation `4.5e33` → `4.5 \\times 10^{33}` and Python-isms).
+   GSM8K `1,000`, Minerva Python-isms).
 2. Text answers (gold is `\\text{...}`, e.g. `\\text{(C)}`, `\\text{Evelyn}`): the texts must agree after
    lower-casing and dropping spaces, braces and parentheses (`C`, `(C)` and `\\text{(C)}` are one).
 3. Minerva decimals (the dataset asks for significant figures): the prediction is a number within
@@ -53,33 +57,57 @@ logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # we report timeout
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 
 
-def last_boxed(text):
-    """Content of the last complete \\boxed{...} / \\fbox{...} / `\\boxed 5` in text, or None.
+def _complete_boxes(text):
+    """[(start, end, content)] of every complete \\boxed{...} / \\fbox{...} / `\\boxed 5` in text.
 
     One pass pairs all braces (so 10,000 nested or unclosed braces cost O(n)); a box whose brace
-    never closes (a truncated response) is skipped in favour of an earlier complete one.
+    never closes (a truncated response) is left out. start: the backslash; end: just past the box.
     """
-    starts = [m.end() for m in _BOX_RE.finditer(text)]
-    if not starts:
-        return None
+    keywords = list(_BOX_RE.finditer(text))
+    if not keywords:
+        return []
     closing, stack = {}, []
     for i, ch in enumerate(text):
         if ch == "{":
             stack.append(i)
         elif ch == "}" and stack:
             closing[stack.pop()] = i
-    for start in reversed(starts):
-        i = start
+    boxes = []
+    for keyword in keywords:
+        i = keyword.end()
         while i < len(text) and text[i] == " ":
             i += 1
         if i < len(text) and text[i] == "{":
             if i in closing:
-                return text[i + 1:closing[i]].strip()
-        elif i > start:  # `\boxed 5`: the token after the space
+                boxes.append((keyword.start(), closing[i] + 1, text[i + 1:closing[i]].strip()))
+        elif i > keyword.end():  # `\boxed 5`: the token after the space
             token = re.match(r"[^\s$]+", text[i:])
             if token:
-                return token.group(0)
-    return None
+                boxes.append((keyword.start(), i + token.end(), token.group(0)))
+    return boxes
+
+
+def last_boxed(text):
+    """Content of the last complete box in text, or None (a truncated last box is skipped)."""
+    boxes = _complete_boxes(text)
+    return boxes[-1][2] if boxes else None
+
+
+# Between two boxes of one answer: a comma, `and` or `or`, with spaces and $ around (math-verify's
+# rule: `\boxed{1}, \boxed{2} and \boxed{3}` is the answer {1, 2, 3}).
+_BOX_JOINER = re.compile(r"^[\s$]*(?:,|,?\s*(?:and|or))[\s$]*$")
+
+
+def final_boxed(text):
+    """Contents of the boxes that form the final answer: the last complete box and those joined to
+    it by `,`/`and`/`or` (`\\boxed{1} and \\boxed{2}` → ["1", "2"]); [] when there is no box."""
+    boxes = _complete_boxes(text)
+    if not boxes:
+        return []
+    k = len(boxes) - 1
+    while k > 0 and _BOX_JOINER.match(text[boxes[k - 1][1]:boxes[k][0]]):
+        k -= 1
+    return [content for _, _, content in boxes[k:]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,9 +122,9 @@ def normalize_gold(gold, dataset=None):
     """Dataset-specific fixes to a gold answer string, before the common normalization.
 
     aime*/amc*: integers `025`, `27.0` → `25`, `27`.  gsm8k*: `1,000` → `1000`.
-    minerva*: Python e-notation `4.5e33` → `4.5 \\times 10^{33}` (math-verify reads `e` as Euler's
-    number), `-1./3` → `-1/3`, `np.arcsin(x)` → `\\arcsin(x)`. olympiadbench: multi-answers are
-    already written `a, b`, which math-verify reads as an unordered set.
+    minerva*: `-1./3` → `-1/3`, `np.arcsin(x)` → `\\arcsin(x)`. Any dataset: Python e-notation
+    `4.5e33` → `4.5 \\times 10^{33}` (math-verify reads `e` as Euler's number). olympiadbench:
+    multi-answers are already written `a, b`, which math-verify reads as an unordered set.
     """
     gold = str(gold).strip()
     ds = (dataset or "").lower()
@@ -109,14 +137,25 @@ def normalize_gold(gold, dataset=None):
         return g
     if ds.startswith("minerva"):
         gold = gold.replace("np.", "\\").replace("./", "/")
-        m = _E_NOTATION.match(gold)
-        if m:
-            return f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
-    return gold
+    return _from_e_notation(gold)
+
+
+def _from_e_notation(s):
+    """`4.5e33` → `4.5 \\times 10^{33}`: math-verify would read the e as Euler's number."""
+    m = _E_NOTATION.match(s)
+    return f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}" if m else s
+
+
+# Thousands separators: `32,\\!349` and `32{,}349` (LaTeX's), `1 000`, `1\\,000`, `1~000` (spaces,
+# only between groups of exactly three digits). A plain comma `1,000` math-verify reads itself.
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:,\\!|\{,\})\s*(?=\d{3}(?!\d))")
+_SPACED_NUMBER = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;: ]|~| )\d{3})+(?![\d])")
 
 
 def _common(s):
     """Normalization applied to both gold and prediction."""
+    s = _LATEX_THOUSANDS.sub("", s)
+    s = _SPACED_NUMBER.sub(lambda m: re.sub(r"\D", "", m.group(0)), s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\displaystyle", "")
     s = s.replace("\\!", "").replace("\\$", "").replace("$", "")
     s = re.sub(r"\\text\{\s*(\\%|%|percent)\s*\}", "", s)
@@ -241,17 +280,15 @@ def grade(response, gold, dataset=None, timeout_s=5.0, format_bonus=0.0):
 
 
 def _grade(response, gold, dataset, info):
-    boxed = last_boxed(response)
-    if boxed is None:
+    boxes = final_boxed(response)
+    if not boxes:
         return "no_box"
+    boxed = ", ".join(boxes)
     info["extracted"] = boxed[:MAX_ANSWER_CHARS]
     if len(boxed) > MAX_ANSWER_CHARS or not boxed.strip():
         return "unparsable"
     gold_latex = _common(normalize_gold(gold, dataset))
-    pred_latex = _common(boxed)
-    e_notation = _E_NOTATION.match(pred_latex)  # math-verify would read the e of 4.5e33 as Euler's
-    if e_notation:
-        pred_latex = f"{e_notation.group(1)} \\times 10^{{{int(e_notation.group(2))}}}"
+    pred_latex = ", ".join(_from_e_notation(_common(part)) for part in boxes)
     if (dataset or "").lower().startswith("gsm8k"):
         pred_latex = re.sub(r"(?<=\d),(?=\d{3}\b)", "", pred_latex)
     text = _TEXT_GOLD.match(gold_latex)

@@ -128,6 +128,21 @@ CASES = [
     ("\\$32,\\!348", "32348", None, True),
     ("\\$32,\\!348", "32,\\!348", None, True),
     ("\\$32,\\!348", "32347", None, False),
+    # thousands separators in the prediction, any dataset: LaTeX's `,\\!` and `{,}`, spaces
+    ("32349", "32,\\! 349", None, True),
+    ("32349", "32{,}349", None, True),
+    ("1000", "1 000", None, True),
+    ("1000", "1\\,000", None, True),
+    ("1234567", "1 234 567", None, True),
+    ("1000", "1 00", None, False),        # not groups of three: no separator
+    ("1", "1 000", None, False),
+    ("1", "1,\\!000", None, False),
+    ("1000.5", "1 000.5", None, True),
+    # e-notation gold without a dataset name
+    ("4.5e33", "4.5 \\times 10^{33}", None, True),
+    ("4.5e33", "4.5e33", None, True),
+    ("4.5e33", "4.5 \\times 10^{32}", None, False),
+    ("4.5e33", "4.5", None, False),
     # Minerva: e-notation and significant figures
     ("4.5e33", "4.5 \\times 10^{33}", "minerva_math", True),
     ("4.5e33", "4.5\\times10^{33}", "minerva_math", True),
@@ -160,6 +175,14 @@ EXTRACTION_CASES = [
     ("5", "\\boxed{5} and then \\boxed{", True),       # an unclosed last box falls back to the complete one
     ("\\frac{1}{2}", "\\boxed{\\frac{1}{2}}", True),
     ("5", "\\boxed{}", False),
+    # several boxes joined by `,`/`and`/`or` are one answer (math-verify's rule), so hedging fails
+    ("\\{1,2,3\\}", "so \\boxed{1} and \\boxed{2} and \\boxed{3}.", True),
+    ("1,2,3", "$\\boxed{3}$, $\\boxed{1}$, or $\\boxed{2}$", True),
+    ("(2,1),(1,2)", "\\boxed{(1, 2)}, \\boxed{(2, 1)}", True),
+    ("\\{1,2,3\\}", "\\boxed{1} and \\boxed{2}", False),
+    ("(2,1),(1,2)", "\\boxed{(1, 2)}, \\boxed{(1, 2)}", False),
+    ("3", "\\boxed{2} or \\boxed{3}", False),         # a hedge is not the answer 3
+    ("3", "\\boxed{2}, no: \\boxed{3}", True),        # words between: only the last box counts
 ]
 
 
@@ -192,6 +215,10 @@ def test_last_boxed():
     assert R.last_boxed("\\boxed 7$ end") == "7"
     assert R.last_boxed("\\boxedx{1}") is None
     assert R.last_boxed("nothing") is None
+    assert R.final_boxed("\\boxed{1}, \\boxed 2 and $\\boxed{3}$") == ["1", "2", "3"]
+    assert R.final_boxed("\\boxed{1} so \\boxed{2} or \\boxed{3}") == ["2", "3"]
+    assert R.final_boxed("\\boxed{1} and \\boxed{2") == ["1"]
+    assert R.final_boxed("none") == []
 
 
 def test_gold_normalization():
@@ -210,7 +237,7 @@ ATTACKS = [
     f"\\boxed{{__import__('os').system('touch {MARKER}')}}",
     f"\\boxed{{exec(\"open('{MARKER}','w')\")}}",
     f"\\boxed{{(lambda: open('{MARKER}', 'w'))()}}",
-    f"\\boxed{{().__class__.__base__.__subclasses__()}}",
+    "\\boxed{().__class__.__base__.__subclasses__()}",
     f"\\boxed{{open('{MARKER}', 'w').write('x')}}",
     f"\\boxed{{eval(\"__import__('os').system('touch {MARKER}')\")}}",
     f"\\boxed{{\\text{{__import__('os').system('touch {MARKER}')}}}}",
