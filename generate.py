@@ -90,18 +90,30 @@ def sample_shard(llm, tokenizer, rows, positions):
         prompts.append({"prompt_token_ids": ids})
         kept.append((pos, row, ids))
     stops = common.stop_token_ids(tokenizer, chat_template)      # EOS and the chat turn's end
+    # detokenize=False: with log-probs on, vLLM decodes every sampled token to text a second time for its
+    # Logprob entries (vllm/v1/engine/logprobs.py, _update_sample_logprobs), which cost 40 % of the
+    # throughput here (bench/bench_generate.py); the responses are decoded once per shard in the grading
+    # thread instead (response_texts)
     params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
                              max_tokens=max_response_tokens, logprobs=0, flat_logprobs=True,
-                             stop_token_ids=stops, skip_special_tokens=True,
+                             stop_token_ids=stops, detokenize=False,
                              seed=common.sample_seed(seed, stage, pos))
               for pos, _, _ in kept]
-    t0 = time.perf_counter()
+    started_at, t0 = time.time(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=is_main and len(prompts) > 0) if prompts else []
-    return kept, outputs, skipped, time.perf_counter() - t0
+    return kept, outputs, skipped, time.perf_counter() - t0, started_at
 
 
-def grade_and_write(k, kept, outputs, skipped, gen_seconds, policy_id):
-    """Grade shard k's responses, compute group advantages and write the shard (stats first)."""
+def response_texts(tokenizer, token_id_lists):
+    """The responses as text, as vLLM's incremental detokenizer would give them with
+    skip_special_tokens=True: special tokens dropped, and a trailing incomplete UTF-8 sequence (a
+    response cut off mid-character) left out rather than shown as U+FFFD."""
+    texts = tokenizer.batch_decode(token_id_lists, skip_special_tokens=True)
+    return [t.rstrip("\ufffd") for t in texts]
+
+
+def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_id, tokenizer):
+    """Grade shard k's responses, compute group advantages and write the shard (its stats last)."""
     samples = []  # (position in stage, row, prompt ids, completion) in group order
     for (pos, row, ids), out in zip(kept, outputs):
         completions = sorted(out.outputs, key=lambda c: c.index)
@@ -109,14 +121,15 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, policy_id):
             raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {row['id']}, "
                                f"expected {group_size}")
         samples += [(pos, row, ids, c) for c in completions]
-    graded = reward.grade_batch([(c.text, row["answer"], row.get("source")) for _, row, _, c in samples],
-                                workers=graders, timeout_s=grader_timeout_s,
+    texts = response_texts(tokenizer, [list(c.token_ids) for _, _, _, c in samples])
+    items = [(text, row["answer"], row.get("source")) for (_, row, _, _), text in zip(samples, texts)]
+    graded = reward.grade_batch(items, workers=graders, timeout_s=grader_timeout_s,
                                 reward_fn=functools.partial(reward.grade, format_bonus=format_bonus))
     rewards = [r for r, _ in graded]
     advantages, zero_var = (loss.group_advantages(rewards, group_size, normalize_std) if samples
                             else ([], []))
     lines = []
-    for i, ((pos, row, ids, c), (r, info)) in enumerate(zip(samples, graded)):
+    for i, ((pos, row, ids, c), text, (r, info)) in enumerate(zip(samples, texts, graded)):
         token_ids = list(c.token_ids)
         logprobs = sampled_logprobs(c.logprobs, token_ids)
         lines.append({
@@ -124,7 +137,7 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, policy_id):
             "policy_id": policy_id, "prompt_token_ids": ids, "response_token_ids": token_ids,
             "behavior_logprobs": logprobs, "finish_reason": finish_reason(c),
             "reward": r, "advantage": round(float(advantages[i]), 6), "zero_variance": bool(zero_var[i // group_size]),
-            "prompt": row["problem"], "response": c.text, "answer": row["answer"], "source": row.get("source"),
+            "prompt": row["problem"], "response": text, "answer": row["answer"], "source": row.get("source"),
             "reward_info": {"reason": info["reason"], "extracted": info.get("extracted")},
         })
     lengths = [len(x["response_token_ids"]) for x in lines]
@@ -136,9 +149,10 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, policy_id):
              "response_tokens": sum(lengths), "max_response_tokens": max(lengths, default=0),
              "truncated": sum(x["finish_reason"] == "length" for x in lines),
              "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
-             "generation_seconds": gen_seconds}
-    common.atomic_write_json(stats_path(k), stats)      # stats first: a shard counts once both exist
+             "generation_seconds": gen_seconds, "started_at": started_at}
     rollouts.write_shard(shard_path(k), lines)          # JSONL and its columns
+    stats["finished_at"] = time.time()
+    common.atomic_write_json(stats_path(k), stats)      # a shard counts once its stats exist too
     return stats
 
 
@@ -162,10 +176,17 @@ def run_engine(shard_ids, shards):
     """One vLLM engine generating the given shards in order (this process)."""
     if not shard_ids:
         return
+    reward.start_graders()  # its imports run beside the engine's start-up, not before the first grading
     llm = common.make_llm(policy, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
     tokenizer = llm.get_tokenizer()
     policy_id = common.policy_fingerprint(policy)
+    # warm-up: the first request with log-probs compiles vLLM's token-rank kernel (torch.compile,
+    # vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`; seconds on CPU), so start-up pays it,
+    # not the first shard's tokens/s
+    from vllm import SamplingParams
+    llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, logprobs=0, flat_logprobs=True,
+                                                             detokenize=False), use_tqdm=False)
 
     def report(future):
         s = future.result()
@@ -182,7 +203,7 @@ def run_engine(shard_ids, shards):
             sampled = sample_shard(llm, tokenizer, rows, positions)
             if pending is not None:
                 report(pending)
-            pending = grading.submit(grade_and_write, k, *sampled, policy_id)
+            pending = grading.submit(grade_and_write, k, *sampled, policy_id, tokenizer)
         report(pending)
 
 
@@ -190,6 +211,7 @@ def write_manifest(stats):
     """manifest.json, written last: sampling parameters, counts and summary statistics of the shards."""
     total = lambda key: sum(s[key] for s in stats)  # noqa: E731
     responses, groups = total("responses"), total("prompts")
+    wall = max(s.get("finished_at", 0.0) for s in stats) - min(s.get("started_at", 0.0) for s in stats)
     reasons = Counter()
     for s in stats:
         reasons.update(s["reasons"])
@@ -209,6 +231,10 @@ def write_manifest(stats):
         "grader_reasons": dict(reasons),
         "generation_seconds": total("generation_seconds") / n_engines,
         "generated_tokens_per_s": total("response_tokens") / max(1e-9, total("generation_seconds")) * n_engines,
+        # first generate call to last shard written (grading and writing included, engine start-up not;
+        # on a resumed stage it spans the pause too)
+        "wall_seconds": wall,
+        "wall_tokens_per_s": total("response_tokens") / max(1e-9, wall),
     }
     common.atomic_write_json(out_dir / "manifest.json", manifest)
     return manifest

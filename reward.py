@@ -367,6 +367,17 @@ def _failed(reason, seconds, error=None):
     return 0.0, info
 
 
+def start_graders():
+    """Start the process that forks grade_batch's workers, with math-verify and sympy imported (a few
+    seconds), unless it runs already; call it early (e.g. before loading a model) to keep that time out
+    of the first grade_batch. Returns the multiprocessing context."""
+    from multiprocessing import forkserver
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "math_verify", "sympy"])
+    forkserver.ensure_running()
+    return ctx
+
+
 def grade_batch(items, workers=2, timeout_s=10.0, reward_fn=grade, progress=None):
     """Grade many items in worker processes; results in input order.
 
@@ -391,8 +402,7 @@ def grade_batch(items, workers=2, timeout_s=10.0, reward_fn=grade, progress=None
                 progress(i + 1)
         return out
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "math_verify", "sympy"])
+    ctx = start_graders()
     results = [None] * len(tasks)
     pending = deque(range(len(tasks)))
     slots = [_Slot(ctx, reward_fn, timeout_s) for _ in range(min(workers, max(1, len(tasks))))]

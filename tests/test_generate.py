@@ -190,3 +190,19 @@ def test_sigterm_stops_the_engine_processes(toy, tmp_path):
         for p in [proc, *under]:
             with contextlib.suppress(Exception):
                 p.kill()
+
+
+def test_response_texts_match_vllms_detokenizer(toy, monkeypatch):
+    # generate.py asks vLLM for no text (detokenize=False) and decodes each shard once; the texts must be
+    # what vLLM's incremental detokenizer gives: special tokens dropped, a trailing incomplete UTF-8
+    # sequence (a response cut off inside a character) left out
+    import sys
+    from transformers import AutoTokenizer
+    monkeypatch.setattr(sys, "argv", ["generate.py"])
+    import generate
+    tok = AutoTokenizer.from_pretrained(toy / "model")
+    ids = tok.encode(" \\boxed{7}", add_special_tokens=False)
+    euro = tok.encode("€", add_special_tokens=False)   # 3 bytes; the byte-level vocabulary has no merge for it
+    assert len(euro) > 1
+    texts = generate.response_texts(tok, [ids + [tok.eos_token_id], ids + euro[:1], ids + euro])
+    assert texts == [" \\boxed{7}", " \\boxed{7}", " \\boxed{7}€"]
