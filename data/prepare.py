@@ -5,8 +5,12 @@
 
 Local inputs may be JSONL, JSON (a list) or parquet, with the problem in `problem`/`question`/`prompt`
 and the answer in `answer`/`final_answer`/`solution` (last \\boxed{} taken from a solution). Rows
-without an answer are refused and counted. Hub sources are listed in SOURCES.
+without an answer are refused and counted. Hub sources are listed in SOURCES; the commit a file was
+built from goes to <out>.source.json, and rebuilding the file downloads that same commit.
+On a box without the hub, copy the prepared files (and their .source.json) and point run_stages.sh at
+them: TRAIN_DATA=<file> EVAL_DATA_DIR=<dir of <benchmark>.jsonl>.
 """
+import hashlib
 import json
 import os
 import sys
@@ -16,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 import reward  # noqa: E402
 
-# name → (hub dataset, config, split); fields are found by the names tried in `to_row`
+# name → (hub dataset, config, split); fields are found by the names tried in `to_row`. The hub commit
+# each file was built from is resolved at download and recorded beside it (<out>.source.json); a
+# rebuild reads that record and downloads the same commit (--revision=<sha> pins one explicitly).
 SOURCES = {
     "deepscaler": ("agentica-org/DeepScaleR-Preview-Dataset", None, "train"),
     "math_train": ("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
@@ -33,6 +39,7 @@ SOURCES = {
 # ----------------------------------------------------------------------------- hyperparameters
 name = "math500"        # dataset name (a key of SOURCES, or any label with --input)
 input = ""              # local file instead of the hub
+revision = ""           # hub commit to download (default: the one in <out>.source.json, else the newest)
 out = ""                # output JSONL (default: data/<name>.jsonl)
 # -----------------------------------------------------------------------------
 
@@ -67,16 +74,36 @@ def read_local(path):
     return common.read_jsonl(p)
 
 
-def prepare(name, out, input=""):
-    """Write the normalized JSONL for `name` (from `input` if given, else the hub) to `out`."""
+def source_record_path(out):
+    return Path(str(out) + ".source.json")
+
+
+def resolve_revision(hub, revision):
+    """The commit SHA of a hub dataset at `revision` (a branch, tag or SHA; "" = main). A local
+    dataset directory (as `datasets.load_dataset` takes one) has no commit: None."""
+    if Path(hub).is_dir():
+        return None
+    from huggingface_hub import HfApi
+    return HfApi().dataset_info(hub, revision=revision or None).sha
+
+
+def prepare(name, out, input="", revision="", sources=SOURCES):
+    """Write the normalized JSONL for `name` (from `input` if given, else the hub) to `out`, and where
+    it came from to <out>.source.json (the hub commit, or the local file's SHA-256)."""
+    record_path = source_record_path(out)
     if input:
         raws = read_local(input)
+        record = {"name": name, "input": str(input), "sha256": hashlib.sha256(Path(input).read_bytes()).hexdigest()}
     else:
-        if name not in SOURCES:
-            raise ValueError(f"unknown dataset {name!r}: hub sources are {', '.join(SOURCES)} (or pass --input)")
+        if name not in sources:
+            raise ValueError(f"unknown dataset {name!r}: hub sources are {', '.join(sources)} (or pass --input)")
         from datasets import load_dataset
-        hub, config, split = SOURCES[name]
-        raws = list(load_dataset(hub, config, split=split))
+        hub, config, split = sources[name]
+        if not revision and record_path.exists():
+            revision = json.loads(record_path.read_text()).get("revision") or ""
+        sha = resolve_revision(hub, revision)
+        raws = list(load_dataset(hub, config, split=split, revision=sha))
+        record = {"name": name, "hub": hub, "config": config, "split": split, "revision": sha}
     rows, refused = [], 0
     for i, raw in enumerate(raws):
         row = to_row(dict(raw), i, name)
@@ -88,11 +115,12 @@ def prepare(name, out, input=""):
         raise ValueError(f"{input or name}: no usable rows ({refused} without problem or answer)")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     common.atomic_write_lines(out, rows)
+    common.atomic_write_json(record_path, {**record, "rows": len(rows), "refused": refused})
     return len(rows), refused
 
 
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
     target = out or os.path.join("data", f"{name}.jsonl")
-    n, refused = prepare(name, target, input)
+    n, refused = prepare(name, target, input, revision)
     print(f"{target}: {n} rows" + (f"; refused {refused} rows without an answer" if refused else ""))

@@ -1,7 +1,6 @@
 """The whole loop (run_stages.sh) on the toy task; evaluate.py and plot.py; data/prepare.py."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -122,6 +121,33 @@ def test_prepare_local_file_refuses_rows_without_answer(tmp_path):
     rows = read_lines(tmp_path / "out.jsonl")
     assert [r["answer"] for r in rows] == ["2", "\\frac12", "27"]
     assert all(set(r) == {"id", "problem", "answer", "source"} for r in rows)
+
+
+def test_prepare_records_where_each_file_came_from(tmp_path, monkeypatch):
+    # the hub path of prepare() (datasets.load_dataset) on a local dataset directory; the commit that a
+    # rebuild asks for is the one recorded beside the file
+    import hashlib
+    sys.path.insert(0, str(ROOT / "data"))
+    import prepare as P
+    hub = tmp_path / "hub_dataset"
+    hub.mkdir()
+    (hub / "test.jsonl").write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
+    out = tmp_path / "out" / "mini.jsonl"
+    assert P.prepare("mini", out, sources={"mini": (str(hub), None, "test")}) == (1, 0)
+    record = json.loads(P.source_record_path(out).read_text())
+    assert record == {"name": "mini", "hub": str(hub), "config": None, "split": "test", "revision": None,
+                      "rows": 1, "refused": 0}
+    asked = []
+    monkeypatch.setattr(P, "resolve_revision", lambda hub, revision: asked.append(revision) or None)
+    P.source_record_path(out).write_text(json.dumps({**record, "revision": "a" * 40}))
+    P.prepare("mini", out, sources={"mini": (str(hub), None, "test")})
+    P.prepare("mini", out, revision="b" * 40, sources={"mini": (str(hub), None, "test")})
+    assert asked == ["a" * 40, "b" * 40]
+    src = tmp_path / "local.jsonl"
+    src.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    P.prepare("local", tmp_path / "local_out.jsonl", input=src)
+    record = json.loads(P.source_record_path(tmp_path / "local_out.jsonl").read_text())
+    assert record["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
 
 
 @pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data not present")
