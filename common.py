@@ -292,7 +292,8 @@ def run_engine_workers(script, argv, n, tensor_parallel):
     Each worker leads its own process group (its vLLM engine core, GPU workers and grader pool are in
     it), so a SIGTERM or Ctrl-C to this process reaches all of them: SIGTERM to each group (vLLM's
     engine core shuts down on it, vllm/v1/engine/core.py `signal_handler`), SIGKILL to a group still
-    alive 10 s later (the GPU driver frees a killed process's memory). No orphan engine is left holding a GPU."""
+    alive 10 s later (the GPU driver frees a killed process's memory). No orphan engine is left
+    holding a GPU."""
     import signal
     import subprocess
     procs = []
