@@ -347,6 +347,13 @@ def build_model(source, weights=True, trainable=True):
     model.to_empty(device=device)                  # uninitialized storage for this rank's shards (and buffers)
     for name, b in model.named_buffers():
         b.copy_(buffers[name])
+    # to_empty gives every module a new parameter, so tied weights come apart (the lm_head and embedding of
+    # Qwen2.5-0.5B/1.5B/3B, whose checkpoints have no lm_head.weight); tie them again, so that there is one
+    # parameter to load, optimize and save. FSDP2 tracks the embedding's parameter and sets the gathered
+    # weight on both modules at unshard (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+    # _setattr_on_modules), which this keeps true of the sharded view too.
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
     if weights:
         load_weights(model, source)
     if lora_rank and trainable:
@@ -426,6 +433,9 @@ def save_policy(model, source_dir, dtype, directory):
         if bad:
             raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
         base = model.get_base_model() if lora_rank else model
+        if getattr(base.config, "tie_word_embeddings", False):  # gathered per rank, the tie is two copies here:
+            head = base.get_output_embeddings()                  # save it once, as the source checkpoint did
+            state.pop(next(f"{n}.weight" for n, m in base.named_modules() if m is head), None)
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         base.save_pretrained(tmp, state_dict=state, safe_serialization=True)

@@ -196,6 +196,28 @@ def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_to
     assert len(timing["peak_rss_gib_per_rank"]) == 2 and timing["attention"] == "varlen_sdpa"
 
 
+def test_tied_embeddings_train_as_one_weight(toy, tmp_path):
+    # a checkpoint with tie_word_embeddings (Qwen2.5-0.5B…3B) has no lm_head.weight: the meta-device build
+    # must tie again after to_empty, one process and two FSDP2 ranks alike, and save the weight once
+    from safetensors.torch import save_file
+    model = tmp_path / "tied"
+    shutil.copytree(toy / "model", model)
+    weights = _weights(model)
+    del weights["lm_head.weight"]
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    write_stage(tmp_path / "one", model, PROBLEMS)
+    write_stage(tmp_path / "two", model, PROBLEMS)
+    args = [f"--policy={model}", "--updates_per_stage=2", *FAST]
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'one'}", *args, f"--out={tmp_path / 'one' / 'policy'}")
+    torchrun(2, f"--stage_dir={tmp_path / 'two'}", *args, f"--out={tmp_path / 'two' / 'policy'}")
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    trained = _weights(tmp_path / "two" / "policy")
+    assert "lm_head.weight" not in trained
+    assert not torch.equal(trained["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
+
+
 def test_a_rank_without_responses_keeps_in_step(toy, tmp_path):
     # 1 prompt × G=2 responses per update on 3 ranks: the third rank has nothing to train on
     write_stage(tmp_path / "stage_0", toy / "model", PROBLEMS[:2], group_size=2)
