@@ -144,13 +144,15 @@ def register_varlen_sdpa():
 
 
 def choose_attention():
-    """flash-attn's varlen kernel when the package is installed; else flex attention with a document
-    mask (transformers builds a block mask from the restarting position ids) on a GPU, and varlen_sdpa
-    on a CPU. sdpa builds a dense [N, N] block-diagonal mask: the fallback."""
+    """flash-attn's varlen kernel when the package is installed, else varlen_sdpa (sdpa's flash kernel
+    per sequence on a GPU). Not flex attention by default: on an H100 (torch 2.11, transformers 5.17)
+    its first packed forward was still compiling (transformers' torch.compile'd create_block_mask,
+    Triton) after 135 s, while varlen_sdpa ran two updates in 18 s. sdpa builds a dense [N, N]
+    block-diagonal mask: the fallback."""
     if attn_implementation != "auto":
         return attn_implementation
-    if device.type == "cuda":
-        return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "flex_attention"
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn"):
+        return "flash_attention_2"
     return "varlen_sdpa"
 
 
