@@ -121,7 +121,8 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_i
             raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {row['id']}, "
                                f"expected {group_size}")
         samples += [(pos, row, ids, c) for c in completions]
-    texts = response_texts(tokenizer, [list(c.token_ids) for _, _, _, c in samples])
+    token_lists = [list(c.token_ids) for _, _, _, c in samples]
+    texts = response_texts(tokenizer, token_lists)
     items = [(text, row["answer"], row.get("source")) for (_, row, _, _), text in zip(samples, texts)]
     graded = reward.grade_batch(items, workers=graders, timeout_s=grader_timeout_s,
                                 reward_fn=functools.partial(reward.grade, format_bonus=format_bonus))
@@ -129,8 +130,7 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_i
     advantages, zero_var = (loss.group_advantages(rewards, group_size, normalize_std) if samples
                             else ([], []))
     lines = []
-    for i, ((pos, row, ids, c), text, (r, info)) in enumerate(zip(samples, texts, graded)):
-        token_ids = list(c.token_ids)
+    for i, ((pos, row, ids, c), token_ids, text, (r, info)) in enumerate(zip(samples, token_lists, texts, graded)):
         logprobs = sampled_logprobs(c.logprobs, token_ids)
         lines.append({
             "prompt_id": row["id"], "group": pos, "sample_idx": c.index, "stage": stage, "policy": str(policy),

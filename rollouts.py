@@ -105,7 +105,7 @@ class ColumnWriter:
         self.response_tokens += len(response)
         f = self.files
         prompt, response = np.asarray(prompt, dtype="<i4"), np.asarray(response, dtype="<i4")
-        self.max_token_id = max(self.max_token_id, int(prompt.max()), int(response.max()))
+        self.max_token_id = max(self.max_token_id, int(prompt.max(initial=0)), int(response.max(initial=0)))
         f["prompt_ids"].write(prompt.tobytes())
         f["response_ids"].write(response.tobytes())
         f["behavior_logprobs"].write(behavior.tobytes())

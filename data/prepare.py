@@ -13,6 +13,7 @@ them: TRAIN_DATA=<file> EVAL_DATA_DIR=<dir of <benchmark>.jsonl>.
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -80,9 +81,12 @@ def source_record_path(out):
 
 def resolve_revision(hub, revision):
     """The commit SHA of a hub dataset at `revision` (a branch, tag or SHA; "" = main). A local
-    dataset directory (as `datasets.load_dataset` takes one) has no commit: None."""
+    dataset directory (as `datasets.load_dataset` takes one) has no commit: None. A full SHA is
+    returned as it is (no hub call: a recorded commit rebuilds from the cache offline)."""
     if Path(hub).is_dir():
         return None
+    if re.fullmatch(r"[0-9a-f]{40}", revision or ""):
+        return revision
     from huggingface_hub import HfApi
     return HfApi().dataset_info(hub, revision=revision or None).sha
 
