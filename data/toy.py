@@ -77,8 +77,9 @@ def build_model(tokenizer, hidden_size, layers, seed):
     return LlamaForCausalLM(config)
 
 
-def warm_start(model, tokenizer, rows, steps, batch, lr, seed, p_correct, p_give_up):
-    """Supervised training on noisy demonstrations; loss on the response tokens only."""
+def warm_start(model, tokenizer, examples, steps, batch, lr, seed):
+    """Supervised training on noisy demonstrations: examples(rng, batch) → [(problem text, response
+    text)]; the loss is on the response tokens only."""
     import torch
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -86,9 +87,9 @@ def warm_start(model, tokenizer, rows, steps, batch, lr, seed, p_correct, p_give
     model.train()
     for step in range(steps):
         seqs, masks = [], []
-        for row in rng.choices(rows, k=batch):
-            prompt = [tokenizer.bos_token_id] + tokenizer.encode(row["problem"])
-            response = tokenizer.encode(demonstration(row, rng, p_correct, p_give_up)) + [tokenizer.eos_token_id]
+        for problem, demo in examples(rng, batch):
+            prompt = [tokenizer.bos_token_id] + tokenizer.encode(problem)
+            response = tokenizer.encode(demo) + [tokenizer.eos_token_id]
             seqs.append(prompt + response)
             masks.append([0] * len(prompt) + [1] * len(response))
         width = max(map(len, seqs))
@@ -123,10 +124,7 @@ def write_jsonl(path, rows):
 def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=128, layers=4, vocab_size=400,
           sft_steps=500, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_give_up=0.25):
     """Write the toy train/test sets and a warm-started policy (HF directory) under out_dir."""
-    import shutil
-
     import torch
-    from transformers import GenerationConfig
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,12 +136,24 @@ def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=12
     tokenizer = build_tokenizer(corpus, vocab_size)
     model = build_model(tokenizer, hidden_size, layers, seed)
     if sft_steps:
-        warm_start(model, tokenizer, train + test, sft_steps, sft_batch, sft_lr, seed, p_correct, p_give_up)
+        rows = train + test
+
+        def examples(rng, batch):
+            return [(row["problem"], demonstration(row, rng, p_correct, p_give_up)) for row in rng.choices(rows, k=batch)]
+        warm_start(model, tokenizer, examples, sft_steps, sft_batch, sft_lr, seed)
+    return save_model(model, tokenizer, out / "model")
+
+
+def save_model(model, tokenizer, final):
+    """The policy as an HF directory (sampling defaults: temperature 1, untruncated), written whole or not at all."""
+    import shutil
+
+    from transformers import GenerationConfig
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id, do_sample=True,
                                                temperature=1.0, top_p=1.0, top_k=0)
-    tmp, final = out / "model.tmp", out / "model"
+    tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

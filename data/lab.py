@@ -1,0 +1,144 @@
+"""The lab task: chained two-digit arithmetic written out step by step, for the CPU ablations (ablate.sh).
+
+    python data/lab.py --out_dir=data/lab            # writes train.jsonl, test.jsonl and model/
+
+A problem is a start value and 3–8 additions or subtractions of 1–9 that keep every value in 0..19:
+
+    Compute 7 + 8 - 5 + 9 step by step.
+     Step 1: 7 + 8 = 15
+    Step 2: 15 - 5 = 10
+    Step 3: 10 + 9 = 19
+    \\boxed{19}
+
+A worked solution is 30–80 tokens long, so the trainer's importance ratios multiply over tens of tokens
+per response, as in the paper's long math solutions (the toy's responses have at most 7). The test
+set has the same number of problems for each chain length (3..8 steps): graded difficulty, since one
+slip anywhere spoils the answer. Train and test problems are disjoint.
+
+The policy is a tiny Llama warm-started on *imperfect* demonstrations: each step's result slips by
+±1 or ±10 with probability `p_slip` (the chain goes on from the wrong value), and a share `p_no_box`
+of the solutions ends in `Answer: 19` instead of a box (graded wrong). Sampled at temperature 1 it so
+solves about half of the test problems, the long chains less often: RL has room to remove both kinds
+of error. The answers are graded by reward.py like any math answer.
+"""
+import os
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the toy's)
+
+# ----------------------------------------------------------------------------- hyperparameters
+out_dir = "data/lab"        # where train.jsonl, test.jsonl and model/ go
+train_problems = 4096
+test_per_length = 100       # test problems per chain length (6 lengths: 600 problems)
+min_steps = 3               # chain lengths: min_steps..max_steps operations
+max_steps = 8
+seed = 0
+hidden_size = 128           # model width; head dimension is fixed at 32
+layers = 4
+vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tokens
+sft_steps = 500             # warm-start optimizer steps
+sft_batch = 64              # sequences per warm-start step
+sft_lr = 3e-3
+p_slip = 0.05               # demonstrations: chance that a step's result is off by ±1 or ±10
+p_no_box = 0.2              # demonstrations: chance that the final answer is not boxed
+# -----------------------------------------------------------------------------
+
+
+def chain(rng, n_steps):
+    """A start value in 2..17 and n_steps (sign, operand 1..9) pairs keeping every value in 0..19."""
+    value = start = rng.randint(2, 17)
+    ops = []
+    for _ in range(n_steps):
+        sign = rng.choice("+-")
+        if (sign == "+" and value == 19) or (sign == "-" and value == 0):
+            sign = "-" if sign == "+" else "+"
+        d = rng.randint(1, min(9, 19 - value if sign == "+" else value))
+        value += d if sign == "+" else -d
+        ops.append((sign, d))
+    return start, ops
+
+
+def problem_row(start, ops):
+    text = f"Compute {start} " + " ".join(f"{s} {d}" for s, d in ops) + " step by step."
+    answer = start + sum(d if s == "+" else -d for s, d in ops)
+    return {"id": f"lab-{start}" + "".join(f"{s}{d}" for s, d in ops), "problem": text,
+            "answer": str(answer), "source": "lab", "steps": len(ops)}
+
+
+def problems(train_problems, test_per_length, min_steps, max_steps, seed):
+    """Disjoint train and test sets; the test set has test_per_length problems of each chain length."""
+    rng = random.Random(seed)
+    test, seen = [], set()
+    for n in range(min_steps, max_steps + 1):
+        while sum(r["steps"] == n for r in test) < test_per_length:
+            row = problem_row(*chain(rng, n))
+            if row["id"] not in seen:
+                seen.add(row["id"])
+                test.append(row)
+    train = []
+    while len(train) < train_problems:
+        row = problem_row(*chain(rng, rng.randint(min_steps, max_steps)))
+        if row["id"] not in seen:
+            seen.add(row["id"])
+            train.append(row)
+    return train, test
+
+
+def demonstration(row, rng, p_slip, p_no_box):
+    """One imperfect worked solution: a step's result slips by ±1 or ±10 with probability p_slip."""
+    start = int(row["problem"].split()[1])
+    tokens = row["problem"].split()[2:-3]
+    value, lines = start, []
+    for k in range(0, len(tokens), 2):
+        sign, d = tokens[k], int(tokens[k + 1])
+        result = value + d if sign == "+" else value - d
+        if rng.random() < p_slip and (slips := [s for s in (-10, -1, 1, 10) if 0 <= result + s <= 19]):
+            result += rng.choice(slips)
+        lines.append(f"Step {k // 2 + 1}: {value} {sign} {d} = {result}")
+        value = result
+    final = f"Answer: {value}" if rng.random() < p_no_box else f"\\boxed{{{value}}}"
+    return " " + "\n".join(lines + [final])
+
+
+def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max_steps=8, seed=0,
+          hidden_size=128, layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_slip=0.05,
+          p_no_box=0.2):
+    """Write the lab's train/test sets and its warm-started policy (HF directory) under out_dir."""
+    import torch
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train, test = problems(train_problems, test_per_length, min_steps, max_steps, seed)
+    toy.write_jsonl(out / "train.jsonl", train)
+    toy.write_jsonl(out / "test.jsonl", test)
+    corpus_rng = random.Random(seed + 1)
+    corpus = [r["problem"] + demonstration(r, corpus_rng, p_slip, p_no_box) for r in train]
+    tokenizer = toy.build_tokenizer(corpus, vocab_size)
+    model = toy.build_model(tokenizer, hidden_size, layers, seed)
+    test_ids = {r["id"] for r in test}
+
+    def examples(rng, batch):   # fresh chains (never a test problem), so the warm start does not memorize
+        rows = []
+        while len(rows) < batch:
+            row = problem_row(*chain(rng, rng.randint(min_steps, max_steps)))
+            if row["id"] not in test_ids:
+                rows.append((row["problem"], demonstration(row, rng, p_slip, p_no_box)))
+        return rows
+    if sft_steps:
+        toy.warm_start(model, tokenizer, examples, sft_steps, sft_batch, sft_lr, seed)
+    return toy.save_model(model, tokenizer, out / "model")
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key not in globals() or key.startswith("_") or not isinstance(globals()[key], (int, float, str)):
+            sys.exit(f"unknown option --{key}")
+        globals()[key] = type(globals()[key])(value)
+    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length, min_steps=min_steps,
+                 max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
+                 sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_slip=p_slip, p_no_box=p_no_box)
+    print(f"lab task and policy written: {out_dir}/train.jsonl, {out_dir}/test.jsonl, {path}")
