@@ -426,9 +426,10 @@ def full_state(model, dtype):
     return state if is_main else None
 
 
-def save_policy(model, source_dir, dtype, directory):
+def save_policy(model, source_dir, dtype, directory, updates):
     """The policy as an HF directory vLLM loads: full weights in `dtype` (the initial model's), a config
-    that says so, the source's tokenizer and generation files, and policy_id.json (a content hash)."""
+    that says so, the source's tokenizer and generation files, and policy_id.json (a content hash, the
+    stage, and the updates done in the stage and in the run, for curves over updates)."""
     state = full_state(model, dtype)
     if is_main:
         bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
@@ -449,7 +450,9 @@ def save_policy(model, source_dir, dtype, directory):
             if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".pt")) \
                     and f.name not in ("config.json", common.POLICY_ID_FILE):
                 shutil.copy2(f, tmp / f.name)
-        common.atomic_write_json(tmp / common.POLICY_ID_FILE, {"fingerprint": common.content_fingerprint(tmp)})
+        common.atomic_write_json(tmp / common.POLICY_ID_FILE, {
+            "fingerprint": common.content_fingerprint(tmp), "stage": stage.manifest["stage"], "updates_in_stage": updates,
+            "global_updates": update_offset + updates})
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
         common.fsync_dir(directory.parent)
@@ -763,13 +766,13 @@ def main():
                             ratio_neg=f"{m['ratio/mean_neg_adv']:.3f}")
         done = u + 1
         if save_policy_every and done % save_policy_every == 0 and done < updates_per_stage:
-            save_policy(model, start_policy, save_dtype, out_dir.with_name(f"{out_dir.name}_u{done:05d}"))
+            save_policy(model, start_policy, save_dtype, out_dir.with_name(f"{out_dir.name}_u{done:05d}"), done)
         if checkpoint_every and done % checkpoint_every == 0 and done < updates_per_stage:
             save_state(model, optimizer, done)
     t_save = time.perf_counter()
     if save_train_state:
         save_state(model, optimizer, updates_per_stage, final=True)
-    save_policy(model, start_policy, save_dtype, out_dir)
+    save_policy(model, start_policy, save_dtype, out_dir, updates_per_stage)
     if not save_train_state and is_main:
         shutil.rmtree(state_dir, ignore_errors=True)
     peak_rss = torch.tensor([common.peak_rss_gib()], device=device)
@@ -784,6 +787,12 @@ def main():
         common.atomic_write_json(work_dir / "optimize_timing.json", timing)
         log(f"next policy written to {out_dir} ({', '.join(f'{k} {v:.1f}' for k, v in timing.items() if k.endswith('seconds'))})")
     if distributed:
+        # FSDP2's device mesh holds the process groups: drop the model and optimizer first, so the groups'
+        # gloo/NCCL threads are shut down and joined here, by destroy_process_group, and not during
+        # interpreter teardown (a 3-rank gloo run once aborted there: "terminate called without an
+        # active exception")
+        del model, optimizer, trainable
+        gc.collect()
         barrier()
         dist.destroy_process_group()
 
