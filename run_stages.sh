@@ -6,14 +6,15 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 # ------------------------------------------------------------------------------ hyperparameters
-PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy
+PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy | lab (ablate.sh's task)
 LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | nav-none | nav-T | nav-S | nav-seq
                                 # | offpolicy-grpo (clip [0.8, 1.2] + β·KL to the initial policy)
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
-EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last)
+EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last); 0: never
 RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and warmup afresh from the saved policy
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
+SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
 PREFLIGHT=${PREFLIGHT:-1}       # paper preset: 1 runs preflight.py first (cached once passed) | 0 skips | force
 # the rest is set per preset below, unless given in the environment:
 #   MODEL            initial policy (HF name or directory)
@@ -52,30 +53,25 @@ case "$PRESET" in
     : "${GROUP_SIZE:=8}" "${LR:=2e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=16}" "${TEMPERATURE:=1.0}"
     : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
     : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=64}" ;;
-  *) echo "PRESET must be auto, paper or toy, got '$PRESET'" >&2; exit 2 ;;
+  lab)   # the CPU lab task of ablate.sh (data/lab.py): 3–8-step arithmetic chains, 30–70-token solutions
+    : "${MODEL:=data/lab/model}" "${TRAIN_DATA:=data/lab/train.jsonl}" "${EVAL_DATA_DIR:=data/lab}"
+    : "${BENCHMARKS:=test}" "${STAGES:=8}" "${UPDATES:=32}" "${PROMPTS_PER_UPDATE:=4}"
+    : "${GROUP_SIZE:=8}" "${LR:=1e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=128}" "${TEMPERATURE:=1.0}"
+    : "${EVAL_K:=1}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
+    : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=1024}" ;;
+  *) echo "PRESET must be auto, paper, toy or lab, got '$PRESET'" >&2; exit 2 ;;
 esac
-# loss presets: the paper's method and the baselines it is compared with, on the same loop
-case "$LOSS" in
-  mu-grpo)        LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=1e-4 --nav_scope=H" ;;
-  grpo)           LOSS_ARGS="--clip_low=0.8 --clip_high=1.2 --nav_delta=none" ;;
-  dapo)           LOSS_ARGS="--clip_low=0.8 --clip_high=1.28 --nav_delta=none" ;;
-  m2po)           LOSS_ARGS="--clip_low=0 --clip_high=1e9 --nav_delta=none --m2po_tau=0.04" ;;
-  relaxed-no-nav) LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=none" ;;
-  offpolicy-grpo) LOSS_ARGS="--clip_low=0.8 --clip_high=1.2 --nav_delta=none --kl_estimator=k3"
-                  : "${KL_COEF:=0.04}" ;;   # our choice (DeepSeekMath's GRPO β); the lag v is UPDATES
-  nav-none|nav-T|nav-S|nav-seq)
-                  LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=1e-4 --nav_scope=${LOSS#nav-}" ;;
-  *) echo "LOSS must be one of mu-grpo grpo dapo m2po relaxed-no-nav nav-none nav-T nav-S nav-seq offpolicy-grpo," \
-          "got '$LOSS'" >&2; exit 2 ;;
-esac
+# loss presets (losses.sh): the paper's method and the baselines it is compared with, on the same loop
+source losses.sh
+loss_args "$LOSS" || exit 2
 : "${KL_COEF:=0}"
 
 # every setting is checked before any phase runs: a typo fails here, not after the first evaluation
 for v in STAGES UPDATES PROMPTS_PER_UPDATE GROUP_SIZE MAX_PROMPT MAX_RESPONSE EVAL_K GPUS SHARD_PROMPTS \
-         MICRO_BATCH_TOKENS EVAL_EVERY WARMUP; do
+         MICRO_BATCH_TOKENS EVAL_EVERY WARMUP SEED; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
-for v in STAGES UPDATES PROMPTS_PER_UPDATE EVAL_EVERY MICRO_BATCH_TOKENS SHARD_PROMPTS; do
+for v in STAGES UPDATES PROMPTS_PER_UPDATE MICRO_BATCH_TOKENS SHARD_PROMPTS; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
 (( GROUP_SIZE >= 2 )) || { echo "GROUP_SIZE must be at least 2, got '$GROUP_SIZE'" >&2; exit 2; }
@@ -98,6 +94,9 @@ echo "run $RUN: $PRESET preset, loss $LOSS; $STAGES stages × $UPDATES updates �
 # the toy task and its warm-started policy are built locally; the paper's data comes from the hub
 if [[ "$PRESET" == toy && "$MODEL" == data/toy/model && ! -f data/toy/model/config.json ]]; then
   $PY data/toy.py --out_dir=data/toy
+fi
+if [[ "$PRESET" == lab && "$MODEL" == data/lab/model && ! -f data/lab/model/config.json ]]; then
+  $PY data/lab.py --out_dir=data/lab
 fi
 if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then
   $PY data/prepare.py --name=deepscaler --out="$TRAIN_DATA"
@@ -131,7 +130,7 @@ fi
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" "${TEMPLATE_ARG[@]}")
-phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
+(( EVAL_EVERY == 0 )) || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
 
 if [[ "$PRESET" == paper && "$PREFLIGHT" != 0 ]]; then   # minutes of checks before days of run
   $PY preflight.py --policy="$MODEL" --data="$TRAIN_DATA" --out="$RUN/preflight.json" --gpus="$GPUS" \
@@ -149,18 +148,18 @@ for ((s = 0; s < STAGES; s++)); do
   phase "generate_$s" $s $PY generate.py --policy="$POLICY" --data="$TRAIN_DATA" --run_dir="$RUN" --stage=$s \
       --prompts_per_stage=$PROMPTS_PER_STAGE --group_size=$GROUP_SIZE --temperature=$TEMPERATURE \
       --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE --shard_prompts=$SHARD_PROMPTS \
-      --gpus="$GPUS" "${TEMPLATE_ARG[@]}"
+      --gpus="$GPUS" --seed="$SEED" "${TEMPLATE_ARG[@]}"
   if [[ "$GPUS" -gt 1 ]]; then TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node="$GPUS"); else TRAIN=($PY); fi
   phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
       --updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR \
       --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT \
-      --warmup_updates=$WARMUP --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}" "${STATE_ARGS[@]}"
+      --warmup_updates=$WARMUP --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}" "${STATE_ARGS[@]}"
   POLICY=$STAGE_DIR/policy
   [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
   if (( s > 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes/parameter
     rm -rf "$RUN/stage_$((s - 1))/train_state"                  # stage s carries it on
   fi
-  if (( (s + 1) % EVAL_EVERY == 0 || s == STAGES - 1 )); then
+  if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || s == STAGES - 1) )); then
     phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s --updates=$(( (s + 1) * UPDATES )) "${EVAL_ARGS[@]}"
   fi
 done
