@@ -3,6 +3,7 @@
     python plot.py --run_dir=runs/toy-mu-grpo                       # figures into <run_dir>/plots/
     python plot.py --run_dir=runs/a,runs/b --out_dir=plots/compare  # two runs on the same axes
     python plot.py --run_dir=runs/toy-mu-grpo --summary=true        # also print time per phase
+    python plot.py --ablation_dir=runs/lab-ablation                 # ablate.sh: Fig. 2, Fig. 3, table.md
 
 The same functions are used by notebooks/results.ipynb: load_run(path) returns plain lists of dicts.
 """
@@ -16,6 +17,8 @@ import common
 run_dir = "runs/toy-mu-grpo"    # one run directory, or several separated by commas
 out_dir = ""                    # default: <first run_dir>/plots
 summary = False                 # print time per phase, switching overhead and accuracy per stage
+ablation_dir = ""               # an ablate.sh output directory: its figures and table instead of a run's
+collapse_below = 0.5            # ablation table: a seed has collapsed once its accuracy < this × the initial one
 # -----------------------------------------------------------------------------
 
 
@@ -121,8 +124,161 @@ def figures(runs, out):
     return written
 
 
+# ----------------------------------------------------------------------------- ablate.sh
+
+
+CLIP_VARIANTS = ("grpo", "relaxed-no-nav", "mu-grpo", "m2po", "dapo")            # Fig. 2
+SCOPE_VARIANTS = ("relaxed-no-nav", "nav-none", "nav-T", "mu-grpo", "nav-S", "nav-seq")  # Fig. 3 (mu-grpo: H)
+
+
+def load_ablation(path):
+    """ablate.sh's outputs as {variant: {"curves": {seed: [(updates, accuracy)]}, "metrics": {seed: [rows]}}};
+    the on-policy reference is the variant "onpolicy-<loss>", its curve the stage policies'. The initial
+    policy (updates 0) starts every curve."""
+    path = Path(path).resolve()
+    rows = _rows(path / "results.jsonl")
+    initial = [r["avg_at_k"] for r in rows if path not in Path(r["policy"]).resolve().parents]
+    out = {}
+    for r in rows:
+        p = Path(r["policy"]).resolve()
+        if path not in p.parents:
+            continue
+        parts = p.relative_to(path).parts            # <variant>/seed<k>/policy[_u…] or …/seed<k>/stage_<s>/policy
+        variant, seed = parts[0], int(parts[1].removeprefix("seed"))
+        out.setdefault(variant, {"curves": {}, "metrics": {}})["curves"].setdefault(seed, []).append(
+            (r["updates"], r["avg_at_k"]))
+    for variant, v in out.items():
+        for seed, curve in v["curves"].items():
+            v["curves"][seed] = sorted(([(0, initial[0])] if initial else []) + curve)
+            v["metrics"][seed] = _rows(path / variant / f"seed{seed}" / "metrics.jsonl")
+    return out, (initial[0] if initial else float("nan"))
+
+
+def mean_curve(curves):
+    """[(updates, mean, min, max)] over seeds, at the updates every seed has."""
+    common_updates = sorted(set.intersection(*(set(u for u, _ in c) for c in curves.values())))
+    table = [{u: a for u, a in c} for c in curves.values()]
+    return [(u, sum(t[u] for t in table) / len(table), min(t[u] for t in table), max(t[u] for t in table))
+            for u in common_updates]
+
+
+def metric_curve(metrics, key, window=8):
+    """A per-update metric averaged over seeds, then a trailing moving average over `window` updates."""
+    by_update = {}
+    for rows in metrics.values():
+        for m in rows:
+            if m.get(key) is not None:
+                by_update.setdefault(m["update"], []).append(m[key])
+    xs = sorted(by_update)
+    ys = [sum(by_update[x]) / len(by_update[x]) for x in xs]
+    smooth = [sum(ys[max(0, i - window + 1):i + 1]) / len(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
+    return xs, smooth
+
+
+def ablation_table(ablation, initial):
+    """One row per variant: final and best mean accuracy (spread over seeds), the seeds that collapsed and
+    the first update where one did, the lowest E[ρ | A<0], and the mean vetoed and clipped token fractions."""
+    table = []
+    for variant, v in ablation.items():
+        curve = mean_curve(v["curves"])
+        finals = [c[-1][1] for c in v["curves"].values()]
+        collapsed = [next((u for u, a in c if a < collapse_below * initial), None) for c in v["curves"].values()]
+        per_seed_min = [min(m["ratio/mean_neg_adv"] for m in rows) for rows in v["metrics"].values() if rows]
+
+        def mean_metric(key):
+            vals = [m.get(key) or 0.0 for rows in v["metrics"].values() for m in rows]
+            return sum(vals) / len(vals) if vals else float("nan")
+        best = max(curve, key=lambda c: c[1])
+        table.append({
+            "variant": variant, "seeds": len(finals), "final": sum(finals) / len(finals),
+            "final_min": min(finals), "final_max": max(finals), "best": best[1], "best_at": best[0],
+            "collapsed_seeds": sum(u is not None for u in collapsed),
+            "collapse_at": min((u for u in collapsed if u is not None), default=None),
+            "min_ratio_neg": sum(per_seed_min) / len(per_seed_min) if per_seed_min else float("nan"),
+            "vetoed_frac": mean_metric("nav/vetoed_frac"),
+            "clipped_frac": mean_metric("clip/upper_frac") + mean_metric("clip/lower_frac")
+                            + mean_metric("m2po/masked_frac")})
+    return table
+
+
+def table_markdown(table, initial):
+    def f(x, digits):      # the reference's metrics are not read (its stages are separate runs): "—"
+        return "—" if x != x else f"{x:.{digits}f}"
+    lines = [f"initial policy: {initial:.3f}; collapse: a seed's accuracy below {collapse_below:g} × the initial",
+             "", "| variant | seeds | final (min–max) | best (at update) | collapsed seeds (first at) | "
+             "lowest E[ρ \\| A<0] | vetoed tokens | clipped/masked tokens |", "|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        collapse = f"{r['collapsed_seeds']} ({r['collapse_at']})" if r["collapsed_seeds"] else "0"
+        lines.append(f"| {r['variant']} | {r['seeds']} | {r['final']:.3f} ({r['final_min']:.3f}–{r['final_max']:.3f}) "
+                     f"| {r['best']:.3f} ({r['best_at']}) | {collapse} | {f(r['min_ratio_neg'], 3)} | "
+                     f"{f(r['vetoed_frac'], 4)} | {f(r['clipped_frac'], 4)} |")
+    return "\n".join(lines) + "\n"
+
+
+def ablation_figures(ablation, out):
+    """Fig. 2: accuracy vs updates of the clip variants and their clipped-token fraction; Fig. 3: accuracy
+    vs updates per NAV veto scope and E[ρ | A<0]. Lines: mean over seeds; bands: min–max."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    reference = [v for v in ablation if v.startswith("onpolicy-")]
+    figs = [("fig2_clip.png", "clipping dilemma", CLIP_VARIANTS, "clipped (or M2PO-masked) token fraction",
+             ("clip/upper_frac", "clip/lower_frac", "m2po/masked_frac")),
+            ("fig3_nav_scope.png", "NAV veto scope", SCOPE_VARIANTS, "E[ρ | A<0] (collapse warning)",
+             ("ratio/mean_neg_adv",))]
+    written = []
+    for name, title, variants, right_label, keys in figs:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        for variant in [v for v in variants if v in ablation] + reference:
+            curve = mean_curve(ablation[variant]["curves"])
+            label = "mu-grpo (NAV H)" if variant == "mu-grpo" else variant
+            line, = left.plot([c[0] for c in curve], [c[1] for c in curve], marker="o", ms=3, label=label,
+                              linestyle="--" if variant in reference else "-")
+            left.fill_between([c[0] for c in curve], [c[2] for c in curve], [c[3] for c in curve],
+                              color=line.get_color(), alpha=0.15)
+            if variant in reference:
+                continue
+            series = [metric_curve(ablation[variant]["metrics"], k) for k in keys]
+            xs = series[0][0]
+            if xs:
+                right.plot(xs, [sum(s[1][i] for s in series if len(s[1]) == len(xs)) for i in range(len(xs))],
+                           color=line.get_color(), label=label)
+        left.set(xlabel="updates on the same stale rollouts", ylabel="test accuracy (avg@k)",
+                 title=f"{title}: accuracy vs updates")
+        right.set(xlabel="update (= staleness of its minibatch)", ylabel=right_label,
+                  title="per update: mean over seeds, 8-update moving average")
+        if keys == ("ratio/mean_neg_adv",):
+            right.set_yscale("log")
+        left.legend(fontsize=7)
+        right.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        written.append(out / name)
+    return written
+
+
+def main_ablation():
+    ablation, initial = load_ablation(ablation_dir)
+    if not ablation:
+        sys.exit(f"{ablation_dir}/results.jsonl has no evaluated replay: run ablate.sh first")
+    out = Path(out_dir or Path(ablation_dir) / "plots")
+    for path in ablation_figures(ablation, out):
+        print(f"wrote {path}")
+    table = ablation_table(ablation, initial)
+    common.atomic_write_json(out / "table.json", table)
+    (out / "table.md").write_text(table_markdown(table, initial))
+    print(f"wrote {out / 'table.md'}\n")
+    print(table_markdown(table, initial))
+
+
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
+    if ablation_dir:
+        main_ablation()
+        sys.exit(0)
     runs = [load_run(p) for p in run_dir.split(",")]
     for path in figures(runs, out_dir or Path(run_dir.split(",")[0]) / "plots"):
         print(f"wrote {path}")

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The paper's ablations (Fig. 2 and 3) on the CPU lab task, in one command: bash ablate.sh
+#   1. stage 0: one batch of rollouts from the warm-started lab policy (generate.py)
+#   2. replays: every LOSS variant × seed runs UPDATES stale updates on those same rollouts
+#      (optimize.py), saving the policy every SAVE_EVERY updates
+#   3. the small-μ on-policy reference: run_stages.sh, ONPOLICY_UPDATES updates per stage
+#   4. every saved policy on the lab's test set, by one engine (evaluate.py --policy=a,b,...)
+#   5. figures and table (plot.py --ablation_dir): $OUT/plots/fig2_clip.png, fig3_nav_scope.png, table.md
+# Rerunning skips the finished parts. Every variable below can also be set from the environment.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+# ------------------------------------------------------------------------------ hyperparameters
+OUT=${OUT:-runs/lab-ablation}   # everything goes here
+LAB_DIR=${LAB_DIR:-data/lab}    # the lab task (built by data/lab.py if missing; LAB_ARGS go to it)
+LAB_ARGS=${LAB_ARGS:-}
+VARIANTS=${VARIANTS:-grpo relaxed-no-nav nav-T mu-grpo nav-S nav-seq m2po}   # LOSS presets (losses.sh)
+SEEDS=${SEEDS:-0 1 2}           # one replay per seed: the order in which the stage's groups become minibatches
+UPDATES=${UPDATES:-256}         # μ of the replays: the last update trains on data UPDATES-1 updates stale
+PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-4}   # prompts per minibatch (× GROUP_SIZE responses)
+GROUP_SIZE=${GROUP_SIZE:-8}     # G
+LR=${LR:-1e-4}                  # AdamW learning rate (constant): the ratios drift (min ratio → 0) within 64 updates
+SAVE_EVERY=${SAVE_EVERY:-32}    # updates between saved policies: the points of each accuracy curve
+ONPOLICY_LOSS=${ONPOLICY_LOSS:-grpo}      # the reference: this LOSS with a small μ, fresh rollouts per stage
+ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # its μ (0: no reference); it runs UPDATES / ONPOLICY_UPDATES stages
+ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0}       # its seeds (each costs a vLLM start-up per stage)
+EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
+MAX_RESPONSE=${MAX_RESPONSE:-128}         # tokens (the lab's solutions are 30–70)
+JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS threads
+# ------------------------------------------------------------------------------
+
+bash setup.sh >&2
+PY=.venv/bin/python
+source losses.sh
+for v in UPDATES PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
+done
+for v in UPDATES PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS; do
+  (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
+done
+for variant in $VARIANTS $ONPOLICY_LOSS; do loss_args "$variant" || exit 2; done
+for seed in $SEEDS $ONPOLICY_SEEDS; do
+  [[ "$seed" =~ ^[0-9]+$ ]] || { echo "SEEDS and ONPOLICY_SEEDS must be whole numbers, got '$seed'" >&2; exit 2; }
+done
+if (( ONPOLICY_UPDATES > 0 && UPDATES % ONPOLICY_UPDATES != 0 )); then
+  echo "UPDATES ($UPDATES) must be a multiple of ONPOLICY_UPDATES ($ONPOLICY_UPDATES)" >&2; exit 2
+fi
+mkdir -p "$OUT/.done" "$OUT/logs"
+exec 9>"$OUT/.lock"
+flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
+THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
+T0=$(date +%s)
+echo "ablation $OUT: variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES updates of $PROMPTS_PER_UPDATE prompts" \
+     "× G=$GROUP_SIZE at lr $LR, a policy every $SAVE_EVERY updates; on-policy reference $ONPOLICY_LOSS" \
+     "μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time"
+
+# step NAME CMD...: skipped when done; output to $OUT/logs/NAME.log; marked done only when it succeeded
+step() {
+  local name=$1; shift
+  if [[ -f "$OUT/.done/$name" ]]; then return; fi
+  echo "[$name] $(( $(date +%s) - T0 )) s"
+  "$@" > "$OUT/logs/$name.log" 2>&1 9>&- || { echo "[$name] failed; see $OUT/logs/$name.log:" >&2;
+                                               tail -20 "$OUT/logs/$name.log" >&2; return 1; }
+  touch "$OUT/.done/$name"
+}
+
+[[ -f "$LAB_DIR/model/config.json" ]] || step lab $PY data/lab.py --out_dir="$LAB_DIR" $LAB_ARGS
+MODEL=$LAB_DIR/model
+SAMPLING=(--max_prompt_tokens=64 --max_response_tokens="$MAX_RESPONSE" --prompt_template="{problem}")
+
+# 1. the shared stale rollouts: UPDATES minibatches' worth, from the initial policy
+step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --run_dir="$OUT" --stage=0 \
+    --prompts_per_stage=$((UPDATES * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
+    --shard_prompts=1024 --gpus=0 "${SAMPLING[@]}"
+
+# 2. the replays, JOBS at a time
+replay() {
+  local variant=$1 seed=$2 LOSS_ARGS KL_COEF=0
+  loss_args "$variant"
+  OMP_NUM_THREADS=$THREADS $PY optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
+      --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES" \
+      --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
+      --save_train_state=false --micro_batch_tokens=4096 $LOSS_ARGS --kl_coef="$KL_COEF"
+}
+failed=0
+for variant in $VARIANTS; do
+  for seed in $SEEDS; do
+    while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || failed=1; done
+    step "replay_${variant}_seed$seed" replay "$variant" "$seed" &
+  done
+done
+while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
+(( failed == 0 )) || { echo "a replay failed (see above)" >&2; exit 1; }
+
+# 3. the on-policy reference: fresh rollouts every ONPOLICY_UPDATES updates, the same total updates
+if (( ONPOLICY_UPDATES > 0 )); then
+  for seed in $ONPOLICY_SEEDS; do
+    step "onpolicy_seed$seed" env PRESET=lab MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" EVAL_DATA_DIR="$LAB_DIR" \
+        LOSS="$ONPOLICY_LOSS" RUN="$OUT/onpolicy-$ONPOLICY_LOSS/seed$seed" SEED="$seed" LR="$LR" \
+        STAGES=$((UPDATES / ONPOLICY_UPDATES)) UPDATES="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
+        GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 bash run_stages.sh
+  done
+fi
+
+# 4. every policy on the test set, one engine: the initial one, the replays' and the reference's stage policies
+POLICIES=$MODEL
+for variant in $VARIANTS; do
+  for seed in $SEEDS; do
+    for p in "$OUT/$variant/seed$seed"/policy_u* "$OUT/$variant/seed$seed/policy"; do POLICIES+=",$p"; done
+  done
+done
+if (( ONPOLICY_UPDATES > 0 )); then
+  for seed in $ONPOLICY_SEEDS; do
+    for ((s = 0; s < UPDATES / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$ONPOLICY_LOSS/seed$seed/stage_$s/policy"; done
+  done
+fi
+step evaluate $PY evaluate.py --policy="$POLICIES" --benchmarks=test --data_dir="$LAB_DIR" --k="$EVAL_K" \
+    --temperature=1.0 --top_p=1.0 --results="$OUT/results.jsonl" --gpus=0 "${SAMPLING[@]}"
+
+# 5. figures and the table
+$PY plot.py --ablation_dir="$OUT" --out_dir="$OUT/plots" 9>&- | tee "$OUT/logs/plot.log"
+echo "ablation done in $(( ($(date +%s) - T0) / 60 )) min: $OUT/plots/"

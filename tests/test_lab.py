@@ -1,0 +1,120 @@
+"""The CPU lab (data/lab.py, ablate.sh, plot.py --ablation_dir): the task, the table, and a reduced ablation."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, needs_vllm, read_lines, run_script
+
+sys.path.insert(0, str(ROOT / "data"))
+import lab  # noqa: E402
+import plot  # noqa: E402
+import reward  # noqa: E402
+
+
+def test_lab_problems_are_disjoint_graded_and_correct():
+    train, test = lab.problems(40, 3, 3, 5, seed=0)
+    assert len(train) == 40 and [sum(r["steps"] == n for r in test) for n in (3, 4, 5)] == [3, 3, 3]
+    assert not {r["id"] for r in train} & {r["id"] for r in test}
+    for row in train + test:                       # the answer is the chain's value; every value stays in 0..19
+        words = row["problem"].split()             # Compute a ± d ± d ... step by step.
+        value = int(words[1])
+        for sign, d in zip(words[2:-3:2], words[3:-3:2]):
+            value += int(d) if sign == "+" else -int(d)
+            assert 0 <= value <= 19
+        assert str(value) == row["answer"]
+
+
+def test_lab_demonstrations_by_hand():
+    row = lab.problem_row(7, [("+", 8), ("-", 5), ("+", 9)])
+    assert row["problem"] == "Compute 7 + 8 - 5 + 9 step by step." and row["answer"] == "19"
+    clean = lab.demonstration(row, random.Random(0), p_slip=0.0, p_no_box=0.0)
+    assert clean == " Step 1: 7 + 8 = 15\nStep 2: 15 - 5 = 10\nStep 3: 10 + 9 = 19\n\\boxed{19}"
+    assert reward.grade(clean, row["answer"], "lab")[0] == 1.0
+    unboxed = lab.demonstration(row, random.Random(0), p_slip=0.0, p_no_box=1.0)
+    assert unboxed.endswith("\nAnswer: 19") and reward.grade(unboxed, "19", "lab")[0] == 0.0
+    slipped = lab.demonstration(row, random.Random(0), p_slip=1.0, p_no_box=0.0)
+    for line in slipped.strip().split("\n")[:-1]:  # Step k: a ± d = r, every r off by 1 or 10
+        a, sign, d, _, r = line.split(": ")[1].split()
+        assert abs(int(r) - (int(a) + int(d) if sign == "+" else int(a) - int(d))) in (1, 10)
+
+
+def _fake_ablation(root):
+    """Two variants × two seeds, evaluated at updates 0 (the initial policy), 2 and 4."""
+    rows = [{"stage": -1, "benchmark": "test", "policy": str(root.parent / "model"), "updates": 0, "avg_at_k": 0.5}]
+    acc = {("a", 0): [0.6, 0.7], ("a", 1): [0.8, 0.5], ("b", 0): [0.2, 0.1], ("b", 1): [0.6, 0.4]}
+    for (variant, seed), (at2, at4) in acc.items():
+        d = root / variant / f"seed{seed}"
+        d.mkdir(parents=True)
+        rows += [{"stage": -1, "benchmark": "test", "policy": str(d / "policy_u00002"), "updates": 2, "avg_at_k": at2},
+                 {"stage": -1, "benchmark": "test", "policy": str(d / "policy"), "updates": 4, "avg_at_k": at4}]
+        ratios = [1.0, 0.5, 0.25, 0.9] if variant == "a" else [1.0, 0.01, 0.02, 0.03]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(
+            {"update": u, "ratio/mean_neg_adv": ratios[u], "nav/vetoed_frac": 0.1 * u if variant == "a" else None,
+             "clip/upper_frac": 0.01, "clip/lower_frac": 0.0}) + "\n" for u in range(4)))
+    (root / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_ablation_table_by_hand(tmp_path):
+    root = tmp_path / "ablation"
+    _fake_ablation(root)
+    ablation, initial = plot.load_ablation(root)
+    assert initial == 0.5 and set(ablation) == {"a", "b"}
+    assert ablation["a"]["curves"][1] == [(0, 0.5), (2, 0.8), (4, 0.5)]
+    curve = plot.mean_curve(ablation["a"]["curves"])       # (updates, mean, min, max) over the two seeds
+    expected = [(0, 0.5, 0.5, 0.5), (2, 0.7, 0.6, 0.8), (4, 0.6, 0.5, 0.7)]
+    assert [c == pytest.approx(e) for c, e in zip(curve, expected)] == [True] * 3
+    rows = {r["variant"]: r for r in plot.ablation_table(ablation, initial)}
+    a, b = rows["a"], rows["b"]
+    assert (a["final"], a["final_min"], a["final_max"]) == pytest.approx((0.6, 0.5, 0.7))
+    assert (a["best"], a["best_at"]) == pytest.approx((0.7, 2))
+    assert a["collapsed_seeds"] == 0 and a["collapse_at"] is None
+    assert a["min_ratio_neg"] == pytest.approx(0.25)                 # both seeds' lowest E[ρ | A<0]
+    assert a["vetoed_frac"] == pytest.approx((0 + 0.1 + 0.2 + 0.3) / 4)
+    assert a["clipped_frac"] == pytest.approx(0.01)
+    # b: seed 0 falls to 0.2 < 0.5 × 0.5 at update 2; seed 1 never below 0.25
+    assert b["collapsed_seeds"] == 1 and b["collapse_at"] == 2
+    assert (b["final"], b["best"], b["best_at"]) == pytest.approx((0.25, 0.5, 0))
+    assert b["min_ratio_neg"] == pytest.approx(0.01) and b["vetoed_frac"] == 0
+    md = plot.table_markdown(plot.ablation_table(ablation, initial), initial)
+    assert "| b | 2 | 0.250 (0.100–0.400) | 0.500 (0) | 1 (2) | 0.010 |" in md
+
+
+@needs_vllm
+def test_reduced_ablation_produces_the_curves_figures_and_table(tmp_path):
+    out, lab_dir = tmp_path / "ablation", tmp_path / "lab"
+    env = {"OUT": str(out), "LAB_DIR": str(lab_dir), "VARIANTS": "grpo mu-grpo", "SEEDS": "0", "UPDATES": "4",
+           "PROMPTS_PER_UPDATE": "2", "SAVE_EVERY": "2", "ONPOLICY_UPDATES": "4", "MAX_RESPONSE": "40",
+           "LAB_ARGS": "--train_problems=48 --test_per_length=3 --max_steps=4 --hidden_size=64 --layers=2 "
+                       "--sft_steps=40"}
+    proc = subprocess.run(["bash", "ablate.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ablation, initial = plot.load_ablation(out)
+    assert set(ablation) == {"grpo", "mu-grpo", "onpolicy-grpo"}
+    for variant in ("grpo", "mu-grpo"):   # the initial policy, the policy saved at update 2, the final one
+        assert [u for u, _ in ablation[variant]["curves"][0]] == [0, 2, 4]
+        assert [m["update"] for m in ablation[variant]["metrics"][0]] == [0, 1, 2, 3]
+    assert [u for u, _ in ablation["onpolicy-grpo"]["curves"][0]] == [0, 4]
+    reference_phases = [t["name"] for t in read_lines(out / "onpolicy-grpo" / "seed0" / "timeline.jsonl")]
+    assert reference_phases == ["generate_0", "optimize_0"]           # EVAL_EVERY=0: ablate.sh evaluates it
+    for name in ("fig2_clip.png", "fig3_nav_scope.png", "table.md"):
+        assert (out / "plots" / name).stat().st_size > 0
+    table = (out / "plots" / "table.md").read_text()
+    assert all(f"| {v} | 1 |" in table for v in ("grpo", "mu-grpo", "onpolicy-grpo"))
+    # the engine that reloaded the weights samples what a fresh engine on the final policy samples
+    final = out / "grpo" / "seed0" / "policy"
+    run_script("evaluate.py", f"--policy={final}", "--benchmarks=test", f"--data_dir={lab_dir}", "--k=1",
+               "--temperature=1.0", "--top_p=1.0", "--prompt_template={problem}", "--max_prompt_tokens=64",
+               "--max_response_tokens=40", f"--samples_dir={tmp_path / 'fresh'}", "--grader_workers=1")
+    fresh = [r["response"] for r in read_lines(tmp_path / "fresh" / "test.jsonl")]
+    reloaded = [r["response"] for r in read_lines(final.parent / "eval_samples" / "policy" / "test.jsonl")]
+    initial_samples = [r["response"] for r in read_lines(lab_dir / "eval_samples" / "model" / "test.jsonl")]
+    assert fresh == reloaded and fresh != initial_samples
+    # a rerun finds every part done
+    proc = subprocess.run(["bash", "ablate.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+    assert proc.returncode == 0 and "[rollouts]" not in proc.stdout and "[evaluate]" not in proc.stdout
