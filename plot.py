@@ -183,7 +183,8 @@ def ablation_table(ablation, initial):
         curve = mean_curve(v["curves"])
         finals = [c[-1][1] for c in v["curves"].values()]
         collapsed = [next((u for u, a in c if a < collapse_below * initial), None) for c in v["curves"].values()]
-        per_seed_min = [min(m["ratio/mean_neg_adv"] for m in rows) for rows in v["metrics"].values() if rows]
+        per_seed_min = [min(r) for rows in v["metrics"].values()      # None: a minibatch without A<0 tokens
+                        if (r := [m["ratio/mean_neg_adv"] for m in rows if m.get("ratio/mean_neg_adv") is not None])]
 
         def mean_metric(key):
             vals = [m.get(key) or 0.0 for rows in v["metrics"].values() for m in rows]

@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -105,15 +106,25 @@ def test_reduced_ablation_produces_the_curves_figures_and_table(tmp_path):
         assert (out / "plots" / name).stat().st_size > 0
     table = (out / "plots" / "table.md").read_text()
     assert all(f"| {v} | 1 |" in table for v in ("grpo", "mu-grpo", "onpolicy-grpo"))
-    # the engine that reloaded the weights samples what a fresh engine on the final policy samples
-    final = out / "grpo" / "seed0" / "policy"
-    run_script("evaluate.py", f"--policy={final}", "--benchmarks=test", f"--data_dir={lab_dir}", "--k=1",
-               "--temperature=1.0", "--top_p=1.0", "--prompt_template={problem}", "--max_prompt_tokens=64",
-               "--max_response_tokens=40", f"--samples_dir={tmp_path / 'fresh'}", "--grader_workers=1")
-    fresh = [r["response"] for r in read_lines(tmp_path / "fresh" / "test.jsonl")]
-    reloaded = [r["response"] for r in read_lines(final.parent / "eval_samples" / "policy" / "test.jsonl")]
-    initial_samples = [r["response"] for r in read_lines(lab_dir / "eval_samples" / "model" / "test.jsonl")]
-    assert fresh == reloaded and fresh != initial_samples
+    # an engine that reloads the weights samples what a fresh engine samples: [a perturbed copy, the initial
+    # policy] by one engine; its initial-policy samples equal those of the ablation's engine, which started
+    # on it (the replays here barely move a policy that solves nothing, so a copy is perturbed instead)
+    import torch
+    from safetensors.torch import load_file, save_file
+    perturbed = tmp_path / "perturbed"
+    shutil.copytree(lab_dir / "model", perturbed)
+    torch.manual_seed(0)
+    weights = load_file(perturbed / "model.safetensors")
+    save_file({k: v + 0.05 * torch.randn_like(v) for k, v in weights.items()}, perturbed / "model.safetensors",
+              metadata={"format": "pt"})
+    run_script("evaluate.py", f"--policy={perturbed},{lab_dir / 'model'}", "--benchmarks=test",
+               f"--data_dir={lab_dir}", "--k=1", "--temperature=1.0", "--top_p=1.0", "--prompt_template={problem}",
+               "--max_prompt_tokens=64", "--max_response_tokens=40", f"--samples_dir={tmp_path / 'list'}",
+               "--grader_workers=1")
+    fresh = [r["response"] for r in read_lines(lab_dir / "eval_samples" / "model" / "test.jsonl")]
+    reloaded = [r["response"] for r in read_lines(tmp_path / "list" / "model" / "test.jsonl")]
+    other = [r["response"] for r in read_lines(tmp_path / "list" / "perturbed" / "test.jsonl")]
+    assert reloaded == fresh and other != fresh
     # a rerun finds every part done
     proc = subprocess.run(["bash", "ablate.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
