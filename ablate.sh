@@ -25,7 +25,7 @@ ONPOLICY_LOSS=${ONPOLICY_LOSS:-grpo}      # the reference: this LOSS with a smal
 ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # its μ (0: no reference); it runs UPDATES / ONPOLICY_UPDATES stages
 ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0}       # its seeds (each costs a vLLM start-up per stage)
 EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
-MAX_RESPONSE=${MAX_RESPONSE:-128}         # tokens (the lab's solutions are 30–70)
+MAX_RESPONSE=${MAX_RESPONSE:-128}         # tokens (the lab's solutions are 32–77)
 JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS threads
 # ------------------------------------------------------------------------------
 

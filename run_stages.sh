@@ -53,7 +53,7 @@ case "$PRESET" in
     : "${GROUP_SIZE:=8}" "${LR:=2e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=16}" "${TEMPERATURE:=1.0}"
     : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
     : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=64}" ;;
-  lab)   # the CPU lab task of ablate.sh (data/lab.py): 3–8-step arithmetic chains, 30–70-token solutions
+  lab)   # the CPU lab task of ablate.sh (data/lab.py): 3–8-step arithmetic chains, 32–77-token solutions
     : "${MODEL:=data/lab/model}" "${TRAIN_DATA:=data/lab/train.jsonl}" "${EVAL_DATA_DIR:=data/lab}"
     : "${BENCHMARKS:=test}" "${STAGES:=8}" "${UPDATES:=32}" "${PROMPTS_PER_UPDATE:=4}"
     : "${GROUP_SIZE:=8}" "${LR:=1e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=128}" "${TEMPERATURE:=1.0}"

@@ -1,4 +1,4 @@
-"""The lab task: chained two-digit arithmetic written out step by step, for the CPU ablations (ablate.sh).
+"""The lab task: chained arithmetic written out step by step, for the CPU ablations (ablate.sh).
 
     python data/lab.py --out_dir=data/lab            # writes train.jsonl, test.jsonl and model/
 
@@ -10,15 +10,15 @@ A problem is a start value and 3–8 additions or subtractions of 1–9 that kee
     Step 3: 10 + 9 = 19
     \\boxed{19}
 
-A worked solution is 30–80 tokens long, so the trainer's importance ratios multiply over tens of tokens
-per response, as in the paper's long math solutions (the toy's responses have at most 7). The test
+A worked solution is 32–77 tokens long (mean 55), so the trainer's importance ratios act on tens of
+tokens per response, as in the paper's long math solutions (the toy's responses have at most 7). The test
 set has the same number of problems for each chain length (3..8 steps): graded difficulty, since one
 slip anywhere spoils the answer. Train and test problems are disjoint.
 
 The policy is a tiny Llama warm-started on *imperfect* demonstrations: each step's result slips by
 ±1 or ±10 with probability `p_slip` (the chain goes on from the wrong value), and a share `p_no_box`
 of the solutions ends in `Answer: 19` instead of a box (graded wrong). Sampled at temperature 1 it so
-solves about half of the test problems, the long chains less often: RL has room to remove both kinds
+solves 57% of the test problems (65% of the 3-step chains, 52% of the 8-step ones): RL has room to remove both kinds
 of error. The answers are graded by reward.py like any math answer.
 """
 import os
