@@ -162,12 +162,17 @@ def save_model(model, tokenizer, final):
     return final
 
 
-if __name__ == "__main__":
-    for arg in sys.argv[1:]:
+def apply_overrides(namespace, argv):
+    """--key=value for the hyperparameters of a data builder's block (an unknown key is an error)."""
+    for arg in argv:
         key, _, value = arg.removeprefix("--").partition("=")
-        if key not in globals() or key.startswith("_") or not isinstance(globals()[key], (int, float, str)):
+        if key not in namespace or key.startswith("_") or not isinstance(namespace[key], (int, float, str)):
             sys.exit(f"unknown option --{key}")
-        globals()[key] = type(globals()[key])(value)
+        namespace[key] = type(namespace[key])(value)
+
+
+if __name__ == "__main__":
+    apply_overrides(globals(), sys.argv[1:])
     path = build(out_dir, max_operand=max_operand, test_fraction=test_fraction, seed=seed, hidden_size=hidden_size,
                  layers=layers, vocab_size=vocab_size, sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr,
                  p_correct=p_correct, p_give_up=p_give_up)
