@@ -92,6 +92,7 @@ def sample_and_grade(sets, rank, n):
     info)] per policy]. The engine is built once; the next policy's weights are loaded into it in place
     (the worker's reload_weights, vllm/v1/worker/gpu_worker.py, which the CPU worker inherits) and the
     prefix cache, which holds the last policy's KV, is emptied."""
+    reward.start_graders(grader_workers)  # their start-up runs beside the engine's
     llm = common.make_llm(policies[0], seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
     parts = []

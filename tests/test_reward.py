@@ -310,6 +310,28 @@ def test_pool_kills_a_hanging_item_and_finishes_the_rest():
     assert results[7][1]["reason"] == "wrong"
 
 
+def pid_as_reward(response, gold, dataset=None, timeout_s=None):
+    """A reward function that reports which worker process graded the item."""
+    import os
+    return 0.0, {"reason": "wrong", "extracted": None, "pid": os.getpid()}
+
+
+def test_pool_workers_serve_every_call_and_a_killed_one_is_replaced():
+    # starting a worker costs more than grading thousands of answers: the workers stay for the next call
+    R.stop_graders()
+    first = {i["pid"] for _, i in R.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
+    second = {i["pid"] for _, i in R.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
+    assert len(first) == 2 and second == first
+    # a worker killed on a timeout is replaced for this call and the next; another reward_fn, same workers
+    results = R.grade_batch([("HANG", "1")] + [(boxed("1"), "1")] * 4, workers=2, timeout_s=1.0,
+                            reward_fn=hang_on_marker)
+    assert [r for r, _ in results] == [0.0, 1.0, 1.0, 1.0, 1.0] and results[0][1]["reason"] == "timeout"
+    third = {i["pid"] for _, i in R.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
+    assert len(third) == 2 and len(third & first) == 1
+    R.stop_graders()
+    assert R._pool == []
+
+
 def test_pool_takes_a_partial_as_reward_fn():
     # generate.py passes functools.partial(grade, format_bonus=...): it must travel to the workers
     import functools
