@@ -78,30 +78,29 @@ def shard_done(k):
     return shard_path(k).exists() and stats_path(k).exists()
 
 
-def sample_shard(llm, tokenizer, rows, positions):
-    """Sample G responses for each of the stage's prompts at `positions` (one generate call)."""
-    from vllm import SamplingParams
-    prompts, kept, skipped = [], [], 0
+def shard_requests(tokenizer, rows, positions):
+    """The engine requests for the stage's prompts at `positions`: [(position, row, prompt ids)] of the
+    prompts kept, their SamplingParams (G samples each, its own seed), and the number skipped as too long."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    kept, skipped = [], 0
     for pos, row in zip(positions, rows):
         ids = common.build_prompt_ids(tokenizer, row["problem"], prompt_template, chat_template)
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        prompts.append({"prompt_token_ids": ids})
         kept.append((pos, row, ids))
     stops = common.stop_token_ids(tokenizer, chat_template)      # EOS and the chat turn's end
     # detokenize=False: with log-probs on, vLLM decodes every sampled token to text a second time for its
     # Logprob entries (vllm/v1/engine/logprobs.py, _update_sample_logprobs), which cost 40 % of the
     # throughput here (bench/bench_generate.py); the responses are decoded once per shard in the grading
-    # thread instead (response_texts)
+    # thread instead (response_texts). FINAL_ONLY: one output per prompt, its G samples together
+    # (vllm/v1/engine/parallel_sampling.py, ParentRequest.get_outputs), as LLM.generate asks for.
     params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
                              max_tokens=max_response_tokens, logprobs=0, flat_logprobs=True,
-                             stop_token_ids=stops, detokenize=False,
+                             stop_token_ids=stops, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
                              seed=common.sample_seed(seed, stage, pos))
               for pos, _, _ in kept]
-    started_at, t0 = time.time(), time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=is_main and len(prompts) > 0) if prompts else []
-    return kept, outputs, skipped, time.perf_counter() - t0, started_at
+    return kept, params, skipped
 
 
 def response_texts(tokenizer, token_id_lists):
@@ -173,10 +172,18 @@ def finish_reason(completion):
 
 
 def run_engine(shard_ids, shards):
-    """One vLLM engine generating the given shards in order (this process)."""
+    """One vLLM engine generating the given shards (this process).
+
+    The shards flow through the engine back to back: the next shard's requests wait in the engine's
+    queue and take the places of the current shard's finished responses, so the batch stays full until
+    the stage's last responses. (One LLM.generate call per shard returns only when its longest response
+    is done; the batch shrinks to a few sequences meanwhile, once per shard.) The engine is driven as
+    LLM.generate drives it (vllm/entrypoints/common/offline.py `_run_engine`: LLMEngine.add_request,
+    then step() until nothing is unfinished). A shard whose last response has arrived is graded and
+    written in a background thread (its graders are processes) while the engine goes on."""
     if not shard_ids:
         return
-    reward.start_graders()  # its imports run beside the engine's start-up, not before the first grading
+    reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
     llm = common.make_llm(policy, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
     tokenizer = llm.get_tokenizer()
@@ -184,9 +191,35 @@ def run_engine(shard_ids, shards):
     # warm-up: the first request with log-probs compiles vLLM's token-rank kernel (torch.compile,
     # vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`; seconds on CPU), so start-up pays it,
     # not the first shard's tokens/s
+    from tqdm import tqdm
     from vllm import SamplingParams
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, logprobs=0, flat_logprobs=True,
                                                              detokenize=False), use_tqdm=False)
+    engine = llm.llm_engine
+    waiting = list(shard_ids)   # shards not yet given to the engine, in order
+    running = {}                # shard → its requests and the outputs received so far
+    last_finished = [time.perf_counter()]
+    progress = tqdm(total=sum(len(shards[k][0]) for k in shard_ids), desc="prompts", disable=not is_main)
+
+    def submit_next():
+        k = waiting.pop(0)
+        positions, rows = shards[k]
+        kept, params, skipped = shard_requests(tokenizer, rows, positions)
+        for i, ((_, _, ids), p) in enumerate(zip(kept, params)):
+            engine.add_request(f"{k}/{i}", {"prompt_token_ids": ids}, p)
+        running[k] = {"kept": kept, "outputs": [None] * len(kept), "left": len(kept), "skipped": skipped,
+                      "submitted": time.perf_counter(), "started_at": time.time()}
+        progress.update(skipped)
+
+    def finish(k, grading):
+        """Shard k's responses are all in: grade and write it in the background. Its generation time is
+        the engine's time from the later of its submission and the previous shard's finish to its own
+        finish, so the shards' times add up to the engine's."""
+        r, now = running.pop(k), time.perf_counter()
+        seconds = now - max(r["submitted"], last_finished[0])
+        last_finished[0] = now
+        return grading.submit(grade_and_write, k, r["kept"], r["outputs"], r["skipped"], seconds,
+                              r["started_at"], policy_id, tokenizer)
 
     def report(future):
         s = future.result()
@@ -194,17 +227,28 @@ def run_engine(shard_ids, shards):
               f"{s['reward_sum'] / max(1, s['responses']):.3f}, {s['response_tokens'] / max(s['generation_seconds'], 1e-9):.0f} "
               f"tokens/s", flush=True)
 
-    # shard k is graded and written in a background thread (its graders are processes) while shard k+1
-    # generates, so the engine does not idle during grading
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as grading:
-        pending = None
-        for k in shard_ids:
-            positions, rows = shards[k]
-            sampled = sample_shard(llm, tokenizer, rows, positions)
-            if pending is not None:
-                report(pending)
-            pending = grading.submit(grade_and_write, k, *sampled, policy_id, tokenizer)
-        report(pending)
+        written = []
+        while waiting or running:
+            while waiting and len(running) < 2:      # the shard being generated and the next one
+                submit_next()
+            for k in [k for k, r in running.items() if r["left"] == 0]:  # every prompt too long
+                written.append(finish(k, grading))
+            if running and not engine.has_unfinished_requests():
+                raise RuntimeError(f"the engine finished every request, yet shards {sorted(running)} lack responses")
+            for out in engine.step() if running else []:
+                if out.finished:
+                    k, i = map(int, out.request_id.split("/"))
+                    r = running[k]
+                    r["outputs"][i], r["left"] = out, r["left"] - 1
+                    progress.update(1)
+                    if r["left"] == 0:
+                        written.append(finish(k, grading))
+            while written and written[0].done():
+                report(written.pop(0))
+        progress.close()
+        for future in written:
+            report(future)
 
 
 def write_manifest(stats):

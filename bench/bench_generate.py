@@ -10,11 +10,11 @@ weights and the toy tokenizer, so responses rarely stop early and every path gen
 number of tokens. Rows, each on the same prompt token ids, n = G, temperature 1, same max tokens:
   bare             LLM.generate(prompts, SamplingParams(n, temperature, max_tokens)), one call
   bare + logprobs  the same with logprobs=0, flat_logprobs=True (what training needs)
-  generate.py      the script in a subprocess, once per shard size: its generate calls alone
-                   (manifest generation_seconds) and from its first generate call to its last shard
-                   written (wall_seconds: grading and writing too); engine start-up is excluded, as it
-                   is for the bare rows. With several shards, each call ends in a tail where few
-                   sequences are left to batch, and the last shard's grading is not overlapped.
+  generate.py      the script in a subprocess, once per shard size: its engine time (manifest
+                   generation_seconds: the shards flow through one engine back to back) and from its
+                   first request to its last shard written (wall_seconds: grading and writing too);
+                   engine start-up is excluded, as it is for the bare rows. The last shard's grading
+                   and writing are not overlapped with generation.
 Each measurement runs in a fresh process after a two-token warm-up call with the same options (as
 generate.py does: the first request with log-probs compiles a vLLM kernel), the paths interleaved and
 repeated; the table gives medians. Same machine, same engine settings
@@ -35,7 +35,7 @@ import common  # noqa: E402
 prompts = 64                 # prompts from the toy training set
 group_size = 8               # G responses per prompt
 max_response_tokens = 128
-shard_sizes = "64,32"        # generate.py runs, one per shard size (prompts per shard, comma-separated)
+shard_sizes = "64,16"        # generate.py runs, one per shard size (prompts per shard, comma-separated)
 repeats = 3                  # each path measured this many times, interleaved; the median is reported
 mode = "compare"             # internal: bare | bare_logprobs measure one bare call in a fresh process
 hidden_size = 256            # the random-weight policy
