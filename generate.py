@@ -275,7 +275,7 @@ def write_manifest(stats):
         "grader_reasons": dict(reasons),
         "generation_seconds": total("generation_seconds") / n_engines,
         "generated_tokens_per_s": total("response_tokens") / max(1e-9, total("generation_seconds")) * n_engines,
-        # first generate call to last shard written (grading and writing included, engine start-up not;
+        # first request to last shard written (grading and writing included, engine start-up not;
         # on a resumed stage it spans the pause too)
         "wall_seconds": wall,
         "wall_tokens_per_s": total("response_tokens") / max(1e-9, wall),
