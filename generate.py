@@ -198,7 +198,7 @@ def run_engine(shard_ids, shards):
     engine = llm.llm_engine
     waiting = list(shard_ids)   # shards not yet given to the engine, in order
     running = {}                # shard → its requests and the outputs received so far
-    last_finished = [time.perf_counter()]
+    last_finished = time.perf_counter()  # when the engine last finished a shard (or started)
     progress = tqdm(total=sum(len(shards[k][0]) for k in shard_ids), desc="prompts", disable=not is_main)
 
     def submit_next():
@@ -215,9 +215,9 @@ def run_engine(shard_ids, shards):
         """Shard k's responses are all in: grade and write it in the background. Its generation time is
         the engine's time from the later of its submission and the previous shard's finish to its own
         finish, so the shards' times add up to the engine's."""
+        nonlocal last_finished
         r, now = running.pop(k), time.perf_counter()
-        seconds = now - max(r["submitted"], last_finished[0])
-        last_finished[0] = now
+        seconds, last_finished = now - max(r["submitted"], last_finished), now
         return grading.submit(grade_and_write, k, r["kept"], r["outputs"], r["skipped"], seconds,
                               r["started_at"], policy_id, tokenizer)
 

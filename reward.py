@@ -369,7 +369,7 @@ class _Slot:
 
 
 _pool = []                      # this process's grading workers (_Slot), shared by grade_batch calls
-_pool_lock = threading.Lock()   # one grade_batch at a time uses them
+_pool_lock = threading.RLock()  # one grade_batch (or start/stop) at a time uses them
 
 
 def _failed(reason, seconds, error=None):
@@ -387,8 +387,9 @@ def start_graders(workers=0):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "math_verify", "sympy"])
     forkserver.ensure_running()
-    while len(_pool) < workers:
-        _pool.append(_Slot(ctx))
+    with _pool_lock:
+        while len(_pool) < workers:
+            _pool.append(_Slot(ctx))
     return ctx
 
 
