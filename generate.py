@@ -205,8 +205,12 @@ def run_engine(shard_ids, shards):
         k = waiting.pop(0)
         positions, rows = shards[k]
         kept, params, skipped = shard_requests(tokenizer, rows, positions)
-        for i, ((_, _, ids), p) in enumerate(zip(kept, params)):
-            engine.add_request(f"{k}/{i}", {"prompt_token_ids": ids}, p)
+        # rendered as LLM.generate renders them (vllm/entrypoints/common/offline.py `_preprocess_cmpl`);
+        # a raw prompt given to add_request takes the same path one by one, with a deprecation warning
+        # (vllm/v1/engine/input_processor.py `process_inputs`)
+        engine_inputs = llm.renderer.render_cmpl([{"prompt_token_ids": ids} for _, _, ids in kept]) if kept else []
+        for i, (engine_input, p) in enumerate(zip(engine_inputs, params)):
+            engine.add_request(f"{k}/{i}", engine_input, p)
         running[k] = {"kept": kept, "outputs": [None] * len(kept), "left": len(kept), "skipped": skipped,
                       "submitted": time.perf_counter(), "started_at": time.time()}
         progress.update(skipped)
