@@ -13,6 +13,7 @@ import concurrent.futures
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -303,6 +304,10 @@ if __name__ == "__main__":
                          f"delete the directory")
         else:
             common.atomic_write_json(plan_file, plan)
+        # a killed run's half-written files (common.atomic_write's and the column writer's `.<name>.tmp<pid>`);
+        # this process is the directory's only writer (run_stages.sh holds the run's lock; workers start below)
+        for stale in out_dir.glob(".*.tmp*"):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     rows = common.load_problems(data)
     stage_rows = common.shuffled_window(rows, stage * prompts_per_stage, prompts_per_stage, seed)
     shards = {k: (list(range(s, min(s + shard_prompts, len(stage_rows)))), stage_rows[s:s + shard_prompts])

@@ -104,6 +104,7 @@ def test_killed_mid_stage_resumes_to_the_same_files(toy, stage, tmp_path):
     killed = kill_when(cmd, lambda: (rollouts / "shard_00000.jsonl").exists())
     assert killed and not (rollouts / "manifest.json").exists()
     assert len(list(rollouts.glob("shard_*.stats.json"))) < 12
+    (rollouts / ".shard_00011.jsonl.tmp99999").write_text('{"half": ')   # as a kill mid-write leaves it
     generate(toy, tmp_path, *flags)
     resumed = b"".join((rollouts / f"shard_{k:05d}.jsonl").read_bytes() for k in range(12))
     assert resumed == b"".join((stage / f"shard_{k:05d}.jsonl").read_bytes() for k in range(3))
