@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import needs_vllm, run_script
+from conftest import needs_vllm, read_lines, run_script
 
 pytestmark = needs_vllm
 
@@ -40,12 +40,28 @@ def test_a_pass_is_cached_for_the_same_model_code_and_gpus(toy, passed):
     assert "passed before" in preflight(toy, out).stdout
 
 
-def test_a_wrong_temperature_fails_the_agreement_checks(toy, passed, tmp_path):
+def test_a_wrong_temperature_fails_the_agreement_check(toy, passed, tmp_path):
+    # the trainer at another temperature than sampling, on the preflight's own stage-0 rollouts: its update-0
+    # |Δ log p| is what the agreement check compares with its CPU threshold (1e-3), which the passing run met
+    _, proc = passed
+    report = json.loads(passed[0].read_text())
+    agreement = next(r for r in report["checks"] if r["check"].startswith("engine/trainer agreement: mean"))
+    assert agreement["status"] == "PASS" and agreement["threshold"] == 1e-3
+    run_script("optimize.py", f"--stage_dir={passed[0].with_suffix('') / 'stage_0'}", f"--policy={toy / 'model'}",
+               f"--out={tmp_path / 'policy'}", "--updates_per_stage=1", "--prompts_per_update=4",
+               "--micro_batch_tokens=4096", "--save_train_state=false", "--temperature=0.5")
+    wrong = read_lines(tmp_path / "metrics.jsonl")[0]["mismatch/mean_abs_log_ratio"]
+    assert wrong > 10 * agreement["threshold"] > 100 * agreement["value"]
+
+
+def test_a_failed_phase_stops_the_run_and_names_its_log(toy, passed, tmp_path):
+    # a phase that cannot run (an unknown optimize.py setting) is a failed check: table, exit 1, the log named
     out = tmp_path / "preflight.json"
     shutil.copytree(passed[0].with_suffix(""), out.with_suffix(""))      # its stage-0 rollouts are reused
-    proc = preflight(toy, out, "--optimize_args=--temperature=0.5", check=False)
+    proc = preflight(toy, out, "--optimize_args=--no_such_setting=1", check=False)
     assert proc.returncode == 1 and "the run will not start" in proc.stdout
     report = json.loads(out.read_text())
-    failed = {r["check"].split(":")[0] for r in report["checks"] if r["status"] == "FAIL"}
-    assert "engine/trainer agreement" in failed and "stop tokens" not in failed
-    assert "hint: check --temperature" in proc.stdout
+    status = {r["check"].split(":")[0]: r["status"] for r in report["checks"]}
+    assert status["optimize_0"] == "FAIL" and status["stop tokens"] == "PASS"
+    failed = next(r for r in report["checks"] if r["status"] == "FAIL")
+    assert "unknown option --no_such_setting" in failed["value"] and "optimize_0.log" in failed["value"]
