@@ -124,19 +124,13 @@ def test_bad_hyperparameters_name_the_allowed_values(stage):
 
 
 def test_micro_batch_size_does_not_change_the_update(toy, stage, tmp_path):
-    # one micro-batch per update vs one response per micro-batch: same loss and gradient norm; weights
-    # agree to a few lr (Adam turns float-noise gradients of unused rows into steps of up to lr)
+    # one micro-batch per update vs one response per micro-batch: the same update up to float noise
+    # (assert_same_run's tolerances); a micro-batch counted twice or lost fails it
     other = tmp_path / "other"
     shutil.copytree(stage, other)
-    run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--lr=1e-5",
-               "--micro_batch_tokens=100000")
-    run_script("optimize.py", f"--stage_dir={other}", "--updates_per_stage=2", *FAST, "--lr=1e-5",
-               "--micro_batch_tokens=16")
-    for a, b in zip(read_lines(stage / "metrics.jsonl"), read_lines(other / "metrics.jsonl")):
-        assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-5, abs=1e-7)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    big, small = _weights(stage / "policy"), _weights(other / "policy")
-    assert all(torch.allclose(big[k], small[k], atol=3e-5) for k in big)
+    run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--micro_batch_tokens=100000")
+    run_script("optimize.py", f"--stage_dir={other}", "--updates_per_stage=2", *FAST, "--micro_batch_tokens=16")
+    assert_same_run(stage, other, toy / "model")
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -150,22 +144,48 @@ def torchrun(nproc, *args):
     return proc
 
 
-def assert_same_run(one, two, atol=2e-5):
-    """Same weights and, key by key, the same metrics lines (a metric reduced over ranks equals the
-    one-process figure)."""
-    w1, w2 = _weights(one / "policy"), _weights(two / "policy")
+# Tolerances of the cross-split tests (micro-batches, ranks). Another split sums the same gradient terms in
+# another order: float32 noise of ~1e-7 relative per sum. What the claim is about is the update itself:
+# - the first update's metrics (loss, grad norm, ratios, fractions: sums over ~10²–10⁴ tokens, computed from
+#   the same weights) agree to 1e-5 relative (float32 eps 6e-8 × √(terms) ≈ 6e-6), and to 1e-5 absolute:
+#   a token's log-prob carries ~1e-6 of float32 noise (logits of magnitude ~10), which is all that metrics
+#   such as mismatch/max_abs_log_ratio measure before any update (0 in one split, 1.9e-6 in another);
+# - later updates start from weights that already differ by that noise, amplified by AdamW: its
+#   normalized step m/√v turns a noise-sized gradient difference into a step difference of up to lr
+#   wherever a gradient is near zero (issue 26: elements 3.5e-5 apart at lr 1e-3, CPU-dependent).
+#   Their metrics agree to 1e-3 relative, a fraction of what one update changes them by (the grad norm
+#   moves by ~30 % per update here);
+# - the final weights: the two runs' difference is under 1 % of the distance each moved from the initial
+#   weights (global L2 norms). Noise moves a few elements by a fraction of lr; a rank's gradient lost or a
+#   micro-batch counted twice changes the gradient itself, so most elements step elsewhere (tens of %).
+FIRST_UPDATE_REL, LATER_REL, METRIC_ABS, WEIGHT_FRACTION = 1e-5, 1e-3, 1e-5, 0.01
+
+
+def assert_same_weights(initial, one, two, fraction=WEIGHT_FRACTION):
+    """‖w₁ − w₂‖ ≤ fraction · ‖w₁ − w₀‖ over all tensors (policy directories); returns the ratio."""
+    w0, w1, w2 = _weights(initial), _weights(one), _weights(two)
     assert w1.keys() == w2.keys()
-    for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=atol), k
+    diff = math.sqrt(sum(float((w1[k].double() - w2[k].double()).pow(2).sum()) for k in w1))
+    moved = math.sqrt(sum(float((w1[k].double() - w0[k].double()).pow(2).sum()) for k in w1))
+    assert moved > 0, "the first run did not move the weights: nothing was compared"
+    assert diff <= fraction * moved, f"runs differ by {diff / moved:.3g} of the update (allowed {fraction})"
+    return diff / moved
+
+
+def assert_same_run(one, two, initial):
+    """Two runs of the same updates in another split (run directories; initial: the starting policy):
+    the same weights and, key by key, the same metrics lines, at the tolerances above."""
+    assert_same_weights(initial, one / "policy", two / "policy")
     m1, m2 = read_lines(one / "metrics.jsonl"), read_lines(two / "metrics.jsonl")
     assert len(m1) == len(m2)
     for a, b in zip(m1, m2):
         assert a.keys() == b.keys()
+        rel = FIRST_UPDATE_REL if a["update"] == 0 else LATER_REL
         for k in a:
             if k in NOT_COMPARED or k.startswith("memory/"):
                 continue
             if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["update"], k)
+                assert a[k] == pytest.approx(b[k], rel=rel, abs=METRIC_ABS), (a["update"], k)
             else:
                 assert a[k] == b[k], (a["update"], k)
     return m1
@@ -185,7 +205,7 @@ def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_to
     run_script("optimize.py", f"--stage_dir={stage}", *args, f"--out={tmp_path / 'one' / 'policy'}")
     torchrun(2, f"--stage_dir={twin}", *args, f"--out={tmp_path / 'two' / 'policy'}")
     assert not (stage / "metrics.jsonl").exists()
-    metrics = assert_same_run(tmp_path / "one", tmp_path / "two")
+    metrics = assert_same_run(tmp_path / "one", tmp_path / "two", toy / "model")
     initial, one = _weights(toy / "model"), _weights(tmp_path / "one" / "policy")
     assert any(not torch.equal(one[k], initial[k]) for k in one)
     if "--m2po_tau=1e-4" in loss_args:
@@ -212,7 +232,7 @@ def test_tied_embeddings_train_as_one_weight(toy, tmp_path):
     args = [f"--policy={model}", "--updates_per_stage=2", *FAST]
     run_script("optimize.py", f"--stage_dir={tmp_path / 'one'}", *args, f"--out={tmp_path / 'one' / 'policy'}")
     torchrun(2, f"--stage_dir={tmp_path / 'two'}", *args, f"--out={tmp_path / 'two' / 'policy'}")
-    assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert_same_run(tmp_path / "one", tmp_path / "two", model)
     trained = _weights(tmp_path / "two" / "policy")
     assert "lm_head.weight" not in trained
     assert not torch.equal(trained["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
@@ -225,7 +245,7 @@ def test_a_rank_without_responses_keeps_in_step(toy, tmp_path):
     args = ["--updates_per_stage=2", "--prompts_per_update=1", "--lr=1e-3"]
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", *args, f"--out={tmp_path / 'one' / 'policy'}")
     torchrun(3, f"--stage_dir={tmp_path / 'twin'}", *args, f"--out={tmp_path / 'three' / 'policy'}")
-    assert_same_run(tmp_path / "one", tmp_path / "three")
+    assert_same_run(tmp_path / "one", tmp_path / "three", toy / "model")
 
 
 def test_killed_mid_stage_resumes_to_the_same_weights(toy, stage, tmp_path):
@@ -238,12 +258,14 @@ def test_killed_mid_stage_resumes_to_the_same_weights(toy, stage, tmp_path):
     assert not (stage / "policy").exists()
     proc = run_script("optimize.py", f"--stage_dir={stage}", *args)
     assert "resuming from" in proc.stdout
+    # the same split, the same operations in the same order: bit-identical (a resume that lost AdamW's
+    # moments, the RNG or an update would differ)
     a, b = _weights(reference / "policy"), _weights(stage / "policy")
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
     metrics = read_lines(stage / "metrics.jsonl")
     assert [m["update"] for m in metrics] == list(range(40))
     ref_metrics = read_lines(reference / "metrics.jsonl")
-    assert [m["loss/policy"] for m in metrics] == pytest.approx([m["loss/policy"] for m in ref_metrics], abs=1e-6)
+    assert [m["loss/policy"] for m in metrics] == [m["loss/policy"] for m in ref_metrics]
 
 
 def test_lora_trains_and_saves_a_merged_policy(toy, stage):
@@ -303,7 +325,8 @@ def test_gradient_checkpointing_engages_and_dropout_is_off(toy, tmp_path):
         run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", "--updates_per_stage=1", "--prompts_per_update=4",
                    f"--gradient_checkpointing={ckpt}", f"--out={tmp_path / str(ckpt) / 'policy'}")
         runs[ckpt] = read_lines(tmp_path / str(ckpt) / "metrics.jsonl")[0]
-    # checkpointing keeps only each layer's input for backward: far fewer saved activation bytes
+    # checkpointing keeps only each layer's input for backward: far fewer saved activation bytes; the
+    # recomputed forward runs the same operations in the same order, so loss and grad norm agree to float noise
     assert runs[True]["memory/saved_activations_gib"] < 0.5 * runs[False]["memory/saved_activations_gib"]
     assert runs[True]["loss/policy"] == pytest.approx(runs[False]["loss/policy"], abs=1e-7)
     assert runs[True]["grad_norm"] == pytest.approx(runs[False]["grad_norm"], rel=1e-5)
