@@ -147,8 +147,8 @@ def score(parts, sets, path, sample_dir, seconds, n):
                          "hours": (time.time() - run_start) / 3600 if run_start else 0.0,
                          "policy": str(path), "temperature": temperature, "top_p": top_p, "time": time.time(),
                          "seconds": seconds, "engines": n})
-        print(f"{path if len(policies) > 1 else name}{' ' + name if len(policies) > 1 else ''}: avg@{kn} {avg:.4f}  "
-              f"pass@{kn} {passed:.4f}  ({len(done)} problems)", flush=True)
+        label = f"{path} {name}" if len(policies) > 1 else name
+        print(f"{label}: avg@{kn} {avg:.4f}  pass@{kn} {passed:.4f}  ({len(done)} problems)", flush=True)
         if sample_dir:
             sample_dir.mkdir(parents=True, exist_ok=True)
             common.atomic_write_lines(sample_dir / f"{name}.jsonl", [

@@ -50,7 +50,7 @@ grader_timeout_s = 10.0         # per response
 format_bonus = 0.0              # reward for a boxed but wrong answer
 worker_rank = -1                # internal: set for the per-GPU engine subprocesses
 # -----------------------------------------------------------------------------
-overrides = common.apply_overrides(globals(), sys.argv[1:])
+common.apply_overrides(globals(), sys.argv[1:])
 if group_size < 2:
     sys.exit("--group_size must be >= 2 (advantages are normalized within a group)")
 if top_p < 1.0 or top_k > 0:

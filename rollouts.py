@@ -243,6 +243,21 @@ class Stage:
         self.group_keys = [json.loads(k) for k in index]
         self._validate(cat("sample_idx"))
 
+    @property
+    def index(self):
+        """The stage's index in its run (the manifest's)."""
+        return self.manifest["stage"]
+
+    @property
+    def temperature(self):
+        """The temperature the responses were sampled at (their behavior log-probs are at it too)."""
+        return self.manifest["sampling"]["temperature"]
+
+    @property
+    def max_response_tokens(self):
+        """The sampling's response length limit."""
+        return self.manifest["sampling"]["max_tokens"]
+
     def where(self, i):
         s = self.shards[self.shard_of[i]]
         return f"{s.path}:{int(s.col['line'][self.local[i]])}"

@@ -26,7 +26,8 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import common  # noqa: E402
 import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the toy's)
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -133,7 +134,7 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max
 
 
 if __name__ == "__main__":
-    toy.apply_overrides(globals(), sys.argv[1:])
+    common.apply_overrides(globals(), sys.argv[1:])
     path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length, min_steps=min_steps,
                  max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
                  sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_slip=p_slip, p_no_box=p_no_box)

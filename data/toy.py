@@ -15,6 +15,9 @@ import random
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 # ----------------------------------------------------------------------------- hyperparameters
 out_dir = "data/toy"        # where train.jsonl, test.jsonl and model/ go
 max_operand = 12            # problems a + b with 0 <= a, b < max_operand
@@ -162,17 +165,8 @@ def save_model(model, tokenizer, final):
     return final
 
 
-def apply_overrides(namespace, argv):
-    """--key=value for the hyperparameters of a data builder's block (an unknown key is an error)."""
-    for arg in argv:
-        key, _, value = arg.removeprefix("--").partition("=")
-        if key not in namespace or key.startswith("_") or not isinstance(namespace[key], (int, float, str)):
-            sys.exit(f"unknown option --{key}")
-        namespace[key] = type(namespace[key])(value)
-
-
 if __name__ == "__main__":
-    apply_overrides(globals(), sys.argv[1:])
+    common.apply_overrides(globals(), sys.argv[1:])
     path = build(out_dir, max_operand=max_operand, test_fraction=test_fraction, seed=seed, hidden_size=hidden_size,
                  layers=layers, vocab_size=vocab_size, sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr,
                  p_correct=p_correct, p_give_up=p_give_up)

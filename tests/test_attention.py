@@ -1,24 +1,13 @@
 """Packed attention: sequences back to back in one row (position ids restarting at 0) must give the
 log-probs of separate forwards under every implementation optimize.py offers, and cost memory that
 grows with Σ Lᵢ², not with the packed length N²."""
-import sys
-
 import pytest
 import torch
 
 import loss as L
+import model as M
 
-
-@pytest.fixture(scope="module")
-def optimize(toy):
-    argv = sys.argv
-    sys.argv = ["optimize.py"]
-    try:
-        import optimize
-    finally:
-        sys.argv = argv
-    optimize.register_varlen_sdpa()
-    return optimize
+M.choose_attention("varlen_sdpa", torch.device("cpu"))       # registers it with transformers
 
 
 def model_with(toy, implementation, layers=None):
@@ -46,7 +35,7 @@ def packed_and_single_logprobs(model, lengths):
 
 
 @pytest.mark.parametrize("implementation", ["varlen_sdpa", "sdpa", "eager", "flex_attention"])
-def test_packed_forward_equals_separate_forwards(toy, optimize, implementation):
+def test_packed_forward_equals_separate_forwards(toy, implementation):
     model = model_with(toy, implementation)
     packed, single = packed_and_single_logprobs(model, [7, 20, 3, 12])
     assert packed.shape == single.shape == (38,)
@@ -54,22 +43,21 @@ def test_packed_forward_equals_separate_forwards(toy, optimize, implementation):
     assert (packed - single).abs().max() < 1e-5
 
 
-def saved_bytes(optimize, model, n_tokens, seq_len):
+def saved_bytes(model, n_tokens, seq_len):
     """Bytes autograd saves for backward in one forward of a packed row of n_tokens (sequences of seq_len)."""
     ids = torch.randint(3, model.config.vocab_size, (1, n_tokens))
     pos = torch.arange(n_tokens)[None] % seq_len
-    measure, total = optimize.saved_activation_bytes()
-    with measure:
+    with M.SavedActivations() as saved:
         model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1).logits.sum().backward()
-    return total[0]
+    return saved.bytes
 
 
-def test_packed_attention_memory_grows_linearly_not_quadratically(toy, optimize):
+def test_packed_attention_memory_grows_linearly_not_quadratically(toy):
     # four times the packed tokens (same sequence length): a per-sequence kernel saves 4× the bytes;
     # a dense [N, N] mask with the math kernel saves its N² scores: ~16× for the attention part
     varlen, dense = model_with(toy, "varlen_sdpa").train(), model_with(toy, "eager").train()
     small, large = 512, 2048
-    ratio_varlen = saved_bytes(optimize, varlen, large, 128) / saved_bytes(optimize, varlen, small, 128)
-    ratio_dense = saved_bytes(optimize, dense, large, 128) / saved_bytes(optimize, dense, small, 128)
+    ratio_varlen = saved_bytes(varlen, large, 128) / saved_bytes(varlen, small, 128)
+    ratio_dense = saved_bytes(dense, large, 128) / saved_bytes(dense, small, 128)
     assert 3.5 < ratio_varlen <= 4.05, (ratio_varlen, ratio_dense)       # linear (a few fixed-size tensors aside)
     assert ratio_dense > 8.0, ratio_dense
