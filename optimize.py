@@ -40,6 +40,8 @@ out = ""                        # next policy directory (default: <stage_dir>/po
 init_state = ""                 # the previous stage's train_state/: continue its fp32 weights, AdamW moments
                                 # and update count (run_stages.sh passes it); empty: `policy`, fresh AdamW
 save_train_state = True         # keep train_state/ at the end (the next stage's --init_state)
+release_init_state = False      # delete --init_state once this stage's own train state is written (it has taken
+                                # over; run_stages.sh: true unless KEEP_TRAIN_STATES), so two states coexist, not three
 updates_per_stage = 16          # μ: optimizer updates on this stage's rollouts (paper: 1024; GRPO: 4)
 prompts_per_update = 8          # whole groups per update (paper: 64 prompts × G=8 = 512 responses)
 skip_zero_variance = False      # True: leave out groups whose rewards are all equal and draw minibatches from
@@ -74,7 +76,7 @@ checkpoint_every = 0            # updates between resumable states (0: only the 
 save_policy_every = 0           # also write the policy every K updates, to <out>_u<k> (curves within a stage)
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
 mismatch_warn = 0.05            # warn when the first update's mean |log ratio| exceeds this
-check_packing = False           # update 0: log check/packed_max_abs_diff (packed vs one-sequence forwards)
+check_packing = False           # update 0: log check/packed_{mean,p999,max}_abs_diff (packed vs one-sequence forwards)
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
@@ -325,11 +327,12 @@ def reduce_stats(stats):
 
 
 def packing_check(model, stage, temp, mb):
-    """Largest |log-prob difference| over the ranks between the packed forward of micro-batch `mb` and
-    forwards of its sequences one at a time (the first 8): the attention implementation keeps sequences apart."""
+    """|log-prob difference| between the packed forward of micro-batch `mb` and forwards of its sequences one
+    at a time (the first 8 on each rank): the attention keeps sequences apart. Its mean, 99.9th percentile
+    and max over every rank's tokens, as check/packed_*_abs_diff metrics."""
     with torch.no_grad():
         packed = forward(model, stage, mb, temp)
-        worst = torch.zeros((), device=device)
+        diffs = [torch.zeros(0, device=device)]
         singles = (mb or [])[:8]
         count = torch.tensor([len(singles)], device=device)
         if distributed:
@@ -338,12 +341,21 @@ def packing_check(model, stage, temp, mb):
             if j < len(singles):
                 one = forward(model, stage, [singles[j]], temp)["lp"][0]
                 n = int(stage.response_len[singles[j]])
-                worst = torch.maximum(worst, (one[:n] - packed["lp"][j, :n]).abs().max())
+                diffs.append((one[:n] - packed["lp"][j, :n]).abs())
             else:
                 forward(model, stage, None, temp)
-    if distributed:
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.item()
+    diffs = torch.cat(diffs)
+    if distributed:         # a few thousand values per rank: gathered whole, so the quantile is exact
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([diffs.numel()], device=device))
+        longest = max(int(n) for n in sizes)
+        parts = [torch.zeros(longest, device=device) for _ in range(world)]
+        dist.all_gather(parts, torch.nn.functional.pad(diffs, (0, longest - diffs.numel())))
+        diffs = torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
+    if not diffs.numel():
+        return {}
+    return {"check/packed_mean_abs_diff": diffs.mean().item(), "check/packed_max_abs_diff": diffs.max().item(),
+            "check/packed_p999_abs_diff": torch.quantile(diffs.double(), 0.999).item()}
 
 
 def empty_stats(loss_kw, columns, cutoff):
@@ -448,6 +460,8 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         M.save_state(model, optimizer, progress.state_dir, {
             "update": done, "global_update": progress.update_offset + done, "complete": final,
             "start_weights": progress.start_weights})
+        if release_init_state and init_state and is_main and Path(init_state).exists():
+            shutil.rmtree(init_state)         # this stage's own state has taken over from the previous stage's
 
     nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
     from tqdm import tqdm
@@ -477,7 +491,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         row["tokens_per_s"] = row["tokens"] / seconds
         row.update({k: v for k, v in m.items() if u == 0 or not k.startswith("mismatch/")})
         if u == start and check_packing:
-            row["check/packed_max_abs_diff"] = packed_diff
+            row.update(packed_diff)
         if u == 0 and m["mismatch/mean_abs_log_ratio"] > mismatch_warn:
             log(f"WARNING: before any update the mean |log ratio| between trainer and engine is "
                 f"{m['mismatch/mean_abs_log_ratio']:.3f} (> {mismatch_warn}): check the temperature, top_p/top_k "
@@ -517,6 +531,31 @@ def reference_pass(stage, temp, reference, attention, progress):
     return {"ref": column}, {"ref_pass_seconds": seconds}
 
 
+def check_disk(stage, start_policy, progress, passes):
+    """Refuse, before any compute, a stage whose outputs will not fit: the train state (fp32 weights and
+    AdamW's two moments, 12 bytes per parameter; a new one is written beside the current before it replaces
+    it), every policy it saves (in the initial model's dtype) and the per-stage log-prob passes still to
+    compute (4 bytes per response token each)."""
+    n = M.parameter_count(start_policy)
+    state = (4 if lora_rank else 12) * n if (save_train_state or checkpoint_every) else 0
+    policies = 1 + (max(updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
+    policy_bytes = policies * n * M.checkpoint_dtype(start_policy).itemsize
+    pass_bytes = passes * 4 * int(stage.token_offset[-1])
+    common.require_free_disk(progress.work_dir, state + policy_bytes + pass_bytes,
+                             f"this stage's train state ({state / 1e9:.1f} GB), {policies} policy directory(ies) "
+                             f"({policy_bytes / 1e9:.1f} GB) and {passes} log-prob pass(es) ({pass_bytes / 1e9:.1f} GB)")
+
+
+def write_settings(progress, resolved):
+    """optimize_config.json beside metrics.jsonl: the hyperparameters as resolved, what was derived at run
+    time, the versions of the code and libraries, and the command line."""
+    if is_main:
+        progress.work_dir.mkdir(parents=True, exist_ok=True)
+        common.atomic_write_json(progress.work_dir / "optimize_config.json", {
+            "hyperparameters": common.hyperparameters(globals()), "resolved": resolved, "world": world,
+            "device": str(device), "versions": common.versions(), "argv": sys.argv})
+
+
 def write_timing(progress, timing):
     """optimize_timing.json (rank 0), with every rank's peak RSS."""
     peak_rss = torch.tensor([common.peak_rss_gib()], device=device)
@@ -541,11 +580,15 @@ def main():
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}")
     progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy")
-    torch.manual_seed(seed)
     reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
     if reference and not ref_policy:
         log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
-    columns, timing = reference_pass(stage, temperature or stage.temperature, reference, attention, progress)
+    temp = temperature or stage.temperature
+    check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None))
+    write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temp,
+                              "attention": attention, "norm_len": loss_options(stage)["norm_len"]})
+    torch.manual_seed(seed)
+    columns, timing = reference_pass(stage, temp, reference, attention, progress)
     source = M.state_source(progress.state_dir, init_state)
     model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
                     lora_rank=lora_rank, lora_alpha=lora_alpha, weights=source is None)

@@ -35,17 +35,24 @@ PREFLIGHT=${PREFLIGHT:-1}       # paper preset: 1 runs preflight.py first (cache
 
 bash setup.sh >&2
 PY=.venv/bin/python
+# the GPUs this process can use (torch: CUDA_VISIBLE_DEVICES honoured, MIG instances as CUDA sees them), not every
+# line of nvidia-smi -L
+VISIBLE_GPUS=$($PY -c "import common; print(common.gpu_count())")
 
 if [[ "$PRESET" == auto ]]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then PRESET=paper; else PRESET=toy; fi
-  echo "PRESET=auto: using the '$PRESET' preset ($( [[ $PRESET == paper ]] && echo GPUs found || echo no GPU found))"
+  if (( VISIBLE_GPUS > 0 )); then PRESET=paper; else PRESET=toy; fi
+  echo "PRESET=auto: using the '$PRESET' preset ($( [[ $PRESET == paper ]] && echo "$VISIBLE_GPUS GPU(s) found" || echo no GPU found))"
+fi
+if [[ "$PRESET" == paper ]] && (( VISIBLE_GPUS == 0 )); then
+  echo "PRESET=paper needs GPUs and torch sees none here (CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES-}'); on a CPU machine use PRESET=toy or PRESET=lab" >&2
+  exit 2
 fi
 case "$PRESET" in
   paper)
     : "${MODEL:=Qwen/Qwen2.5-Math-7B}" "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
     : "${BENCHMARKS:=amc23,amc24,aime24,aime25,math500}" "${STAGES:=4}" "${UPDATES:=1024}" "${PROMPTS_PER_UPDATE:=64}"
     : "${GROUP_SIZE:=8}" "${LR:=1e-6}" "${MAX_PROMPT:=1536}" "${MAX_RESPONSE:=2560}" "${TEMPERATURE:=1.0}"
-    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$(nvidia-smi -L | wc -l)}" "${TEMPLATE:=default}" "${WARMUP:=0}"
+    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$VISIBLE_GPUS}" "${TEMPLATE:=default}" "${WARMUP:=0}"
     : "${MICRO_BATCH_TOKENS:=16384}" "${GRAD_CKPT:=true}" "${SHARD_PROMPTS:=4096}" ;;
   toy)
     : "${MODEL:=data/toy/model}" "${TRAIN_DATA:=data/toy/train.jsonl}" "${EVAL_DATA_DIR:=data/toy}"
@@ -109,14 +116,18 @@ $PY -c "import common, sys; rows = common.load_problems(sys.argv[1]); assert row
 [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
 START=$(cat "$RUN/.done/start")
 
-# phase NAME STAGE CMD...: skipped when done; logged to $RUN/logs/NAME.log; timed into timeline.jsonl;
-# marked done only after the command succeeded (so its outputs are complete)
+# phase NAME STAGE CMD...: skipped when done; its whole output in $RUN/logs/NAME.log, the terminal shows it without
+# the libraries' chatter (progress bars, summaries and errors stay); timed into timeline.jsonl; marked done only
+# after the command succeeded (so its outputs are complete)
 phase() {
   local name=$1 stage=$2; shift 2
   if [[ -f "$RUN/.done/$name" ]]; then echo "[$name] done already"; return; fi
   echo "[$name] $*"
   local t0 t1; t0=$(date +%s.%N)
-  { "$@" 2>&1 | tee "$RUN/logs/$name.log"; } 9>&-   # the lock stays with this script, not its children
+  if ! { "$@" 2>&1 | tee "$RUN/logs/$name.log" | $PY -u -c "import common, sys; common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)"; } 9>&-; then
+    echo "[$name] failed; its whole output is in $RUN/logs/$name.log" >&2   # the lock stays with this script, not its children
+    exit 1
+  fi
   t1=$(date +%s.%N)
   echo "{\"phase\": \"${name%_*}\", \"name\": \"$name\", \"stage\": $stage, \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
   touch "$RUN/.done/$name"
@@ -132,17 +143,19 @@ EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" 
            --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" "${TEMPLATE_ARG[@]}")
 (( EVAL_EVERY == 0 )) || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
 
-if [[ "$PRESET" == paper && "$PREFLIGHT" != 0 ]]; then   # minutes of checks before days of run
+KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
+[[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
+if [[ "$PRESET" == paper && "$PREFLIGHT" != 0 ]]; then   # minutes of checks before days of run, at the run's settings
   $PY preflight.py --policy="$MODEL" --data="$TRAIN_DATA" --out="$RUN/preflight.json" --gpus="$GPUS" \
       --micro_batch_tokens="$MICRO_BATCH_TOKENS" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE" \
+      --optimize_args="--gradient_checkpointing=$GRAD_CKPT $LOSS_ARGS ${KL_ARGS[*]}" \
       --temperature="$TEMPERATURE" --group_size="$GROUP_SIZE" --force=$([[ $PREFLIGHT == force ]] && echo true || echo false) \
       --estimate_stage_prompts="$PROMPTS_PER_STAGE" "${TEMPLATE_ARG[@]}" 9>&-
 fi
 
 POLICY=$MODEL
 STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
-KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
-[[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
+RELEASE=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)   # stage s deletes s-1's state once it has its own
 for ((s = 0; s < STAGES; s++)); do
   STAGE_DIR=$RUN/stage_$s
   phase "generate_$s" $s $PY generate.py --policy="$POLICY" --data="$TRAIN_DATA" --run_dir="$RUN" --stage=$s \
@@ -153,7 +166,8 @@ for ((s = 0; s < STAGES; s++)); do
   phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
       --updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR \
       --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT \
-      --warmup_updates=$WARMUP --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}" "${STATE_ARGS[@]}"
+      --warmup_updates=$WARMUP --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}" \
+      --release_init_state=$RELEASE "${STATE_ARGS[@]}"
   POLICY=$STAGE_DIR/policy
   [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
   if (( s > 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes/parameter

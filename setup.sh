@@ -13,19 +13,32 @@ case "$kind" in
   gpu) req=requirements.txt ;;
   *) echo "setup.sh: device must be cpu, gpu or auto, got '$kind'" >&2; exit 2 ;;
 esac
+if [[ "$kind" == gpu ]]; then
+  # requirements.txt's vllm==0.32.0 pins torch==2.13.0, whose Linux wheel is built for CUDA 13.0 (cuda-toolkit
+  # 13.0.3 in its metadata; vllm's own kernels: nvidia-cutlass-dsl[cu13], humming-kernels[cu13]). CUDA 13.0 needs
+  # an NVIDIA driver >= 580.65.06; an older one fails at the first kernel, after a 10-minute install.
+  driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ')
+  if [[ -z "$driver" ]]; then
+    echo "setup.sh: nvidia-smi does not report a driver version; the GPU requirements need an NVIDIA driver >= 580.65.06 (CUDA 13.0)" >&2
+    exit 2
+  fi
+  if [[ "$(printf '%s\n580.65.06\n' "$driver" | sort -V | head -1)" != 580.65.06 ]]; then
+    echo "setup.sh: NVIDIA driver $driver is too old: vllm==0.32.0 / torch==2.13.0 are built for CUDA 13.0, which needs driver >= 580.65.06; upgrade the driver first" >&2
+    exit 2
+  fi
+fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 stamp=".venv/.installed-$kind-$(sha256sum "$req" | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
   echo "setup.sh: installing $req into .venv (first time only; a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
   # pip compiles every installed .py to bytecode one file at a time (87 s of the CPU install on 2 cores);
-  # compileall does the same on every core (43 s). A file that does not compile on this Python is reported
-  # and skipped, as pip skips it (torch ships one with 3.12-only syntax in its test helpers).
+  # compileall does the same on every core (43 s). A file that does not compile on this Python is skipped
+  # silently, as pip skips it (torch ships one with 3.12-only syntax in its test helpers, py312_intrinsics.py).
   .venv/bin/python -m pip install -q --no-compile -r "$req"
   if [[ "$kind" == cpu ]]; then
     .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   fi
-  .venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages \
-    || echo "setup.sh: the files named above did not compile to bytecode (pip would skip them too)"
+  .venv/bin/python -m compileall -qq -j 0 .venv/lib/python3*/site-packages || true
   rm -f .venv/.installed-* && touch "$stamp"
 fi

@@ -126,5 +126,12 @@ def prepare(name, out, input="", revision="", sources=SOURCES):
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
     target = out or os.path.join("data", f"{name}.jsonl")
-    n, refused = prepare(name, target, input, revision)
+    try:
+        n, refused = prepare(name, target, input, revision)
+    except Exception as e:          # the hub path: offline, unknown dataset, timeout (httpx errors are not OSErrors)
+        if input:
+            raise
+        sys.exit(f"could not fetch the dataset {name!r} from the hub ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                 f"offline, prepare it elsewhere and copy it here, or convert a local copy with --input=<file>, "
+                 f"then point the run at it: TRAIN_DATA=<file> (training) or EVAL_DATA_DIR=<dir> (benchmarks)")
     print(f"{target}: {n} rows" + (f"; refused {refused} rows without an answer" if refused else ""))

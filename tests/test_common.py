@@ -96,3 +96,38 @@ def test_sample_seeds_are_well_separated():
     assert min(b - a for a, b in zip(seeds, seeds[1:])) >= 8
     assert common.sample_seed(0, 0, 5) == common.sample_seed(0, 0, 5) != common.sample_seed(0, 1, 5)
     assert all(0 <= s < 2**31 for s in seeds)
+
+
+@pytest.mark.parametrize("template,end,openings", [
+    (QWEN_LIKE, "<|im_end|>", ["<|im_start|>user", "<|im_start|>assistant"]),
+    (LLAMA3_LIKE, "<|eot_id|>", ["<|start_header_id|>user<|end_header_id|>",
+                                 "<|start_header_id|>assistant<|end_header_id|>"])])
+def test_turn_markers_are_the_special_tokens_and_the_templates_turn_openings(toy, template, end, openings):
+    tok = _chat_tokenizer(toy, template, end)
+    assert common.turn_markers(tok) == sorted(["<s>", "</s>", "<pad>", end, *openings])
+    assert common.turn_markers(tok, chat_template=False) == sorted(["<s>", "</s>", "<pad>", end])
+
+
+def test_terminal_view_drops_library_chatter_and_keeps_bars_and_errors():
+    import io
+    out = io.BytesIO()
+    common.terminal_view(io.BufferedReader(io.BytesIO(
+        b"stage 0: 128 prompts\n"
+        b"(MainProcess pid=3870) WARNING 11-23 13:57:32 [cpu_worker.py:140] CPU backend doesn't allow\n"
+        b"INFO 11-23 13:57:27 [vllm.py:725] Model Runner V2\n"
+        b"[W1123 13:57:29.626771478 utils.cpp:68] Warning: NUMA binding\n"
+        b"/x/dispatcher.py:139: FutureWarning: `reduce_op` is deprecated\n  if hasattr(value, '__dict__'):\n"
+        b"updates:  0%|\rupdates: 50%|\rupdates: 100%|\n"
+        b"(EngineCore pid=1) ERROR 11-23 13:57:32 [core.py:1] engine died\n"
+        b"Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: boom")), out)
+    assert out.getvalue() == (b"stage 0: 128 prompts\nupdates:  0%|\rupdates: 50%|\rupdates: 100%|\n"
+                              b"(EngineCore pid=1) ERROR 11-23 13:57:32 [core.py:1] engine died\n"
+                              b"Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: boom")
+
+
+def test_missing_disk_space_is_named_before_any_work(tmp_path):
+    import shutil
+    free = shutil.disk_usage(tmp_path).free
+    assert common.require_free_disk(tmp_path / "not" / "yet", 1, "one byte") == free   # its nearest existing parent
+    with pytest.raises(SystemExit, match=r"the state need about 1000000000.0 GB in .*, but .* GB are free"):
+        common.require_free_disk(tmp_path, 10**18, "the state")

@@ -49,6 +49,11 @@ def test_stage_matches_the_contract(stage):
         assert [x["advantage"] for x in g] == pytest.approx(expected.tolist(), abs=1e-5)
         assert all(x["zero_variance"] == bool(zero[0]) for x in g)
     assert manifest["mean_reward"] == pytest.approx(sum(r["reward"] for r in rows) / 48)
+    # one engine ran: its tokens/s is the stage's; at most 2 shards × 4 prompts × G=4 were in it at once, of the
+    # CPU engine's largest batch of 256 sequences
+    assert manifest["engines_ran"] == 1
+    assert manifest["tokens_per_s_per_engine"] == pytest.approx(manifest["generated_tokens_per_s"])
+    assert manifest["batch_saturation"] == pytest.approx(32 / 256)
 
 
 def test_shards_flow_through_the_engine_back_to_back(stage):
@@ -105,10 +110,12 @@ def test_killed_mid_stage_resumes_to_the_same_files(toy, stage, tmp_path):
     assert killed and not (rollouts / "manifest.json").exists()
     assert len(list(rollouts.glob("shard_*.stats.json"))) < 12
     (rollouts / ".shard_00011.jsonl.tmp99999").write_text('{"half": ')   # as a kill mid-write leaves it
+    (rollouts / "columns" / ".shard_00011.tmp99999").mkdir(parents=True)  # and a kill mid-way through its columns
+    (rollouts / "columns" / ".shard_00011.tmp99999" / "response_ids.bin").write_bytes(b"\0" * 8)
     generate(toy, tmp_path, *flags)
     resumed = b"".join((rollouts / f"shard_{k:05d}.jsonl").read_bytes() for k in range(12))
     assert resumed == b"".join((stage / f"shard_{k:05d}.jsonl").read_bytes() for k in range(3))
-    assert not list(rollouts.glob(".*tmp*"))
+    assert not list(rollouts.glob(".*tmp*")) and not list(rollouts.glob("columns/.*"))
 
 
 def test_two_data_parallel_engines_write_the_same_stage(toy, stage, tmp_path):
@@ -121,6 +128,7 @@ def test_two_data_parallel_engines_write_the_same_stage(toy, stage, tmp_path):
         assert filecmp.cmp(rollouts / name, stage / name, shallow=False), name
     ours, ref = (json.loads((d / "manifest.json").read_text()) for d in (rollouts, stage))
     assert ours["responses"] == ref["responses"] and ours["mean_reward"] == ref["mean_reward"]
+    assert ours["engines_ran"] == 2 and ref["engines_ran"] == 1
 
 
 def test_generation_stops_at_the_chat_templates_end_of_turn(toy, tmp_path):

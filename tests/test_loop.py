@@ -25,7 +25,8 @@ def run_loop(env):
 @pytest.fixture(scope="module")
 def finished_run(toy, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("loop") / "run"
-    run_loop(loop_env(toy, run_dir))
+    proc = run_loop(loop_env(toy, run_dir))
+    (run_dir / "terminal.txt").write_text(proc.stdout + proc.stderr)     # what the terminal showed
     return run_dir
 
 
@@ -45,6 +46,17 @@ def test_toy_loop_end_to_end(finished_run):
     assert all((finished_run / "logs" / f"{p}.log").exists() for p in phases)
     samples = read_lines(finished_run / "eval_samples" / "stage_1" / "test.jsonl")
     assert len(samples) == 4 * results[-1]["problems"]
+
+
+@needs_vllm
+def test_the_terminal_shows_the_phases_without_library_chatter(finished_run):
+    # each phase's log keeps everything; the terminal keeps our lines and progress bars, not vLLM's warnings
+    terminal = (finished_run / "terminal.txt").read_text()
+    log = (finished_run / "logs" / "generate_0.log").read_text()
+    assert "WARNING" in log and "[cpu_worker.py" in log
+    assert "[cpu_worker.py" not in terminal and " WARNING " not in terminal
+    assert "[generate_0]" in terminal and "stage 0 rollouts:" in terminal and "stage 1 updates:" in terminal
+    assert "test: avg@4" in terminal
 
 
 @needs_vllm
@@ -255,3 +267,46 @@ def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation(toy, tmp_path):
     assert not (run_dir / "stage_0" / "train_state").exists()           # the next stage took it over
     assert (run_dir / "stage_1" / "train_state" / "progress.json").exists()
     assert {r["stage"] for r in read_lines(run_dir / "results.jsonl")} == {-1, 1}
+
+
+def fake_nvidia_smi(tmp_path, gpus):
+    """An nvidia-smi on PATH that lists GPUs the process cannot use (none are visible to torch here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    lines = "\\n".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i})" for i in range(gpus))
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{lines}\\n'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "MU_GRPO_DEVICE": "cpu"}
+
+
+def test_gpus_are_those_torch_can_use_and_the_paper_preset_needs_them(toy, tmp_path):
+    # nvidia-smi lists 4 GPUs, torch sees none (CUDA_VISIBLE_DEVICES, MIG, or no CUDA build): auto picks the toy
+    # preset, and the paper preset is refused in one line instead of starting ranks on devices that do not exist
+    env = {**os.environ, **loop_env(toy, tmp_path / "run"), **fake_nvidia_smi(tmp_path, 4), "STAGES": "abc"}
+    auto = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env={**env, "PRESET": "auto"},
+                          timeout=300)
+    assert "using the 'toy' preset (no GPU found)" in auto.stdout and auto.returncode == 2   # then STAGES=abc stops it
+    paper = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
+                           env={**env, "PRESET": "paper"}, timeout=300)
+    assert paper.returncode == 2 and paper.stderr.strip().startswith("PRESET=paper needs GPUs")
+    assert len(paper.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_that_cannot_be_fetched_is_one_line(toy, tmp_path):
+    env = {**os.environ, **loop_env(toy, tmp_path / "run"), "MODEL": "no-such-org/no-such-model", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [next(l for l in proc.stderr.splitlines() if l.startswith("could not"))]
+    assert "'no-such-org/no-such-model'" in proc.stderr and "MODEL=/path/to/model" in proc.stderr
+
+
+def test_setup_refuses_a_driver_older_than_the_wheels_cuda(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 550.54.15\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    proc = subprocess.run(["bash", "setup.sh", "gpu"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == ("setup.sh: NVIDIA driver 550.54.15 is too old: vllm==0.32.0 / torch==2.13.0 are built "
+                                   "for CUDA 13.0, which needs driver >= 580.65.06; upgrade the driver first")

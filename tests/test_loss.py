@@ -116,6 +116,20 @@ def test_kl_and_log_sq_metrics():
     assert m["ratio/kl"] == pytest.approx((math.e - 2) / 2)
 
 
+def test_mismatch_shares_above_each_level_and_the_p999_bound():
+    # |log ratio| of 5 response tokens (one padding token): 0, 5e-3, 0.05, 0.5, 2 → above 1e-4: 4 of 5, above 1e-3:
+    # 4, above 0.01: 3, above 0.1: 2, above 1: 1, above 10: 0. p99.9 needs a level at most 0.1 % exceed: 10
+    logs = [0.0, 5e-3, -0.05, 0.5, -2.0, 7.0]
+    _, _, m = _loss_and_grad([[0.0] * 6], [[math.exp(x) for x in logs]], [1.0], mask=[[T_] * 5 + [F_]],
+                             clip_low=0.0, clip_high=5.0)
+    assert [m[f"mismatch/frac_over_{level:g}"] for level in L.MISMATCH_LEVELS] == pytest.approx([0.8, 0.8, 0.6, 0.4, 0.2, 0])
+    assert m["mismatch/p999_at_most"] == 10.0
+    _, _, m = _loss_and_grad([[0.0] * 2], [[1.0, math.exp(2e-3)]], [1.0], clip_low=0.0, clip_high=5.0)
+    assert m["mismatch/p999_at_most"] == 1e-2          # 2e-3 is above 1e-3, below 1e-2
+    _, _, m = _loss_and_grad([[0.0]], [[1.0]], [1.0], clip_low=0.0, clip_high=5.0)
+    assert m["mismatch/p999_at_most"] == 1e-4           # the lowest level
+
+
 def test_truncated_importance_weight():
     # ratio against old_logprobs; weight min(exp(old − behavior), cap) = min(3, 2) = 2, detached
     b = torch.tensor([[0.0]])

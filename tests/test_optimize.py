@@ -12,6 +12,7 @@ import torch
 
 import common
 import loss as L
+import model as M
 from conftest import ROOT, kill_when, read_lines, run_script
 
 G = 4
@@ -83,6 +84,11 @@ def test_policy_moves_toward_rewarded_responses(toy, stage):
     assert (stage / "policy" / "tokenizer.json").exists()
     progress = json.loads((stage / "train_state" / "progress.json").read_text())   # the next stage continues it
     assert progress["complete"] and progress["update"] == progress["global_update"] == 6
+    settings = json.loads((stage / "optimize_config.json").read_text())     # what produced these numbers
+    assert settings["hyperparameters"]["lr"] == 1e-3 and settings["hyperparameters"]["nav_scope"] == "H"
+    assert settings["resolved"]["temperature"] == 1.0 and settings["resolved"]["norm_len"] == 12
+    assert settings["argv"][1:] == [f"--stage_dir={stage}", "--updates_per_stage=6", *FAST]
+    assert {"python", "torch", "transformers", "code"} <= set(settings["versions"])
 
 
 @pytest.mark.parametrize("breakage,message", [
@@ -350,7 +356,8 @@ def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
         with safe_open(str(policy / "model.safetensors"), "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, s
         assert json.loads((policy / "config.json").read_text())["dtype"] == "bfloat16"
-        assert json.loads((policy / "policy_id.json").read_text())["fingerprint"] == common.content_fingerprint(policy)
+        # the fingerprint hashed while saving is that of the weights as written
+        assert json.loads((policy / "policy_id.json").read_text())["fingerprint"] == M.weights_fingerprint(policy)
 
 
 def test_adam_state_and_update_count_carry_over_to_the_next_stage(toy, stage, tmp_path):
@@ -373,6 +380,12 @@ def test_adam_state_and_update_count_carry_over_to_the_next_stage(toy, stage, tm
     # without it (a reset): fresh AdamW and warmup, other weights
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--out={tmp_path / 'reset' / 'policy'}")
     assert [m["lr"] for m in read_lines(tmp_path / "reset" / "metrics.jsonl")] == pytest.approx([1e-3 / 4, 2e-3 / 4])
+    # --release_init_state: the previous stage's state is deleted once this stage has written its own (update 1
+    # here), so two train states coexist on disk, not three
+    shutil.copytree(stage / "train_state", tmp_path / "previous")
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--init_state={tmp_path / 'previous'}",
+               "--release_init_state=true", "--checkpoint_every=1", f"--out={tmp_path / 'released' / 'policy'}")
+    assert not (tmp_path / "previous").exists() and (tmp_path / "released" / "train_state" / "progress.json").exists()
 
 
 def test_kl_penalty_reference_pass_is_stored_once_and_beta_zero_changes_nothing(toy, stage, tmp_path):
@@ -412,3 +425,13 @@ def test_token_ids_beyond_the_vocabulary_are_refused(stage):
     common.atomic_write_lines(shard, rows)
     proc = run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=1", *FAST, check=False)
     assert proc.returncode != 0 and "token id 10000 ≥ the policy's vocabulary size" in proc.stderr
+
+
+def test_non_finite_weights_are_refused_before_anything_is_written(toy, tmp_path):
+    # checked on the device as each parameter is gathered; nothing of the policy reaches the disk
+    model = M.build(str(toy / "model"), attention="eager")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    with pytest.raises(SystemExit, match=r"non-finite weights \(\['model.layers.1.mlp.down_proj.weight'\]"):
+        M.save_policy(model, toy / "model", torch.float32, tmp_path / "policy", {})
+    assert not list(tmp_path.iterdir())
