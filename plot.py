@@ -55,16 +55,31 @@ def accuracy_by_stage(run):
 
 
 def phase_summary(run):
-    """Seconds per phase kind, total, and the share spent outside generation and training compute."""
-    per_kind = {}
+    """Seconds per phase kind, total, and the share spent outside generation and training compute. The rows a
+    resident run's two processes write (they carry "process") are parts of its "resident" row: they count in
+    evaluation and in the components, not again in the total."""
+    per_kind, parts = {}, {}
     for t in run["timeline"]:
-        per_kind[t["phase"]] = per_kind.get(t["phase"], 0.0) + t["seconds"]
+        kinds = parts if "process" in t else per_kind
+        kinds[t["phase"]] = kinds.get(t["phase"], 0.0) + t["seconds"]
     total = sum(per_kind.values())
     generation = sum(m.get("generation_seconds", 0.0) for m in run["manifests"].values())
     training = sum(m.get("seconds") or 0.0 for m in run["metrics"])
-    evaluation = per_kind.get("eval", 0.0)
+    evaluation = per_kind.get("eval", 0.0) + parts.get("eval", 0.0)
     overhead = (total - evaluation - generation - training) / max(total - evaluation, 1e-9)
     return per_kind, total, generation, training, overhead
+
+
+def resident_parts(run):
+    """A resident run's switching costs from its processes' timeline rows, in seconds: start-up (the slower of
+    the two processes' starts), weight reloads, the trainer's saves, engine sleeps, and the time each process
+    spent waiting for the other beyond the other's own work (hand-off latency)."""
+    rows = [t for t in run["timeline"] if "process" in t]
+    starts = [t["seconds"] for t in rows if t["phase"] == "start"]
+    return {"start-up": max(starts, default=0.0),
+            "reload": sum(t.get("reload_seconds", 0.0) for t in rows),
+            "save": sum(t.get("save_seconds", 0.0) for t in rows if t["process"] == "trainer"),
+            "sleep": sum(t.get("sleep_seconds", 0.0) for t in rows)}
 
 
 def figures(runs, out):
@@ -290,5 +305,7 @@ if __name__ == "__main__":
                   ", ".join(f"{k} {v:.0f} s" for k, v in per_kind.items()))
             print(f"generation compute {gen:.0f} s, training compute {train:.0f} s; switching overhead (start-up, "
                   f"loading, saving, I/O, grading) {100 * overhead:.0f}% of the non-evaluation time")
+            if "resident" in per_kind:
+                print("resident processes: " + ", ".join(f"{k} {v:.1f} s" for k, v in resident_parts(run).items()))
             for stage, updates, hours, acc in accuracy_by_stage(run):
                 print(f"  stage {stage:>2} ({updates:>5} updates, {hours * 60:6.1f} min): mean avg@k {acc:.3f}")

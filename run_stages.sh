@@ -16,6 +16,13 @@ KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (de
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
 SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
 PREFLIGHT=${PREFLIGHT:-1}       # paper preset: 1 runs preflight.py first (cached once passed) | 0 skips | force
+RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage, handing
+                                # rollouts and policies over through files (handoff.py): small-μ runs without a
+                                # process start, model load and engine start per stage
+SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy and train state into stage_<s>/ every N stages and at the end
+                                # (default EVAL_EVERY; 0: at the end only)
+RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-0.5}  # resident, GPU: each engine's share of its GPU (the trainer keeps
+                                # its weights, gradients and AdamW there while the engine is awake)
 # the rest is set per preset below, unless given in the environment:
 #   MODEL            initial policy (HF name or directory)
 #   TRAIN_DATA       prepared training problems (JSONL)
@@ -85,10 +92,16 @@ done
 for v in LR TEMPERATURE EVAL_TEMPERATURE EVAL_TOP_P KL_COEF; do
   [[ "${!v}" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || { echo "$v must be a non-negative number, got '${!v}'" >&2; exit 2; }
 done
-for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES; do
+: "${SAVE_EVERY:=$EVAL_EVERY}"
+[[ "$SAVE_EVERY" =~ ^[0-9]+$ ]] || { echo "SAVE_EVERY must be a whole number, got '$SAVE_EVERY'" >&2; exit 2; }
+[[ "$RESIDENT_GPU_MEMORY" =~ ^0?\.[0-9]+$|^1(\.0*)?$ ]] || { echo "RESIDENT_GPU_MEMORY must be a fraction in (0, 1], got '$RESIDENT_GPU_MEMORY'" >&2; exit 2; }
+for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT; do
   [[ "${!v}" == true || "${!v}" == false ]] || { echo "$v must be true or false, got '${!v}'" >&2; exit 2; }
 done
 [[ "$PREFLIGHT" == 0 || "$PREFLIGHT" == 1 || "$PREFLIGHT" == force ]] || { echo "PREFLIGHT must be 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
+if [[ "$RESIDENT" == true && "$RESET_OPTIMIZER" == true ]]; then
+  echo "RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase loop" >&2; exit 2
+fi
 RUN=${RUN:-runs/$PRESET-$LOSS}
 PROMPTS_PER_STAGE=$((UPDATES * PROMPTS_PER_UPDATE))
 TEMPLATE_ARG=(); [[ "$TEMPLATE" == plain ]] && TEMPLATE_ARG=("--prompt_template={problem}")  # plain: the problem alone
@@ -124,7 +137,7 @@ phase() {
   if [[ -f "$RUN/.done/$name" ]]; then echo "[$name] done already"; return; fi
   echo "[$name] $*"
   local t0 t1; t0=$(date +%s.%N)
-  if ! { "$@" 2>&1 | tee "$RUN/logs/$name.log" | $PY -u -c "import common, sys; common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)"; } 9>&-; then
+  if ! { "$@" 2>&1 | tee "$RUN/logs/$name.log" | "${VIEW[@]}"; } 9>&-; then
     echo "[$name] failed; its whole output is in $RUN/logs/$name.log" >&2   # the lock stays with this script, not its children
     exit 1
   fi
@@ -141,7 +154,9 @@ fi
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" "${TEMPLATE_ARG[@]}")
-(( EVAL_EVERY == 0 )) || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
+VIEW=($PY -u -c "import common, sys; common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)")
+(( EVAL_EVERY == 0 )) || [[ "$RESIDENT" == true ]] \
+  || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
 
 KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
 [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
@@ -156,18 +171,60 @@ fi
 POLICY=$MODEL
 STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
 RELEASE=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)   # stage s deletes s-1's state once it has its own
+if [[ "$GPUS" -gt 1 ]]; then TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node="$GPUS"); else TRAIN=($PY); fi
+GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --prompts_per_stage=$PROMPTS_PER_STAGE --group_size=$GROUP_SIZE
+               --temperature=$TEMPERATURE --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE
+               --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --seed="$SEED" "${TEMPLATE_ARG[@]}")
+OPTIMIZE_ARGS=(--updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR
+               --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
+               --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
+               --release_init_state=$RELEASE)
+
+if [[ "$RESIDENT" == true ]]; then
+  # the two processes; a failed one stops the other (by the pid it announced), and each also watches the other
+  # while it waits for it; a rerun resumes (the engine at the first stage without a manifest, the trainer at the
+  # last train state saved)
+  stop_resident() {
+    local role pid
+    for role in engine trainer; do
+      pid=$($PY -c "import json, sys; print(json.load(open(sys.argv[1]))['pid'])" "$RUN/resident/$role.json" 2>/dev/null) \
+        && kill -TERM "$pid" 2>/dev/null || true
+    done
+    sleep 10 & wait $! || true
+    kill -KILL "$@" 2>/dev/null || true
+  }
+  $PY -c "import handoff, sys; handoff.reset(sys.argv[1])" "$RUN"
+  echo "[resident] one engine process and one trainer process for stages 0..$((STAGES - 1)): $RUN/logs/engine.log, trainer.log"
+  t0=$(date +%s.%N)
+  { $PY generate.py --resident=true --stages="$STAGES" --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
+      --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" \
+      --eval_data_dir="$EVAL_DATA_DIR" --eval_k="$EVAL_K" --eval_temperature="$EVAL_TEMPERATURE" \
+      --eval_top_p="$EVAL_TOP_P" --results="$RUN/results.jsonl" --run_start="$START" 2>&1 \
+      | tee -a "$RUN/logs/engine.log" | "${VIEW[@]}"; } 9>&- &
+  engine_job=$!
+  { "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" --stages="$STAGES" --policy="$MODEL" \
+      "${OPTIMIZE_ARGS[@]}" --save_every="$SAVE_EVERY" 2>&1 | tee -a "$RUN/logs/trainer.log" | "${VIEW[@]}"; } 9>&- &
+  trainer_job=$!
+  status=0
+  wait -n "$engine_job" "$trainer_job" || status=$?
+  if (( status == 0 )); then wait "$engine_job" || status=$?; fi
+  if (( status == 0 )); then wait "$trainer_job" || status=$?; fi
+  if (( status != 0 )); then
+    stop_resident "$engine_job" "$trainer_job"
+    echo "[resident] failed (exit $status); see $RUN/logs/engine.log and trainer.log; rerun to resume" >&2
+    exit 1
+  fi
+  $PY -c "import handoff, sys; handoff.finish(sys.argv[1])" "$RUN"
+  t1=$(date +%s.%N)
+  echo "{\"phase\": \"resident\", \"name\": \"resident\", \"stage\": $((STAGES - 1)), \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
+  STAGES=0          # the loop below has nothing left to do
+fi
+
 for ((s = 0; s < STAGES; s++)); do
   STAGE_DIR=$RUN/stage_$s
-  phase "generate_$s" $s $PY generate.py --policy="$POLICY" --data="$TRAIN_DATA" --run_dir="$RUN" --stage=$s \
-      --prompts_per_stage=$PROMPTS_PER_STAGE --group_size=$GROUP_SIZE --temperature=$TEMPERATURE \
-      --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE --shard_prompts=$SHARD_PROMPTS \
-      --gpus="$GPUS" --seed="$SEED" "${TEMPLATE_ARG[@]}"
-  if [[ "$GPUS" -gt 1 ]]; then TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node="$GPUS"); else TRAIN=($PY); fi
-  phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
-      --updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR \
-      --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT \
-      --warmup_updates=$WARMUP --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}" \
-      --release_init_state=$RELEASE "${STATE_ARGS[@]}"
+  phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}"
+  phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" "${OPTIMIZE_ARGS[@]}" \
+      "${STATE_ARGS[@]}"
   POLICY=$STAGE_DIR/policy
   [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
   if (( s > 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes/parameter

@@ -18,7 +18,7 @@ number of tokens. Rows, each on the same prompt token ids, n = G, temperature 1,
 Each measurement runs in a fresh process after a two-token warm-up call with the same options (as
 generate.py does: the first request with log-probs compiles a vLLM kernel), the paths interleaved and
 repeated; the table gives medians. Same machine, same engine settings
-(common.make_llm). tokens/s = response tokens / seconds.
+(engine.make_llm). tokens/s = response tokens / seconds.
 """
 import json
 import os
@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import engine  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 prompts = 64                 # prompts from the toy training set
@@ -62,7 +63,7 @@ def build_policy(path, toy_dir):
 def bare(policy, data, logprobs):
     """One LLM.generate call on generate.py's stage-0 prompts in this process: (tokens, seconds)."""
     from vllm import SamplingParams
-    llm = common.make_llm(policy, seed=0, max_model_len=64 + max_response_tokens)
+    llm = engine.make_llm(policy, seed=0, max_model_len=64 + max_response_tokens)
     tokenizer = llm.get_tokenizer()
     rows = common.shuffled_window(common.load_problems(data), 0, prompts, 0)
     batch = [{"prompt_token_ids": common.build_prompt_ids(tokenizer, r["problem"], "{problem}")} for r in rows]

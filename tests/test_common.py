@@ -2,6 +2,7 @@
 import pytest
 
 import common
+import engine
 
 
 def test_shuffled_window_covers_each_epoch_once_then_reshuffles():
@@ -82,11 +83,11 @@ def test_no_chat_template_means_eos_only(toy):
 
 
 def test_engines_take_their_gpus_from_the_visible_list():
-    assert common.engine_gpu_groups(4, 1, "4,5,6,7") == ["4", "5", "6", "7"]
-    assert common.engine_gpu_groups(2, 2, "4,5,6,7") == ["4,5", "6,7"]
-    assert common.engine_gpu_groups(2, 1, "") == ["0", "1"]
+    assert engine.engine_gpu_groups(4, 1, "4,5,6,7") == ["4", "5", "6", "7"]
+    assert engine.engine_gpu_groups(2, 2, "4,5,6,7") == ["4,5", "6,7"]
+    assert engine.engine_gpu_groups(2, 1, "") == ["0", "1"]
     with pytest.raises(SystemExit, match="need 4 GPUs"):
-        common.engine_gpu_groups(2, 2, "3,4,5")
+        engine.engine_gpu_groups(2, 2, "3,4,5")
 
 
 def test_sample_seeds_are_well_separated():

@@ -1,8 +1,11 @@
 """The whole loop (run_stages.sh) on the toy task; evaluate.py and plot.py; data/prepare.py."""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,10 +98,9 @@ def test_plot_renders_every_figure(finished_run, tmp_path):
     assert "switching overhead" in proc.stdout
 
 
-def test_avg_and_pass_at_k_by_hand(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["evaluate.py"])
-    import evaluate
-    avg, passed = evaluate.avg_and_pass_at_k([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+def test_avg_and_pass_at_k_by_hand():
+    import engine
+    avg, passed = engine.avg_and_pass_at_k([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
     assert avg == pytest.approx((0.25 + 0 + 1) / 3)
     assert passed == pytest.approx(2 / 3)
 
@@ -175,7 +177,7 @@ def test_toy_builder_model_loads_in_transformers_and_vllm(toy):
     AutoModelForCausalLM.from_pretrained(toy / "model")
     tok = AutoTokenizer.from_pretrained(toy / "model")
     assert tok.padding_side == "left" and tok.eos_token == "</s>"
-    code = ("import common; llm = common.make_llm(%r, seed=0, max_model_len=64); "
+    code = ("import engine; llm = engine.make_llm(%r, seed=0, max_model_len=64); "
             "print(len(llm.generate([{'prompt_token_ids': [1, 5, 6]}], use_tqdm=False)[0].outputs))" % str(toy / "model"))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("1"), proc.stderr[-2000:]
@@ -310,3 +312,97 @@ def test_setup_refuses_a_driver_older_than_the_wheels_cuda(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == ("setup.sh: NVIDIA driver 550.54.15 is too old: vllm==0.32.0 / torch==2.13.0 are built "
                                    "for CUDA 13.0, which needs driver >= 580.65.06; upgrade the driver first")
+
+
+# ----------------------------------------------------------------------------- resident mode
+
+
+@pytest.fixture(scope="module")
+def resident_run(toy, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("resident") / "run"
+    run_loop({**loop_env(toy, run_dir), "RESIDENT": "true"})
+    return run_dir
+
+
+def _rows_without_run_dir(path, run_dir):
+    """A JSONL file's rows with the run directory taken out of every string (policy names contain it)."""
+    return [json.loads(line.replace(str(run_dir), "RUN")) for line in open(path)]
+
+
+def _weights(policy_dir):
+    from safetensors.torch import load_file
+    return load_file(str(policy_dir / "model.safetensors"))
+
+
+def assert_same_stages(one, two, stages=(0, 1)):
+    import torch
+    for s in stages:
+        w1, w2 = _weights(one / f"stage_{s}" / "policy"), _weights(two / f"stage_{s}" / "policy")
+        assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1), s
+        for shard in sorted((one / f"stage_{s}" / "rollouts").glob("shard_*.jsonl")):
+            assert _rows_without_run_dir(shard, one) == _rows_without_run_dir(
+                two / f"stage_{s}" / "rollouts" / shard.name, two), (s, shard.name)
+        timing = ("time", "seconds", "tokens_per_s")
+        m1, m2 = (read_lines(d / f"stage_{s}" / "metrics.jsonl") for d in (one, two))
+        assert [{k: v for k, v in r.items() if k not in timing} for r in m1] == \
+               [{k: v for k, v in r.items() if k not in timing} for r in m2], s
+    key = lambda rows: sorted((r["stage"], r["benchmark"], r["avg_at_k"], r["pass_at_k"], r["updates"], r["policy"])  # noqa: E731
+                              for r in rows)
+    assert key(_rows_without_run_dir(one / "results.jsonl", one)) == key(_rows_without_run_dir(two / "results.jsonl", two))
+
+
+@needs_vllm
+def test_resident_run_equals_the_process_per_phase_run(finished_run, resident_run):
+    # the same seeds, stages and settings through two long-lived processes: the same rollouts (the engine
+    # reloads each policy in place), the same weights (the trainer keeps them and AdamW in memory), the same
+    # metrics and evaluations
+    assert_same_stages(finished_run, resident_run)
+    rows = read_lines(resident_run / "timeline.jsonl")
+    assert [r["name"] for r in rows if "process" not in r] == ["resident"]
+    engine_rows = [r for r in rows if r.get("process") == "engine" and r["phase"] == "generate"]
+    assert [r["stage"] for r in engine_rows] == [0, 1] and engine_rows[1]["reload_seconds"] > 0
+    assert {r["name"] for r in rows if r["phase"] == "eval"} == {"eval_-1", "eval_0", "eval_1"}
+    assert not (resident_run / "stage_0" / "train_state").exists()          # released once stage 1's was written
+    assert (resident_run / "stage_1" / "train_state" / "progress.json").exists()
+    import handoff
+    assert not handoff.fast_dir(resident_run).exists()                        # the handed-over policies are gone
+    summary = run_script("plot.py", f"--run_dir={resident_run}", "--summary=true", f"--out_dir={resident_run / 'p'}")
+    assert "resident processes: start-up" in summary.stdout
+
+
+@needs_vllm
+def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_run, tmp_path):
+    # SIGKILL to the engine process, then to the trainer, then to run_stages.sh and everything under it, each at a
+    # random moment; a partner's death stops the run within seconds; the last rerun ends where an unbroken one did
+    import random
+    run_dir = tmp_path / "run"
+    env = {**os.environ, **loop_env(toy, run_dir), "RESIDENT": "true"}
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    pid = lambda role: json.loads((run_dir / "resident" / f"{role}.json").read_text())["pid"]  # noqa: E731
+    points = [("engine", lambda: (run_dir / "stage_0" / "rollouts" / "manifest.json").exists()),
+              ("trainer", lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()),
+              ("run_stages.sh", lambda: (run_dir / "resident" / "trained_0.json").exists())]
+    for target, ready in points:
+        shutil.rmtree(run_dir / "resident", ignore_errors=True)     # the last attempt's pid files name dead processes
+        proc = subprocess.Popen(["bash", "run_stages.sh"], cwd=ROOT, env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 600
+        while not (ready() and (run_dir / "resident" / "engine.json").exists()
+                   and (run_dir / "resident" / "trainer.json").exists()):
+            assert proc.poll() is None and time.time() < deadline, (target, seed)
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0, 3))
+        if proc.poll() is not None:              # it finished first: nothing was interrupted this time
+            continue
+        killed_at = time.time()
+        if target == "run_stages.sh":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(pid(target), signal.SIGKILL)
+        proc.wait(timeout=120)
+        assert target == "run_stages.sh" or time.time() - killed_at < 30, (target, seed)   # within seconds
+        if target != "run_stages.sh":
+            assert proc.returncode != 0, (target, seed)
+    run_loop({**loop_env(toy, run_dir), "RESIDENT": "true"})
+    assert_same_stages(resident_run, run_dir, stages=(1,))

@@ -1,0 +1,107 @@
+"""Switching overhead per stage: resident mode (two long-lived processes) against the process-per-phase loop, on
+the toy task, measured from the runs' own records (timeline.jsonl, the manifests, metrics.jsonl,
+optimize_timing.json).
+
+    python bench/bench_switching.py                              # STAGES=32 UPDATES=2, both modes (~25 min, 2 cores)
+    python bench/bench_switching.py --stages=8 --modes=resident
+
+Overhead is everything that is not generation compute (the engine's time on the stage's requests, from the
+manifests), training compute (the updates' seconds, from metrics.jsonl) or evaluation (none here:
+EVAL_EVERY=0): process starts, model and engine builds, weight loading and reloading, saves, rollout columns,
+the grading of a stage's last shard, waiting on files. Its parts:
+- process-per-phase: each generate phase beyond its generation compute (Python and vLLM start-up, the engine
+  build, grading the last shard), each optimize phase's load (imports, model build and load, the train state)
+  and save (policy, train state), the rest of each optimize phase, and the gaps between phases;
+- resident: the two processes' start-up (the slower one; once), reloads of the new policy in place, the
+  trainer's saves (policy to the hand-off directory, the train state every SAVE_EVERY stages), the rest of
+  each process's per-stage work beyond compute, and the hand-off latency (time neither process worked).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+# ----------------------------------------------------------------------------- hyperparameters
+stages = 32                     # stages of each run
+updates = 2                     # μ (updates per stage)
+prompts_per_update = 16         # × G=8 responses
+modes = "phases,resident"       # which loops to run: phases (process-per-phase), resident
+toy_dir = str(ROOT / "data" / "toy")   # the toy task and policy (built by data/toy.py if missing)
+out_dir = str(ROOT / "bench" / "out" / "switching")
+# -----------------------------------------------------------------------------
+common.apply_overrides(globals(), sys.argv[1:])
+
+
+def rows(path):
+    return common.read_jsonl(path) if Path(path).exists() else []
+
+
+def measure(run):
+    """Wall, compute and overhead parts (seconds) of a finished run directory."""
+    timeline = rows(run / "timeline.jsonl")
+    manifests = [json.loads(p.read_text()) for p in run.glob("stage_*/rollouts/manifest.json")]
+    metrics = [m for p in run.glob("stage_*/metrics.jsonl") for m in rows(p)]
+    timing = [json.loads(p.read_text()) for p in run.glob("stage_*/optimize_timing.json")]
+    wall = sum(t["seconds"] for t in timeline if "process" not in t)
+    generation = sum(m["generation_seconds"] for m in manifests)
+    training = sum(m["seconds"] for m in metrics)
+    parts = {}
+    if any(t["phase"] == "resident" for t in timeline):
+        proc = [t for t in timeline if "process" in t]
+        parts["start-up (once)"] = max(t["seconds"] for t in proc if t["phase"] == "start")
+        parts["reload"] = sum(t.get("reload_seconds", 0.0) for t in proc)
+        parts["save"] = sum(t.get("save_seconds", 0.0) for t in proc if t["process"] == "trainer")
+        engine_rows = sum(t["seconds"] for t in proc if t["phase"] == "generate")
+        trainer_rows = sum(t["seconds"] for t in proc if t["phase"] == "optimize")
+        parts["engine, beyond generation"] = engine_rows - parts["reload"] - generation
+        parts["trainer, beyond training"] = trainer_rows - parts["save"] - training
+        parts["hand-off latency"] = wall - parts["start-up (once)"] - engine_rows - trainer_rows
+    else:
+        phase = lambda kind: sum(t["seconds"] for t in timeline if t["phase"] == kind)  # noqa: E731
+        load, save = sum(t["load_seconds"] for t in timing), sum(t["save_seconds"] for t in timing)
+        parts["generate, beyond generation"] = phase("generate") - generation
+        parts["optimize load"] = load
+        parts["optimize save"] = save
+        parts["optimize, the rest"] = phase("optimize") - load - save - training
+        parts["gaps between phases"] = wall - phase("generate") - phase("optimize") - phase("eval")
+    return {"wall": wall, "generation": generation, "training": training,
+            "overhead": wall - generation - training, "parts": parts}
+
+
+def run_mode(mode, out):
+    env = {**os.environ, "PRESET": "toy", "LOSS": "grpo", "RUN": str(out), "MODEL": f"{toy_dir}/model",
+           "TRAIN_DATA": f"{toy_dir}/train.jsonl", "EVAL_DATA_DIR": toy_dir, "STAGES": str(stages),
+           "UPDATES": str(updates), "PROMPTS_PER_UPDATE": str(prompts_per_update), "EVAL_EVERY": "0",
+           "RESIDENT": "true" if mode == "resident" else "false"}
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode}: run_stages.sh failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+if __name__ == "__main__":
+    if not (Path(toy_dir) / "model" / "config.json").exists():
+        subprocess.run([sys.executable, "data/toy.py", f"--out_dir={toy_dir}"], cwd=ROOT, check=True)
+    results = {}
+    for mode in modes.split(","):
+        out = Path(out_dir) / mode
+        run_mode(mode, out)
+        results[mode] = measure(out)
+    print(f"toy, LOSS=grpo, {stages} stages × {updates} updates × {prompts_per_update} prompts × G=8, EVAL_EVERY=0; "
+          f"{os.cpu_count()} CPUs")
+    print("| mode | wall s | generation s | training s | overhead s | overhead per stage s |")
+    print("|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        print(f"| {mode} | {r['wall']:.0f} | {r['generation']:.0f} | {r['training']:.0f} | {r['overhead']:.0f} | "
+              f"{r['overhead'] / stages:.2f} |")
+    for mode, r in results.items():
+        print(f"\n{mode}: " + "; ".join(f"{k} {v:.1f} s ({v / stages:.2f} s/stage)" for k, v in r["parts"].items()))
+    if len(results) == 2:
+        ratio = results["phases"]["overhead"] / max(results["resident"]["overhead"], 1e-9)
+        print(f"\noverhead per stage: process-per-phase / resident = {ratio:.1f}×")
+    print(json.dumps({m: {k: v for k, v in r.items()} for m, r in results.items()}))
