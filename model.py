@@ -180,6 +180,13 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
     config.use_cache = False
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
+    # init_empty_weights patches register_parameter to put every parameter it sees on meta as a new Parameter,
+    # so the tie post_init makes (lm_head.weight = embed_tokens.weight) comes out as two parameters
+    # (accelerate/big_modeling.py:131, register_empty_parameter); tie them again before fully_shard, or FSDP2
+    # shards the head as a parameter of its own, which the optimizer never steps (issue 26's tied test:
+    # 2 ranks drifted 4.6 % of the update from 1 process from the second update on)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
     if gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
