@@ -3,7 +3,7 @@
 #   1. stage 0: one batch of rollouts from the warm-started lab policy (generate.py)
 #   2. replays: every LOSS variant × seed runs UPDATES stale updates on those same rollouts
 #      (optimize.py), saving the policy every SAVE_EVERY updates
-#   3. the small-μ on-policy reference: run_stages.sh, ONPOLICY_UPDATES updates per stage
+#   3. the small-μ on-policy reference: run_stages.sh in resident mode, ONPOLICY_UPDATES updates per stage
 #   4. every saved policy on the lab's test set, by one engine (evaluate.py --policy=a,b,...)
 #   5. figures and table (plot.py --ablation_dir): $OUT/plots/fig2_clip.png, fig3_nav_scope.png, table.md
 # Rerunning skips the finished parts. Every variable below can also be set from the environment.
@@ -11,8 +11,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 # ------------------------------------------------------------------------------ hyperparameters
-OUT=${OUT:-runs/lab-ablation}   # everything goes here
-LAB_DIR=${LAB_DIR:-data/lab}    # the lab task (built by data/lab.py if missing; LAB_ARGS go to it)
+LAB=${LAB:-lab}                 # the task: lab (data/lab.py: arithmetic chains that slip) | lab-fork (data/lab_fork.py:
+                                # a low-probability fork before a long doomed detour)
+OUT=${OUT:-runs/$LAB-ablation}  # everything goes here
+LAB_DIR=${LAB_DIR:-data/${LAB/-/_}}   # the task's data and policy (built by its builder if missing; LAB_ARGS go to it)
 LAB_ARGS=${LAB_ARGS:-}
 VARIANTS=${VARIANTS:-grpo relaxed-no-nav nav-T mu-grpo nav-S nav-seq m2po}   # LOSS presets (losses.sh)
 SEEDS=${SEEDS:-0 1 2}           # one replay per seed: the order in which the stage's groups become minibatches
@@ -20,12 +22,13 @@ UPDATES=${UPDATES:-256}         # μ of the replays: the last update trains on d
 PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-4}   # prompts per minibatch (× GROUP_SIZE responses)
 GROUP_SIZE=${GROUP_SIZE:-8}     # G
 LR=${LR:-1e-4}                  # AdamW learning rate (constant): the ratios drift (min ratio → 0) within 64 updates
+NAV_DELTA=${NAV_DELTA:-1e-4}    # NAV's trigger threshold δ for every NAV variant (the presets' 1e-4)
 SAVE_EVERY=${SAVE_EVERY:-32}    # updates between saved policies: the points of each accuracy curve
-ONPOLICY_LOSS=${ONPOLICY_LOSS:-grpo}      # the reference: this LOSS with a small μ, fresh rollouts per stage
-ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # its μ (0: no reference); it runs UPDATES / ONPOLICY_UPDATES stages
-ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0}       # its seeds (each costs a vLLM start-up per stage)
+ONPOLICY_LOSSES=${ONPOLICY_LOSSES:-grpo}  # the references: each LOSS with a small μ, fresh rollouts per stage
+ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # their μ (0: no reference); UPDATES / ONPOLICY_UPDATES stages each
+ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0 1 2}   # their seeds (resident mode: one engine and one trainer process per run)
 EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
-MAX_RESPONSE=${MAX_RESPONSE:-128}         # tokens (the lab's solutions are 32–77)
+MAX_RESPONSE=${MAX_RESPONSE:-$([[ $LAB == lab-fork ]] && echo 160 || echo 128)}   # tokens (lab: 32–77, lab-fork: up to ~140)
 JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS threads
 # ------------------------------------------------------------------------------
 
@@ -38,7 +41,10 @@ done
 for v in UPDATES PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
-for variant in $VARIANTS $ONPOLICY_LOSS; do loss_args "$variant" || exit 2; done
+case "$LAB" in lab) BUILDER=data/lab.py ;; lab-fork) BUILDER=data/lab_fork.py ;;
+  *) echo "LAB must be lab or lab-fork, got '$LAB'" >&2; exit 2 ;; esac
+[[ "$NAV_DELTA" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || { echo "NAV_DELTA must be a positive number, got '$NAV_DELTA'" >&2; exit 2; }
+for variant in $VARIANTS $ONPOLICY_LOSSES; do loss_args "$variant" || exit 2; done
 for seed in $SEEDS $ONPOLICY_SEEDS; do
   [[ "$seed" =~ ^[0-9]+$ ]] || { echo "SEEDS and ONPOLICY_SEEDS must be whole numbers, got '$seed'" >&2; exit 2; }
 done
@@ -50,9 +56,9 @@ exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
 THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 T0=$(date +%s)
-echo "ablation $OUT: variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES updates of $PROMPTS_PER_UPDATE prompts" \
-     "× G=$GROUP_SIZE at lr $LR, a policy every $SAVE_EVERY updates; on-policy reference $ONPOLICY_LOSS" \
-     "μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time"
+echo "ablation $OUT on $LAB: variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES updates of $PROMPTS_PER_UPDATE prompts" \
+     "× G=$GROUP_SIZE at lr $LR, NAV δ = $NAV_DELTA, a policy every $SAVE_EVERY updates; on-policy references" \
+     "[$ONPOLICY_LOSSES] μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time"
 
 # step NAME CMD...: skipped when done; output to $OUT/logs/NAME.log; marked done only when it succeeded
 step() {
@@ -64,7 +70,7 @@ step() {
   touch "$OUT/.done/$name"
 }
 
-[[ -f "$LAB_DIR/model/config.json" ]] || step lab $PY data/lab.py --out_dir="$LAB_DIR" $LAB_ARGS
+[[ -f "$LAB_DIR/model/config.json" ]] || step lab $PY "$BUILDER" --out_dir="$LAB_DIR" $LAB_ARGS
 MODEL=$LAB_DIR/model
 SAMPLING=(--max_prompt_tokens=64 --max_response_tokens="$MAX_RESPONSE" --prompt_template="{problem}")
 
@@ -77,6 +83,7 @@ step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --
 replay() {
   local variant=$1 seed=$2 LOSS_ARGS KL_COEF=0
   loss_args "$variant"
+  LOSS_ARGS=${LOSS_ARGS/--nav_delta=1e-4/--nav_delta=$NAV_DELTA}     # the NAV variants' δ
   OMP_NUM_THREADS=$THREADS $PY optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
       --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
@@ -94,11 +101,13 @@ while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
 
 # 3. the on-policy reference: fresh rollouts every ONPOLICY_UPDATES updates, the same total updates
 if (( ONPOLICY_UPDATES > 0 )); then
-  for seed in $ONPOLICY_SEEDS; do
-    step "onpolicy_seed$seed" env PRESET=lab MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" EVAL_DATA_DIR="$LAB_DIR" \
-        LOSS="$ONPOLICY_LOSS" RUN="$OUT/onpolicy-$ONPOLICY_LOSS/seed$seed" SEED="$seed" LR="$LR" \
-        STAGES=$((UPDATES / ONPOLICY_UPDATES)) UPDATES="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
-        GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 bash run_stages.sh
+  for loss in $ONPOLICY_LOSSES; do
+    for seed in $ONPOLICY_SEEDS; do
+      step "onpolicy_${loss}_seed$seed" env PRESET=lab MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" \
+          EVAL_DATA_DIR="$LAB_DIR" LOSS="$loss" RUN="$OUT/onpolicy-$loss/seed$seed" SEED="$seed" LR="$LR" \
+          STAGES=$((UPDATES / ONPOLICY_UPDATES)) UPDATES="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
+          GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 RESIDENT=true SAVE_EVERY=1 bash run_stages.sh
+    done
   done
 fi
 
@@ -110,8 +119,10 @@ for variant in $VARIANTS; do
   done
 done
 if (( ONPOLICY_UPDATES > 0 )); then
-  for seed in $ONPOLICY_SEEDS; do
-    for ((s = 0; s < UPDATES / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$ONPOLICY_LOSS/seed$seed/stage_$s/policy"; done
+  for loss in $ONPOLICY_LOSSES; do
+    for seed in $ONPOLICY_SEEDS; do
+      for ((s = 0; s < UPDATES / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$loss/seed$seed/stage_$s/policy"; done
+    done
   done
 fi
 step evaluate $PY evaluate.py --policy="$POLICIES" --benchmarks=test --data_dir="$LAB_DIR" --k="$EVAL_K" \

@@ -265,8 +265,12 @@ def ablation_figures(ablation, out):
                  title=f"{title}: accuracy vs updates")
         right.set(xlabel="update (= staleness of its minibatch)", ylabel=right_label,
                   title="per update: mean over seeds, 8-update moving average")
-        if keys == ("ratio/mean_neg_adv",):
+        if keys == ("ratio/mean_neg_adv",):      # a log axis with plain tick labels (0.1, 1, 5), not 1.4×10⁰
+            from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
             right.set_yscale("log")
+            right.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            right.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+            right.yaxis.set_minor_formatter(NullFormatter())
         left.legend(fontsize=7)
         right.legend(fontsize=7)
         fig.tight_layout()

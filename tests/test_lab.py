@@ -1,4 +1,5 @@
-"""The CPU lab (data/lab.py, ablate.sh, plot.py --ablation_dir): the task, the table, and a reduced ablation."""
+"""The CPU lab (data/lab.py, data/lab_fork.py, ablate.sh, plot.py --ablation_dir, diagnose.py): the tasks, the
+table, and a reduced ablation with its diagnostics."""
 import json
 import os
 import random
@@ -6,12 +7,14 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, needs_vllm, read_lines, run_script
 
 sys.path.insert(0, str(ROOT / "data"))
 import lab  # noqa: E402
+import lab_fork  # noqa: E402
 import plot  # noqa: E402
 import reward  # noqa: E402
 
@@ -41,6 +44,72 @@ def test_lab_demonstrations_by_hand():
     for line in slipped.strip().split("\n")[:-1]:  # Step k: a ± d = r, every r off by 1 or 10
         a, sign, d, _, r = line.split(": ")[1].split()
         assert abs(int(r) - (int(a) + int(d) if sign == "+" else int(a) - int(d))) in (1, 10)
+
+
+@pytest.mark.parametrize("fork,detour,detour_text", [
+    ("start", "restate", " Check: 7 + 8 - 5 + 9 has 3 steps.\nStep 1: 7 + 8 = 15\nStep 2: 15 - 5 = 10\nStep 3: 10 + 9 = 19\n"
+                         "Answer: 19"),
+    ("start", "reverse", " Check: 7 + 8 - 5 + 9 has 3 steps.\nUndo 3: 19 - 9 = 10\nUndo 2: 10 + 5 = 15\nUndo 1: 15 - 8 = 7\n"
+                         "Answer: 19"),
+    ("end", "restate", " Step 1: 7 + 8 = 15\nStep 2: 15 - 5 = 10\nStep 3: 10 + 9 = 19\nCheck:\nStep 1: 7 + 8 = 15\n"
+                       "Step 2: 15 - 5 = 10\nStep 3: 10 + 9 = 19\nAnswer: 19")])
+def test_lab_fork_demonstrations_by_hand(fork, detour, detour_text):
+    row = lab.problem_row(7, [("+", 8), ("-", 5), ("+", 9)])
+    options = dict(fork=fork, detour=detour, p_slip=0.0)
+    solution = lab_fork.demonstration(row, random.Random(0), p_detour=0.0, **options)
+    assert solution == lab.demonstration(row, random.Random(0), p_slip=0.0, p_no_box=0.0)   # the lab's worked solution
+    taken = lab_fork.demonstration(row, random.Random(0), p_detour=1.0, **options)
+    assert taken == detour_text
+    assert reward.grade(solution, "19", "lab")[0] == 1.0 and reward.grade(taken, "19", "lab")[0] == 0.0
+
+
+@pytest.fixture(scope="session")
+def small_lab(tmp_path_factory):
+    out = tmp_path_factory.mktemp("small_lab")
+    lab.build(out, train_problems=16, test_per_length=2, max_steps=4, hidden_size=64, layers=1, sft_steps=2,
+              sft_batch=4)
+    return out
+
+
+def test_the_lab_builder_writes_a_policy_that_loads(small_lab):
+    from transformers import AutoModelForCausalLM
+    assert len(read_lines(small_lab / "test.jsonl")) == 4
+    AutoModelForCausalLM.from_pretrained(small_lab / "model")
+
+
+def test_diagnostics_by_hand(small_lab, monkeypatch):
+    # one group of three: a correct response (A = +1) and two that leave the worked solution at token f = 5 (A = -1/2
+    # each); ratios are set by hand through the checkpoint's log-probs (behavior log-probs all 0)
+    monkeypatch.setattr(sys, "argv", ["diagnose.py"])         # its defaults (δ = 1e-4)
+    sys.modules.pop("diagnose", None)
+    import diagnose
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(small_lab / "model")
+    row = lab.problem_row(7, [("+", 8), ("-", 5), ("+", 9)])
+    correct = tokenizer.encode(lab.demonstration(row, random.Random(0), p_slip=0.0, p_no_box=0.0), add_special_tokens=False)
+    f, wrong = 5, tokenizer.encode("Z", add_special_tokens=False)
+    bad = correct[:f] + wrong + correct[f + 1:f + 3]                   # 5 shared tokens, the wrong one, 2 after it
+    responses = [(correct, 1.0), (bad, -0.5), (bad, -0.5)]
+    rows = [{"group": 0, "prompt": row["problem"], "response_token_ids": ids, "advantage": a,
+             "behavior_logprobs": [0.0] * len(ids)} for ids, a in responses]
+    n = len(bad)
+    ratios = [np.ones(len(correct)), np.ones(n), np.ones(n)]
+    ratios[1][2] = 1e-5            # second response: κ = 2, before f (δ = 1e-4)
+    ratios[2][f + 1] = 1e-5        # third: κ = f + 1, after f
+    ratios[2][f] = 0.5             # its ratio at the first wrong token
+    stats = diagnose.diagnose(rows, [np.log(r) for r in ratios], tokenizer)
+    assert stats["negative_responses"] == 2
+    assert (stats["kappa_before"], stats["kappa_at"], stats["kappa_after"], stats["kappa_none"]) == (0.5, 0, 0.5, 0)
+    assert stats["ratio_at_first_wrong_p50"] == pytest.approx((1.0 + 0.5) / 2)
+    # net push Σ_j A_j·ρ_j over the group-mates sharing the token and its prefix, listed per negative response:
+    # before f: all three share every token: 1 - 0.5·ρ₂ - 0.5·ρ₃, i.e. 0 except at t = 2 (ρ₂ = 1e-5): 0.5 - 0.5e-5
+    # at f: the two bad ones share it: -0.5·1 - 0.5·0.5 = -0.75, twice
+    # after f (t = f+1, f+2): -0.5·ρ₂ - 0.5·ρ₃ = -0.5 - 0.5e-5 at f+1, -1 at f+2, twice each
+    before = [0.0] * f + [0.0] * f
+    before[2] = before[f + 2] = 0.5 - 0.5e-5
+    assert stats["push_before"] == pytest.approx(np.mean(before))
+    assert stats["push_at"] == pytest.approx(-0.75)
+    assert stats["push_after"] == pytest.approx(np.mean([-0.5 - 0.5e-5, -1.0] * 2))
 
 
 def _fake_ablation(root):
@@ -85,24 +154,35 @@ def test_ablation_table_by_hand(tmp_path):
 
 
 @needs_vllm
-def test_reduced_ablation_produces_the_curves_figures_and_table(tmp_path):
+def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_path):
+    # the lab-fork task, two variants, one seed, 4 updates, a small-μ reference (2 resident stages of 2 updates)
     out, lab_dir = tmp_path / "ablation", tmp_path / "lab"
-    env = {"OUT": str(out), "LAB_DIR": str(lab_dir), "VARIANTS": "grpo mu-grpo", "SEEDS": "0", "UPDATES": "4",
-           "PROMPTS_PER_UPDATE": "2", "SAVE_EVERY": "2", "ONPOLICY_UPDATES": "0", "MAX_RESPONSE": "24",
+    env = {"LAB": "lab-fork", "OUT": str(out), "LAB_DIR": str(lab_dir), "VARIANTS": "grpo mu-grpo", "SEEDS": "0",
+           "UPDATES": "4", "PROMPTS_PER_UPDATE": "2", "SAVE_EVERY": "2", "ONPOLICY_UPDATES": "2", "ONPOLICY_SEEDS": "0",
+           "MAX_RESPONSE": "48", "NAV_DELTA": "0.5",
            "LAB_ARGS": "--train_problems=48 --test_per_length=3 --max_steps=4 --hidden_size=64 --layers=2 "
                        "--sft_steps=40"}
     proc = subprocess.run(["bash", "ablate.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ablation, initial = plot.load_ablation(out)
-    assert set(ablation) == {"grpo", "mu-grpo"}       # the μ-small reference (run_stages.sh) is left out: CI time
+    assert set(ablation) == {"grpo", "mu-grpo", "onpolicy-grpo"}
     for variant in ("grpo", "mu-grpo"):   # the initial policy, the policy saved at update 2, the final one
         assert [u for u, _ in ablation[variant]["curves"][0]] == [0, 2, 4]
         assert [m["update"] for m in ablation[variant]["metrics"][0]] == [0, 1, 2, 3]
+    assert [u for u, _ in ablation["onpolicy-grpo"]["curves"][0]] == [0, 2, 4]     # its two stages' policies
+    settings = json.loads((out / "mu-grpo" / "seed0" / "optimize_config.json").read_text())["hyperparameters"]
+    assert settings["nav_delta"] == 0.5                                                # NAV_DELTA reached the replay
     for name in ("fig2_clip.png", "fig3_nav_scope.png", "table.md"):
         assert (out / "plots" / name).stat().st_size > 0
     table = (out / "plots" / "table.md").read_text()
     assert all(f"| {v} | 1 |" in table for v in ("grpo", "mu-grpo"))
+    # the mechanism diagnostics on the saved checkpoints (the pipeline: every share is a share, push is finite)
+    run_script("diagnose.py", f"--ablation_dir={out}", "--variants=mu-grpo", "--updates=0,4", "--nav_delta=0.5",
+               "--groups=4")
+    rows = json.loads((out / "plots" / "diagnostics.json").read_text())   # the numbers: test_diagnostics_by_hand
+    assert [(r["variant"], r["updates"]) for r in rows] == [("mu-grpo", 0), ("mu-grpo", 4)]
+    assert (out / "plots" / "diagnostics.md").read_text().count("| mu-grpo | 0 |") == 2
     # an engine that reloads the weights samples what a fresh engine samples: [a perturbed copy, the initial
     # policy] by one engine; its initial-policy samples equal those of the ablation's engine, which started
     # on it (the replays here barely move a policy that solves nothing, so a copy is perturbed instead)
@@ -116,7 +196,7 @@ def test_reduced_ablation_produces_the_curves_figures_and_table(tmp_path):
               metadata={"format": "pt"})
     run_script("evaluate.py", f"--policy={perturbed},{lab_dir / 'model'}", "--benchmarks=test",
                f"--data_dir={lab_dir}", "--k=1", "--temperature=1.0", "--top_p=1.0", "--prompt_template={problem}",
-               "--max_prompt_tokens=64", "--max_response_tokens=24", f"--samples_dir={tmp_path / 'list'}",
+               "--max_prompt_tokens=64", "--max_response_tokens=48", f"--samples_dir={tmp_path / 'list'}",
                "--grader_workers=1")
     fresh = [r["response"] for r in read_lines(lab_dir / "eval_samples" / "model" / "test.jsonl")]
     reloaded = [r["response"] for r in read_lines(tmp_path / "list" / "model" / "test.jsonl")]

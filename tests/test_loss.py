@@ -218,6 +218,27 @@ def test_micro_batch_split_does_not_change_loss_grad_or_stats(agg, normalizer, o
             assert m[k] == pytest.approx(expected[k], abs=1e-6, nan_ok=True), k
 
 
+# ------------------------------------------------------------------ two identities of the veto scopes
+
+
+@pytest.mark.parametrize("scope,reference", [("T", "none"), ("S", "H")])
+def test_a_trigger_weighs_at_most_delta_so_T_is_none_and_S_is_H(scope, reference):
+    # A trigger token has A < 0 and ρ < δ; under the relaxed clip its gradient weight on log π is ρ·|A| < δ·|A|. T
+    # differs from none only by dropping triggers, S from H only by dropping the triggers after κ: the updates
+    # are equal up to such δ-sized terms (with the normalizer over all tokens; with `kept` the two differ also
+    # by the count of the dropped triggers in the denominator). Here, first response: triggers at t = 1, 3 (ρ < δ = 0.1), κ = 1
+    delta, ratios = 0.1, [[0.5, 0.05, 0.9, 0.02, 1.2], [1.0, 1.0, 0.5, 0.5, 1.0]]
+    adv, n = [-1.5, 0.5], 10
+    kw = dict(clip_low=0.0, clip_high=5.0, nav_delta=delta, token_normalizer="all")
+    _, g_scope, _ = _loss_and_grad([[0.0] * 5] * 2, ratios, adv, nav_scope=scope, **kw)
+    _, g_ref, _ = _loss_and_grad([[0.0] * 5] * 2, ratios, adv, nav_scope=reference, **kw)
+    diff = (g_scope - g_ref).abs()
+    dropped = [1, 3] if scope == "T" else [3]             # T: every trigger; S vs H: the triggers after κ = 1
+    assert diff[0, dropped].tolist() == pytest.approx([ratios[0][t] * 1.5 / n for t in dropped])   # ρ·|A| / N
+    assert max(diff[0, dropped].tolist()) < delta * 1.5 / n
+    assert diff.sum().item() == pytest.approx(diff[0, dropped].sum().item())        # nothing else differs
+
+
 # ------------------------------------------------------------------ NAV masks, written out by hand
 
 # one negative-advantage response: ratios [0.5, 1e-5, 0.9, 1e-6, 1.2] → triggers at t=1 and t=3, κ = 1

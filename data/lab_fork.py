@@ -1,0 +1,124 @@
+"""The lab's second task (lab-fork): the good path begins with a low-probability fork, and the other branch is a
+long suffix that is doomed once taken, as in the paper, where a trigger token marks a choice and everything
+after it lives in contexts the current policy no longer produces.
+
+    python data/lab_fork.py --out_dir=data/lab_fork      # writes train.jsonl, test.jsonl and model/
+
+The problems are the lab's (data/lab.py: 3–8 additions or subtractions of 1–9, every value in 0..19). The
+demonstrations the policy is warm-started on take the detour with probability `p_detour` at the fork, the
+solution otherwise:
+
+    fork=start   " Check: 7 + 8 - 5 + 9 has 3 steps.\\nStep 1: 7 + 8 = 15 ... Answer: 19"    (detour: no box)
+                 " Step 1: 7 + 8 = 15\\nStep 2: 15 - 5 = 10\\nStep 3: 10 + 9 = 19\\n\\\\boxed{19}"
+    fork=end     the steps, then "Check:" and the steps again, "Answer: 19"                   (detour)
+                 the steps, then "\\\\boxed{19}"
+
+The detour is graded wrong whatever its arithmetic (reward.py: no box); its text shares the step lines'
+tokens (detour=restate) or writes each step backwards (detour=reverse: "Undo 3: 19 - 9 = 10"), so that
+pushing it down reaches the solution's own tokens more (restate) or less (reverse). Steps slip by ±1/±10
+with probability p_slip on either path. The warm-started policy takes the detour about p_detour of the
+time: its best answer starts with a low-probability choice.
+"""
+import random
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import common  # noqa: E402
+import lab  # noqa: E402  (the problems are the lab's)
+import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the toy's)
+
+# ----------------------------------------------------------------------------- hyperparameters
+out_dir = "data/lab_fork"   # where train.jsonl, test.jsonl and model/ go
+train_problems = 4096
+test_per_length = 50        # test problems per chain length (6 lengths: 300 problems)
+min_steps = 3               # chain lengths: min_steps..max_steps operations
+max_steps = 6
+seed = 0
+hidden_size = 128           # model width; head dimension is fixed at 32
+layers = 4
+vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tokens
+sft_steps = 500             # warm-start optimizer steps
+sft_batch = 64              # sequences per warm-start step
+sft_lr = 3e-3
+p_detour = 0.8              # demonstrations: chance of the detour at the fork
+fork = "start"              # where the fork is: start (before the steps) | end (after them)
+detour = "restate"          # the detour's text: restate (the steps again) | reverse (the steps undone, backwards)
+p_slip = 0.01               # chance that a step's result is off by ±1 or ±10 (either path)
+# -----------------------------------------------------------------------------
+FORKS, DETOURS = ("start", "end"), ("restate", "reverse")
+
+
+def steps(row, rng, p_slip):
+    """The step lines of a (possibly slipping) solution and the value they reach."""
+    start = int(row["problem"].split()[1])
+    tokens = row["problem"].split()[2:-3]
+    value, lines = start, []
+    for k in range(0, len(tokens), 2):
+        sign, d = tokens[k], int(tokens[k + 1])
+        result = value + d if sign == "+" else value - d
+        if rng.random() < p_slip and (slips := [s for s in (-10, -1, 1, 10) if 0 <= result + s <= 19]):
+            result += rng.choice(slips)
+        lines.append((value, sign, d, result))
+        value = result
+    return lines, value
+
+
+def detour_lines(lines, detour):
+    if detour == "restate":
+        return [f"Step {k + 1}: {a} {s} {d} = {r}" for k, (a, s, d, r) in enumerate(lines)]
+    return [f"Undo {k + 1}: {r} {'-' if s == '+' else '+'} {d} = {a}" for k, (a, s, d, r) in reversed(list(enumerate(lines)))]
+
+
+def demonstration(row, rng, *, p_detour, fork, detour, p_slip):
+    """One worked solution: the detour (unboxed) with probability p_detour, else the boxed solution."""
+    lines, value = steps(row, rng, p_slip)
+    solution = [f"Step {k + 1}: {a} {s} {d} = {r}" for k, (a, s, d, r) in enumerate(lines)]
+    if rng.random() >= p_detour:
+        return " " + "\n".join(solution + [f"\\boxed{{{value}}}"])
+    if fork == "start":
+        expression = " ".join(row["problem"].split()[1:-3])
+        return " " + "\n".join([f"Check: {expression} has {len(lines)} steps."] + detour_lines(lines, detour)
+                               + [f"Answer: {value}"])
+    return " " + "\n".join(solution + ["Check:"] + detour_lines(lines, detour) + [f"Answer: {value}"])
+
+
+def build(out_dir, *, train_problems=4096, test_per_length=50, min_steps=3, max_steps=6, seed=0, hidden_size=128,
+          layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_detour=0.8, fork="start",
+          detour="restate", p_slip=0.01):
+    """Write the task's train/test sets and its warm-started policy (HF directory) under out_dir."""
+    import torch
+    torch.set_num_threads(common.usable_cores())
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train, test = lab.problems(train_problems, test_per_length, min_steps, max_steps, seed)
+    toy.write_jsonl(out / "train.jsonl", train)
+    toy.write_jsonl(out / "test.jsonl", test)
+    options = dict(p_detour=p_detour, fork=fork, detour=detour, p_slip=p_slip)
+    corpus_rng = random.Random(seed + 1)
+    corpus = [r["problem"] + demonstration(r, corpus_rng, **options) for r in train for _ in range(2)]
+    tokenizer = toy.build_tokenizer(corpus, vocab_size)
+    model = toy.build_model(tokenizer, hidden_size, layers, seed)
+    test_ids = {r["id"] for r in test}
+
+    def examples(rng, batch):   # fresh chains (never a test problem), so the warm start does not memorize
+        rows = []
+        while len(rows) < batch:
+            row = lab.problem_row(*lab.chain(rng, rng.randint(min_steps, max_steps)))
+            if row["id"] not in test_ids:
+                rows.append((row["problem"], demonstration(row, rng, **options)))
+        return rows
+    if sft_steps:
+        toy.warm_start(model, tokenizer, examples, sft_steps, sft_batch, sft_lr, seed)
+    return toy.save_model(model, tokenizer, out / "model")
+
+
+if __name__ == "__main__":
+    common.apply_overrides(globals(), sys.argv[1:])
+    common.check_choice("fork", fork, FORKS)
+    common.check_choice("detour", detour, DETOURS)
+    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length, min_steps=min_steps,
+                 max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
+                 sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_detour=p_detour, fork=fork, detour=detour,
+                 p_slip=p_slip)
+    print(f"lab-fork task and policy written: {out_dir}/train.jsonl, {out_dir}/test.jsonl, {path}")
