@@ -139,11 +139,15 @@ def load_policy(llm, path):
 
 def sleep(llm):
     """Free the engine's GPU memory (level 2: weights and KV cache; the next policy is loaded on waking) while
-    the trainer trains. The CPU build has no sleep mode: there the engine just waits. Returns the seconds."""
+    the trainer trains. The CPU build has no sleep mode: there the engine just waits. Returns the seconds and
+    the GiB the device gained (None on a CPU)."""
     t0 = time.perf_counter()
-    if common.gpu_count() > 0:
-        llm.sleep(level=2)
-    return time.perf_counter() - t0
+    if common.gpu_count() == 0:
+        return time.perf_counter() - t0, None
+    import torch
+    before = torch.cuda.mem_get_info()[0]           # the device's free memory: the engine runs in another process
+    llm.sleep(level=2)
+    return time.perf_counter() - t0, (torch.cuda.mem_get_info()[0] - before) / 2**30
 
 
 # ----------------------------------------------------------------------------------------------

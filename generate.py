@@ -524,7 +524,7 @@ def resident_engine(problems, procs=()):
         if coordinate:
             wait(lambda: all(shard_done(s, k) for k in shards))
             write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
-        row["sleep_seconds"] = engine.sleep(llm) if has_engine else 0.0
+        row["sleep_seconds"], row["freed_gib"] = engine.sleep(llm) if has_engine else (0.0, None)
         if coordinate:
             timeline({**row, "end": time.time()})
 

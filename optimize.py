@@ -310,15 +310,19 @@ def m2po_minibatch_cutoff(model, stage, temp, mbs, columns):
             reference = x["old"] if "old" in x and tis_cap is not None else x["behavior"]
             log_ratio = torch.clamp(x["lp"] - reference, -L.LOG_RATIO_LIMIT, L.LOG_RATIO_LIMIT) * x["mask"]
             sq.append((log_ratio ** 2)[L.m2po_harmful(log_ratio, x["adv"], x["mask"])])
-    sq = torch.cat(sq)
-    if distributed:
-        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([sq.numel()], device=device))
-        longest = max(int(s) for s in sizes)
-        parts = [torch.zeros(longest, device=device) for _ in range(world)]
-        dist.all_gather(parts, torch.nn.functional.pad(sq, (0, longest - sq.numel())))
-        sq = torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
-    return L.m2po_cutoff(sq, m2po_tau)
+    return L.m2po_cutoff(gather_values(torch.cat(sq)), m2po_tau)
+
+
+def gather_values(values):
+    """Every rank's 1-D tensor of values, concatenated in rank order (ranks may hold different numbers)."""
+    if not distributed:
+        return values
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()], device=device))
+    longest = max(int(n) for n in sizes)
+    parts = [torch.zeros(longest, device=device) for _ in range(world)]
+    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
+    return torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
 
 
 def reduce_stats(stats):
@@ -355,14 +359,7 @@ def packing_check(model, stage, temp, mb):
                 diffs.append((one[:n] - packed["lp"][j, :n]).abs())
             else:
                 forward(model, stage, None, temp)
-    diffs = torch.cat(diffs)
-    if distributed:         # a few thousand values per rank: gathered whole, so the quantile is exact
-        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
-        dist.all_gather(sizes, torch.tensor([diffs.numel()], device=device))
-        longest = max(int(n) for n in sizes)
-        parts = [torch.zeros(longest, device=device) for _ in range(world)]
-        dist.all_gather(parts, torch.nn.functional.pad(diffs, (0, longest - diffs.numel())))
-        diffs = torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
+    diffs = gather_values(torch.cat(diffs))   # a few thousand values per rank: gathered whole, the quantile exact
     if not diffs.numel():
         return {}
     return {"check/packed_mean_abs_diff": diffs.mean().item(), "check/packed_max_abs_diff": diffs.max().item(),

@@ -49,6 +49,8 @@ optimize_args = ""              # the run's optimize.py flags, space-separated (
 estimate_stage_prompts = 65536  # prompts per stage of the real run, for the hours-per-stage estimate
 peak_tflops = 989.0             # dense bf16 peak per GPU (H100/H200 SXM), for MFU
 force = False                   # exit 0 even after a FAIL
+resident = False                # also run the resident hand-off in miniature (run_stages.sh passes RESIDENT)
+resident_gpu_memory = 0.5       # resident: each engine's share of its GPU (run_stages.sh: RESIDENT_GPU_MEMORY)
 # Gates: the mean and the 99.9th percentile of per-token |Δ log p|, never the max (printed for information).
 # GPU, bf16: log-softmax is 2-Lipschitz in the largest logit difference (|Δ log p_t| ≤ 2·max_j |Δz_j|); bf16 keeps
 # 8 mantissa bits, so logits of magnitude ~20 round by up to ~0.06, and the engine's and the trainer's kernels
@@ -87,6 +89,8 @@ HINTS = {
     "round trip": "the saved policy is not the trained one, or the next stage did not load the train state: check "
                   "the saved dtype, tied weights, the FSDP2 gather (model.save_policy) and --init_state",
     "evaluation": "evaluate.py failed on the saved policy: see its log",
+    "resident hand-off": "the engine and trainer processes did not hand a stage over: see logs/resident_engine.log "
+                         "and logs/resident_trainer.log (on a GPU: lower RESIDENT_GPU_MEMORY if the engine cannot wake)",
     "headroom": "peak GPU memory near the limit: lower MICRO_BATCH_TOKENS or set GRAD_CKPT=true; low MFU: check "
                 "the attention implementation (flash-attn installed?) and GRAD_CKPT",
 }
@@ -109,13 +113,16 @@ class PhaseError(RuntimeError):
         self.phase = phase
 
 
+def trainer_launcher():
+    return [ROOT / ".venv" / "bin" / "torchrun", "--standalone", f"--nproc_per_node={n_gpus}"] if n_gpus > 1 \
+        else [sys.executable]
+
+
 def optimize_cmd(stage_dir, out_dir, n_updates, *extra):
     """optimize.py as the run calls it (its micro-batch and optimize_args), then this check's own flags, which
     win (a later --key=value overrides an earlier one)."""
-    launcher = [ROOT / ".venv" / "bin" / "torchrun", "--standalone", f"--nproc_per_node={n_gpus}"] if n_gpus > 1 \
-        else [sys.executable]
-    return [*launcher, "optimize.py", f"--stage_dir={stage_dir}", f"--out={out_dir}", f"--micro_batch_tokens={micro_batch_tokens}",
-            *optimize_args.split(), f"--updates_per_stage={n_updates}",
+    return [*trainer_launcher(), "optimize.py", f"--stage_dir={stage_dir}", f"--out={out_dir}",
+            f"--micro_batch_tokens={micro_batch_tokens}", *optimize_args.split(), f"--updates_per_stage={n_updates}",
             f"--prompts_per_update={max(1, prompts // max(1, updates))}", f"--lr={round_trip_lr}", *extra]
 
 
@@ -205,6 +212,49 @@ def round_trip_checks(results, initial, saved, state_dir):
     check(results, "round trip: saved weights equal the trainer's state (max |Δ|)", worst == 0.0, worst, 0.0)
 
 
+def resident_check(results, model):
+    """Resident mode in miniature: generate.py --resident and optimize.py --resident side by side for two stages
+    of one update each. The engine generates stage 0 and sleeps (on a GPU: level 2, weights and KV cache freed),
+    the trainer trains on it and hands its policy over, the engine wakes, loads it in place and generates stage
+    1 with it, the trainer trains on that."""
+    import handoff
+    run_dir = work / "resident"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    handoff.reset(run_dir)
+    prompts_per_stage = max(1, prompts // max(1, updates))
+    engine_cmd = [sys.executable, "generate.py", "--resident=true", "--stages=2", "--stage=0", f"--policy={model}",
+                  f"--data={data}", f"--run_dir={run_dir}", f"--prompts_per_stage={prompts_per_stage}",
+                  f"--group_size={group_size}", f"--temperature={temperature}", f"--max_prompt_tokens={max_prompt_tokens}",
+                  f"--max_response_tokens={max_response_tokens}", f"--shard_prompts={prompts_per_stage}",
+                  f"--gpus={n_gpus}", f"--prompt_template={prompt_template}", f"--gpu_memory_utilization={resident_gpu_memory}"]
+    trainer_cmd = [*trainer_launcher(), "optimize.py", "--resident=true", f"--run_dir={run_dir}", "--stages=2", f"--policy={model}",
+                   f"--micro_batch_tokens={micro_batch_tokens}", *optimize_args.split(), "--updates_per_stage=1",
+                   f"--prompts_per_update={prompts_per_stage}", f"--lr={round_trip_lr}"]
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    with open(work / "logs" / "resident_engine.log", "w") as e_log, open(work / "logs" / "resident_trainer.log", "w") as t_log:
+        procs = [subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                 for cmd, log in ((engine_cmd, e_log), (trainer_cmd, t_log))]
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        if any(p.poll() not in (None, 0) for p in procs):     # one failed: the other is stopped, not waited for
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        raise PhaseError("resident", f"engine exit {codes[0]}, trainer exit {codes[1]}")
+    flag = handoff.Partner(run_dir, "engine").trained(0)
+    manifest = json.loads((run_dir / "stage_1" / "rollouts" / "manifest.json").read_text())
+    rows = {r["name"]: r for r in common.read_jsonl(run_dir / "timeline.jsonl")}
+    handed = manifest["policy_id"] == flag["fingerprint"] and rows["generate_1"]["reload_seconds"] > 0 and \
+        (run_dir / "stage_1" / "policy" / "model.safetensors").exists()
+    check(results, "resident hand-off: stage 1 generated by the policy trained on stage 0, loaded in place", handed,
+          round(rows["generate_1"]["reload_seconds"], 3), "reloaded", "s")
+    freed = rows["generate_0"].get("freed_gib")
+    check(results, "resident hand-off: the sleeping engine frees GPU memory", freed > 1.0 if on_gpu else None,
+          None if freed is None else round(freed, 2), "> 1" if on_gpu else "no GPU", "GiB")
+
+
 def grader_throughput(rows):
     """Responses graded per second on this box's CPUs (the stage's own responses, repeated to ≥ 2,000)."""
     items = [(r["response"], r["answer"], r.get("source")) for r in rows] * max(1, math.ceil(2000 / max(1, len(rows))))
@@ -224,8 +274,11 @@ def code_version():
 def clean_up():
     """Delete the miniature's weights (its train state alone is 12 bytes per parameter: 91 GB for 7B) and stored
     passes; keep its logs, rollouts and metrics."""
+    import handoff
+    handoff.finish(work / "resident")
     for d in [work / "stage_0" / "train_state", work / "stage_0" / "train_state.tmp", *work.glob("stage_*/policy*"),
-              *work.glob("stage_*/logprobs"), *work.glob("ckpt_*/policy*"), *work.glob("ckpt_*/train_state*")]:
+              *work.glob("stage_*/logprobs"), *work.glob("ckpt_*/policy*"), *work.glob("ckpt_*/train_state*"),
+              *work.glob("resident/stage_*/policy*"), *work.glob("resident/stage_*/train_state*")]:
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -272,6 +325,8 @@ def miniature(results, figures, model):
                      f"--prompt_template={prompt_template}", f"--results={work / 'eval' / 'results.jsonl'}"])
     ev = common.read_jsonl(work / "eval" / "results.jsonl")[0]
     check(results, "evaluation: avg@2 of the saved policy on 16 training problems", True, round(ev["avg_at_k"], 4), "runs")
+    if resident:
+        resident_check(results, model)
 
     # headroom and throughput
     steady = metrics[1:] or metrics
@@ -306,7 +361,8 @@ def miniature(results, figures, model):
 def main():
     model = common.local_dir(policy)        # a hub name: the same local snapshot every phase reads
     key = {"model": common.policy_fingerprint(model), "code": code_version(), "gpus": n_gpus,
-           "micro_batch_tokens": micro_batch_tokens, "optimize_args": optimize_args, "round_trip_lr": round_trip_lr}
+           "micro_batch_tokens": micro_batch_tokens, "optimize_args": optimize_args, "round_trip_lr": round_trip_lr,
+           "resident": resident}
     if report_path.exists():
         old = json.loads(report_path.read_text())
         if old.get("key") == key and old.get("passed"):

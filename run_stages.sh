@@ -165,7 +165,8 @@ if [[ "$PRESET" == paper && "$PREFLIGHT" != 0 ]]; then   # minutes of checks bef
       --micro_batch_tokens="$MICRO_BATCH_TOKENS" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE" \
       --optimize_args="--gradient_checkpointing=$GRAD_CKPT $LOSS_ARGS ${KL_ARGS[*]}" \
       --temperature="$TEMPERATURE" --group_size="$GROUP_SIZE" --force=$([[ $PREFLIGHT == force ]] && echo true || echo false) \
-      --estimate_stage_prompts="$PROMPTS_PER_STAGE" "${TEMPLATE_ARG[@]}" 9>&-
+      --estimate_stage_prompts="$PROMPTS_PER_STAGE" --resident="$RESIDENT" --resident_gpu_memory="$RESIDENT_GPU_MEMORY" \
+      "${TEMPLATE_ARG[@]}" 9>&-
 fi
 
 POLICY=$MODEL

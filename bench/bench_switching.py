@@ -11,7 +11,7 @@ EVAL_EVERY=0): process starts, model and engine builds, weight loading and reloa
 the grading of a stage's last shard, waiting on files. Its parts:
 - process-per-phase: each generate phase beyond its generation compute (Python and vLLM start-up, the engine
   build, grading the last shard), each optimize phase's load (imports, model build and load, the train state)
-  and save (policy, train state), the rest of each optimize phase, and the gaps between phases;
+  and save (policy, train state), and the rest of each optimize phase (its Python start, rollout columns);
 - resident: the two processes' start-up (the slower one; once), reloads of the new policy in place, the
   trainer's saves (policy to the hand-off directory, the train state every SAVE_EVERY stages), the rest of
   each process's per-stage work beyond compute, and the hand-off latency (time neither process worked).
@@ -68,7 +68,6 @@ def measure(run):
         parts["optimize load"] = load
         parts["optimize save"] = save
         parts["optimize, the rest"] = phase("optimize") - load - save - training
-        parts["gaps between phases"] = wall - phase("generate") - phase("optimize") - phase("eval")
     return {"wall": wall, "generation": generation, "training": training,
             "overhead": wall - generation - training, "parts": parts}
 

@@ -25,7 +25,7 @@ def run_loop(env):
     return proc
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished_run(toy, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("loop") / "run"
     proc = run_loop(loop_env(toy, run_dir))
@@ -251,13 +251,16 @@ def test_a_second_run_on_the_same_directory_is_refused(toy, tmp_path):
 
 
 @needs_vllm
-def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation(toy, tmp_path):
-    # the second seed's objective: clip [0.8, 1.2] and β·KL to the initial policy; evaluation at the end only
+def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation_in_resident_mode(toy, tmp_path):
+    # the second seed's objective: clip [0.8, 1.2] and β·KL to the initial policy, whose model the resident trainer
+    # keeps beside the policy; evaluation at the end only, and so the run directory gets the last stage's policy
+    # and train state only (SAVE_EVERY defaults to EVAL_EVERY)
     run_dir = tmp_path / "run"
-    env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES": "2", "EVAL_EVERY": "2"}
+    env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES": "2", "EVAL_EVERY": "2", "RESIDENT": "true"}
     run_loop(env)
-    phases = [t["name"] for t in read_lines(run_dir / "timeline.jsonl")]
-    assert phases == ["eval_init", "generate_0", "optimize_0", "generate_1", "optimize_1", "eval_1"]
+    rows = read_lines(run_dir / "timeline.jsonl")
+    assert [t["name"] for t in rows if "process" not in t] == ["resident"]
+    assert [t["name"] for t in rows if t["phase"] == "eval"] == ["eval_-1", "eval_1"]
     for s in (0, 1):
         metrics = read_lines(run_dir / f"stage_{s}" / "metrics.jsonl")
         assert all(m["kl/in_loss"] == 1 and m["kl/ref_mean"] >= 0 for m in metrics)
@@ -266,8 +269,9 @@ def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation(toy, tmp_path):
         assert timing["ref_pass_seconds"] > 0 and timing["train_seconds"] > 0
     first = read_lines(run_dir / "stage_0" / "metrics.jsonl")[0]
     assert first["kl/ref_mean"] == pytest.approx(0, abs=1e-5)       # π = π_ref before the first update
-    assert not (run_dir / "stage_0" / "train_state").exists()           # the next stage took it over
+    assert not (run_dir / "stage_0" / "train_state").exists() and not (run_dir / "stage_0" / "policy").exists()
     assert (run_dir / "stage_1" / "train_state" / "progress.json").exists()
+    assert (run_dir / "stage_1" / "policy" / "model.safetensors").exists()
     assert {r["stage"] for r in read_lines(run_dir / "results.jsonl")} == {-1, 1}
 
 
@@ -317,7 +321,7 @@ def test_setup_refuses_a_driver_older_than_the_wheels_cuda(tmp_path):
 # ----------------------------------------------------------------------------- resident mode
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def resident_run(toy, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resident") / "run"
     run_loop({**loop_env(toy, run_dir), "RESIDENT": "true"})

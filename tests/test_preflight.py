@@ -27,10 +27,10 @@ def run_flags(toy):
             f"--kl_coef=0.05 --ref_policy={toy / 'model'}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def passed(toy, tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight") / "preflight.json"
-    return out, preflight(toy, out, run_flags(toy))
+    return out, preflight(toy, out, run_flags(toy), "--resident=true")
 
 
 @pytest.fixture
@@ -49,9 +49,9 @@ def test_preflight_passes_on_the_toy_model_with_its_table(passed):
     for r in report["checks"]:
         status.setdefault(r["check"].split(":")[0], set()).add(r["status"])
     assert report["passed"] and set().union(*status.values()) == {"PASS", "SKIPPED", "INFO"}
-    assert {k for k, v in status.items() if "SKIPPED" in v} == {"headroom"}          # GPU-only
+    assert {k for k, v in status.items() if "SKIPPED" in v} == {"headroom", "resident hand-off"}   # GPU-only rows
     assert {"stop tokens", "truncation", "engine/trainer agreement", "packed attention", "gradient checkpointing",
-            "round trip", "evaluation"} <= set(status)
+            "round trip", "evaluation", "resident hand-off"} <= set(status)
     gated = {r["check"] for r in report["checks"] if r["status"] == "PASS"}       # mean and p99.9, not the max
     assert {"engine/trainer agreement: mean |Δ log p| at update 0",
             "packed attention: p99.9 |Δ log p| packed vs one sequence",
@@ -72,12 +72,14 @@ def test_the_runs_optimize_flags_reach_the_miniature_and_its_weights_are_deleted
     assert off["gradient_checkpointing"] is False                  # the check's own setting wins over the run's
     assert json.loads(out.read_text())["key"]["optimize_args"] == run_flags(toy).split("=", 1)[1]
     assert not list(work.rglob("*.safetensors")) and not list(work.rglob("train_state*"))
+    import handoff
+    assert not handoff.fast_dir(work / "resident").exists()           # the hand-off directory (in /dev/shm) too
     assert (work / "stage_0" / "rollouts" / "manifest.json").exists() and (work / "logs" / "optimize_0.log").exists()
 
 
 def test_a_pass_is_cached_for_the_same_model_code_gpus_and_settings(toy, passed):
     out, _ = passed
-    assert "passed before" in preflight(toy, out, run_flags(toy)).stdout
+    assert "passed before" in preflight(toy, out, run_flags(toy), "--resident=true").stdout
 
 
 def test_a_wrong_temperature_fails_the_agreement_check(toy, passed, tmp_path):
