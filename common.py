@@ -69,6 +69,11 @@ def apply_overrides(config, argv):
     return changed
 
 
+def usable_cores():
+    """The CPU cores this process may run on (its affinity mask, which a test worker narrows), else all."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def check_choice(name, value, allowed):
     if value not in allowed:
         sys.exit(f"--{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")

@@ -21,7 +21,6 @@ of the solutions ends in `Answer: 19` instead of a box (graded wrong). Sampled a
 solves 57% of the test problems (65% of the 3-step chains, 52% of the 8-step ones): RL has room to remove both kinds
 of error. The answers are graded by reward.py like any math answer.
 """
-import os
 import random
 import sys
 from pathlib import Path
@@ -109,7 +108,7 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max
           p_no_box=0.2):
     """Write the lab's train/test sets and its warm-started policy (HF directory) under out_dir."""
     import torch
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(common.usable_cores())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = problems(train_problems, test_per_length, min_steps, max_steps, seed)

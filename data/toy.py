@@ -128,7 +128,7 @@ def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=12
           sft_steps=500, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_give_up=0.25):
     """Write the toy train/test sets and a warm-started policy (HF directory) under out_dir."""
     import torch
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(common.usable_cores())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = problems(max_operand, test_fraction, seed)

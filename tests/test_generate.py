@@ -21,7 +21,7 @@ def generate(toy, run_dir, *extra, check=True):
                       *TOY_GEN, *extra, check=check)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stage(toy, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gen")
     generate(toy, run_dir)

@@ -20,7 +20,7 @@ MEASURED = ("time", "seconds", "tokens_per_s")           # wall-clock; memory/* 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_checkout(tmp_path_factory):
     has = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{REFERENCE}^{{commit}}"], capture_output=True)
     if has.returncode != 0:
