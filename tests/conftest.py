@@ -68,16 +68,3 @@ def read_lines(path):
     return [json.loads(line) for line in open(path)]
 
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (test.sh runs `-n 2 --dist loadgroup`), the tests that share a fixture of their module
-    that outlives one test (a finished toy run, a preflight pass, a generated stage; session-scoped so that a
-    worker's switch to another module does not tear it down) run in one worker, so it is built once; the
-    other tests spread over the workers one by one."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        module = item.module.__name__
-        if info and any(d[-1].scope != "function" and d[-1].baseid.endswith(f"{module}.py")
-                        for d in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(module))
