@@ -453,10 +453,6 @@ def score_evaluation(ev, t, label, updates, samples, seconds):
               f"({r['problems']} problems)", flush=True)
 
 
-def timeline(row):
-    common.append_jsonl(Path(run_dir) / "timeline.jsonl", {**row, "seconds": row["end"] - row["start"], "process": "engine"})
-
-
 def resident_engine(problems, procs=()):
     """Resident mode, one engine (this process's; rank worker_rank of n_engines) for every stage from the first
     pending one: wait for the policy the trainer hands over, load it in place, evaluate it when due, generate
@@ -480,14 +476,6 @@ def resident_engine(problems, procs=()):
         for p in procs:
             if p.poll() not in (None, 0):
                 raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
-        partner.check_partner()
-
-    def wait(ready):
-        t0 = time.perf_counter()
-        while not ready():
-            watch_workers()
-            time.sleep(0.05)
-        return time.perf_counter() - t0
 
     t_start = time.time()
     flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy), "updates": 0}
@@ -495,7 +483,7 @@ def resident_engine(problems, procs=()):
         flag, _ = partner.wait_for_policy(first - 1)
     llm = start_engine(flag["path"]) if has_engine else None
     if coordinate:
-        timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
+        partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
     for s in range(first, stages + 1):
         row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0, "reload_seconds": 0.0}
         if s > first:
@@ -511,10 +499,11 @@ def resident_engine(problems, procs=()):
                     common.atomic_write_json(eval_parts / f"stage_{t}" / f"part_{rank}.json", samples)
             if coordinate:
                 if procs:
-                    wait(lambda: all((eval_parts / f"stage_{t}" / f"part_{r}.json").exists() for r in range(n_engines)))
+                    partner.wait(lambda: all((eval_parts / f"stage_{t}" / f"part_{r}.json").exists()
+                                             for r in range(n_engines)), watch=watch_workers)
                     samples = [x for part in engine.read_parts(eval_parts / f"stage_{t}", n_engines) for x in part]
                 score_evaluation(ev, t, flag["policy"], flag["updates"], samples, time.time() - t0)
-                timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
+                partner.timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
         if s == stages:
             break
         shards = stage_shards(s, problems)
@@ -522,11 +511,11 @@ def resident_engine(problems, procs=()):
         if has_engine and mine:
             generate_shards(llm, s, flag["policy"], flag["fingerprint"], mine, shards)
         if coordinate:
-            wait(lambda: all(shard_done(s, k) for k in shards))
+            partner.wait(lambda: all(shard_done(s, k) for k in shards), watch=watch_workers)
             write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
         row["sleep_seconds"], row["freed_gib"] = engine.sleep(llm) if has_engine else (0.0, None)
         if coordinate:
-            timeline({**row, "end": time.time()})
+            partner.timeline({**row, "end": time.time()})
 
 
 def main():

@@ -91,13 +91,21 @@ class Partner:
         if _start_time(info["pid"]) != info["start"]:
             raise SystemExit(f"the {self.other} process (pid {info['pid']}) has died: see its log; rerun to resume")
 
-    def wait(self, ready, what, poll_s=0.05):
-        """Wait until ready() is true, checking the partner at every poll; returns the seconds waited."""
+    def wait(self, ready, watch=None, poll_s=0.05):
+        """Wait until ready() is true, checking the partner (and calling watch(), which raises on a failure of
+        the caller's own: its engine processes) at every poll; returns the seconds waited."""
         t0 = time.perf_counter()
         while not ready():
             self.check_partner()
+            if watch is not None:
+                watch()
             time.sleep(poll_s)
         return time.perf_counter() - t0
+
+    def timeline(self, row):
+        """Append a row of this process's (row: phase, name, stage, start, end, ...) to <run>/timeline.jsonl."""
+        common.append_jsonl(self.run_dir / "timeline.jsonl",
+                            {**row, "seconds": row["end"] - row["start"], "process": self.role})
 
     # the trainer → the engine
 
@@ -114,7 +122,7 @@ class Partner:
 
     def wait_for_policy(self, stage):
         """(flag, seconds waited) of the policy trained on `stage`."""
-        seconds = self.wait(lambda: self.trained(stage) is not None, f"the policy trained on stage {stage}")
+        seconds = self.wait(lambda: self.trained(stage) is not None)
         return self.trained(stage), seconds
 
     # the engine → the trainer
@@ -124,4 +132,4 @@ class Partner:
 
     def wait_for_rollouts(self, stage):
         """Seconds waited until stage `stage`'s rollouts are complete (their manifest is written last)."""
-        return self.wait(lambda: self.manifest(stage).exists(), f"stage {stage}'s rollouts")
+        return self.wait(lambda: self.manifest(stage).exists())

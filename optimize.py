@@ -675,7 +675,8 @@ def resident_main():
     dtype, fast = M.checkpoint_dtype(start_policy), handoff.fast_dir(run_dir, M.parameter_count(start_policy) * 2)
     if meta is not None and meta["complete"] and partner.trained(last) is None:   # killed before its policy was saved
         publish(partner, model, last, stage_path(last) / "policy", start_policy, dtype)
-    timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
+    if is_main:
+        partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     for s in range(first, stages):
         waited = partner.wait_for_rollouts(s)
         t0 = time.time()
@@ -702,8 +703,9 @@ def resident_main():
                     shutil.rmtree(stage_path(older) / "train_state", ignore_errors=True)
         update_offset += updates_per_stage
         write_timing(progress, {**timing, "attention": attention, "wait_seconds": waited})
-        timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
-                  "wait_seconds": waited, **{k: v for k, v in timing.items() if k.endswith("seconds")}})
+        if is_main:
+            partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
+                              "wait_seconds": waited, **{k: v for k, v in timing.items() if k.endswith("seconds")}})
     del model, optimizer, ref_model
     teardown()
 
@@ -717,12 +719,6 @@ def publish(partner, model, s, directory, start_policy, dtype):
         meta = json.loads((directory / common.POLICY_ID_FILE).read_text())
         partner.publish_policy(s, directory, Path(run_dir) / f"stage_{s}" / "policy", meta["fingerprint"],
                                updates=(s + 1) * updates_per_stage)
-
-
-def timeline(row):
-    if is_main:
-        common.append_jsonl(Path(run_dir) / "timeline.jsonl", {**row, "seconds": row["end"] - row["start"],
-                                                                "process": "trainer"})
 
 
 if __name__ == "__main__":
