@@ -144,10 +144,24 @@ def sleep(llm):
     t0 = time.perf_counter()
     if common.gpu_count() == 0:
         return time.perf_counter() - t0, None
-    import torch
-    before = torch.cuda.mem_get_info()[0]           # the device's free memory: the engine runs in another process
+    before = _free_gib()
     llm.sleep(level=2)
-    return time.perf_counter() - t0, (torch.cuda.mem_get_info()[0] - before) / 2**30
+    return time.perf_counter() - t0, _free_gib() - before
+
+
+def _free_gib():
+    """Free memory of this engine's (first) GPU, device-wide: the engine core runs in a process of its own, so it
+    is read through NVML, as vLLM's platform code does (vllm/platforms/cuda.py, "should not initialize cuda
+    context"); torch.cuda.mem_get_info would open a CUDA context (~0.5 GiB) in this process for good."""
+    from vllm.platforms import current_platform
+    from vllm.utils.import_utils import import_pynvml
+    pynvml = import_pynvml()
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(current_platform.device_id_to_physical_device_id(0))
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).free / 2**30
+    finally:
+        pynvml.nvmlShutdown()
 
 
 # ----------------------------------------------------------------------------------------------
