@@ -74,8 +74,8 @@ def pytest_itemcollected(item):
     """Under pytest-xdist (test.sh runs `-n 2 --dist loadgroup`), the tests that share a fixture of their module
     that outlives one test (a finished toy run, a preflight pass, a generated stage: session-scoped, so that a
     worker's switch to another module does not tear it down) run in one worker, so it is built once; the
-    other tests spread over the workers one by one. Marked as each test is collected: xdist turns the marks
-    into groups in its own collection_modifyitems, which can run before a conftest's."""
+    other tests spread over the workers one by one (xdist appends the group to the test's node id, which
+    pytest 9.2 no longer lets it do: requirements-cpu.txt keeps pytest below 9.2)."""
     info = getattr(item, "_fixtureinfo", None)
     module = item.module.__name__ if getattr(item, "module", None) else ""
     if info and any(d[-1].scope != "function" and d[-1].baseid.endswith(f"{module}.py")
