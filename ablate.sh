@@ -103,7 +103,7 @@ while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
 if (( ONPOLICY_UPDATES > 0 )); then
   for loss in $ONPOLICY_LOSSES; do
     for seed in $ONPOLICY_SEEDS; do
-      step "onpolicy_${loss}_seed$seed" env PRESET=lab MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" \
+      step "onpolicy_${loss}_seed$seed" env PRESET="$LAB" MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" \
           EVAL_DATA_DIR="$LAB_DIR" LOSS="$loss" RUN="$OUT/onpolicy-$loss/seed$seed" SEED="$seed" LR="$LR" \
           STAGES=$((UPDATES / ONPOLICY_UPDATES)) UPDATES="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
           GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 RESIDENT=true SAVE_EVERY=1 bash run_stages.sh

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 # ------------------------------------------------------------------------------ hyperparameters
-PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy | lab (ablate.sh's task)
+PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy | lab | lab-fork (ablate.sh's tasks)
 LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | nav-none | nav-T | nav-S | nav-seq
                                 # | offpolicy-grpo (clip [0.8, 1.2] + β·KL to the initial policy)
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
@@ -67,13 +67,16 @@ case "$PRESET" in
     : "${GROUP_SIZE:=8}" "${LR:=2e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=16}" "${TEMPERATURE:=1.0}"
     : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
     : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=64}" ;;
-  lab)   # the CPU lab task of ablate.sh (data/lab.py): 3–8-step arithmetic chains, 32–77-token solutions
-    : "${MODEL:=data/lab/model}" "${TRAIN_DATA:=data/lab/train.jsonl}" "${EVAL_DATA_DIR:=data/lab}"
+  lab|lab-fork)   # the CPU lab tasks of ablate.sh: data/lab.py (3–8-step arithmetic chains, 32–77-token
+                  # solutions) and data/lab_fork.py (the same chains, most demonstrations taking a doomed detour)
+    LAB_DIR=data/${PRESET/-/_}
+    : "${MODEL:=$LAB_DIR/model}" "${TRAIN_DATA:=$LAB_DIR/train.jsonl}" "${EVAL_DATA_DIR:=$LAB_DIR}"
     : "${BENCHMARKS:=test}" "${STAGES:=8}" "${UPDATES:=32}" "${PROMPTS_PER_UPDATE:=4}"
-    : "${GROUP_SIZE:=8}" "${LR:=1e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=128}" "${TEMPERATURE:=1.0}"
+    : "${GROUP_SIZE:=8}" "${LR:=1e-4}" "${MAX_PROMPT:=64}" "${TEMPERATURE:=1.0}"
+    : "${MAX_RESPONSE:=$([[ $PRESET == lab-fork ]] && echo 160 || echo 128)}"
     : "${EVAL_K:=1}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
     : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=1024}" ;;
-  *) echo "PRESET must be auto, paper, toy or lab, got '$PRESET'" >&2; exit 2 ;;
+  *) echo "PRESET must be auto, paper, toy, lab or lab-fork, got '$PRESET'" >&2; exit 2 ;;
 esac
 # loss presets (losses.sh): the paper's method and the baselines it is compared with, on the same loop
 source losses.sh
@@ -115,8 +118,8 @@ echo "run $RUN: $PRESET preset, loss $LOSS; $STAGES stages × $UPDATES updates �
 if [[ "$PRESET" == toy && "$MODEL" == data/toy/model && ! -f data/toy/model/config.json ]]; then
   $PY data/toy.py --out_dir=data/toy
 fi
-if [[ "$PRESET" == lab && "$MODEL" == data/lab/model && ! -f data/lab/model/config.json ]]; then
-  $PY data/lab.py --out_dir=data/lab
+if [[ "$PRESET" == lab* && "$MODEL" == "$LAB_DIR/model" && ! -f "$LAB_DIR/model/config.json" ]]; then
+  $PY "$LAB_DIR.py" --out_dir="$LAB_DIR"
 fi
 if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then
   $PY data/prepare.py --name=deepscaler --out="$TRAIN_DATA"
