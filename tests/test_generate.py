@@ -28,6 +28,7 @@ def stage(toy, tmp_path_factory):
     return run_dir / "stage_0" / "rollouts"
 
 
+@pytest.mark.slow
 def test_stage_matches_the_contract(stage):
     manifest = json.loads((stage / "manifest.json").read_text())
     assert manifest["complete"] and manifest["responses"] == 48 and manifest["prompts"] == 12
@@ -56,6 +57,7 @@ def test_stage_matches_the_contract(stage):
     assert manifest["batch_saturation"] == pytest.approx(32 / 256)
 
 
+@pytest.mark.slow
 def test_shards_flow_through_the_engine_back_to_back(stage):
     # shard 1 is in the engine's queue from the start, not submitted when shard 0's last response is in
     # (one generate call per shard); the shards' generation times partition the engine's time
@@ -67,6 +69,7 @@ def test_shards_flow_through_the_engine_back_to_back(stage):
     assert 0 < manifest["generation_seconds"] <= manifest["wall_seconds"]
 
 
+@pytest.mark.slow
 def test_rerun_of_a_complete_stage_does_nothing(toy, stage):
     before = (stage / "manifest.json").read_text()
     proc = generate(toy, stage.parent.parent)
@@ -74,6 +77,7 @@ def test_rerun_of_a_complete_stage_does_nothing(toy, stage):
     assert (stage / "manifest.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_changed_settings_are_refused(toy, tmp_path):
     (tmp_path / "stage_0" / "rollouts").mkdir(parents=True)
     (tmp_path / "stage_0" / "rollouts" / "plan.json").write_text(json.dumps({"group_size": 8}))
@@ -81,6 +85,7 @@ def test_changed_settings_are_refused(toy, tmp_path):
     assert proc.returncode != 0 and "other settings" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behavior_logprobs_match_transformers(toy, tmp_path, temperature):
     from transformers import AutoModelForCausalLM
@@ -98,6 +103,7 @@ def test_behavior_logprobs_match_transformers(toy, tmp_path, temperature):
     assert worst < 1e-4
 
 
+@pytest.mark.slow
 def test_killed_mid_stage_resumes_to_the_same_files(toy, stage, tmp_path):
     # one prompt per shard: the shards flow through the engine back to back, and the kill must land while
     # most of them are still to come; the rows are those of the stage fixture (4 prompts per shard)
@@ -118,6 +124,7 @@ def test_killed_mid_stage_resumes_to_the_same_files(toy, stage, tmp_path):
     assert not list(rollouts.glob(".*tmp*")) and not list(rollouts.glob("columns/.*"))
 
 
+@pytest.mark.slow
 def test_two_data_parallel_engines_write_the_same_stage(toy, stage, tmp_path):
     # --engines=2 runs one vLLM engine per process (per GPU on a GPU box), each on its own shards;
     # per-prompt seeds make the result independent of which engine sampled what
@@ -131,6 +138,7 @@ def test_two_data_parallel_engines_write_the_same_stage(toy, stage, tmp_path):
     assert ours["engines_ran"] == 2 and ref["engines_ran"] == 1
 
 
+@pytest.mark.slow
 def test_generation_stops_at_the_chat_templates_end_of_turn(toy, tmp_path):
     # a policy prompted through a chat template whose assistant turn ends with <pad> (id 0, not EOS); the
     # model is edited so that <pad> is as likely as "{": without the stop token it would go on after it
@@ -157,6 +165,7 @@ def test_generation_stops_at_the_chat_templates_end_of_turn(toy, tmp_path):
         assert r["finish_reason"] == "stop"
 
 
+@pytest.mark.slow
 def test_truncated_sampling_is_refused_for_training(toy, tmp_path):
     proc = generate(toy, tmp_path, "--top_p=0.9", check=False)
     assert proc.returncode != 0 and "truncated sampling is refused" in proc.stderr
@@ -172,6 +181,7 @@ def test_finish_reasons_stay_distinct(monkeypatch):
     assert reasons == ["stop", "length", "abort", "abort", "error"]        # optimize.py refuses the last three
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_engine_processes(toy, tmp_path):
     # a SIGTERM to generate.py once its two data-parallel engine workers have started their vLLM engine
     # cores (own processes here, as on a GPU box): every process under it ends with it, none is left

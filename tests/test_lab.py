@@ -153,6 +153,7 @@ def test_ablation_table_by_hand(tmp_path):
     assert "| b | 2 | 0.250 (0.100–0.400) | 0.500 (0) | 1 (2) | 0.010 |" in md
 
 
+@pytest.mark.slow
 @needs_vllm
 def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_path):
     # the lab-fork task, two variants, one seed, 4 updates, a small-μ reference (2 resident stages of 2 updates)

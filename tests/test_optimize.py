@@ -63,6 +63,7 @@ def stage(toy, tmp_path):
     return tmp_path / "stage_0"
 
 
+@pytest.mark.slow
 def test_policy_moves_toward_rewarded_responses(toy, stage):
     from transformers import AutoModelForCausalLM
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=6", *FAST)
@@ -99,6 +100,7 @@ def test_policy_moves_toward_rewarded_responses(toy, stage):
     ("no_manifest", "no manifest.json"),
     ("missing_sample", "expected 0..3"),
 ])
+@pytest.mark.slow
 def test_malformed_rollouts_are_refused_with_file_and_line(stage, breakage, message):
     shard = stage / "rollouts" / "shard_00000.jsonl"
     rows = read_lines(shard)
@@ -122,6 +124,7 @@ def test_malformed_rollouts_are_refused_with_file_and_line(stage, breakage, mess
     assert not (stage / "policy").exists()
 
 
+@pytest.mark.slow
 def test_bad_hyperparameters_name_the_allowed_values(stage):
     proc = run_script("optimize.py", f"--stage_dir={stage}", "--nav_scope=X", check=False)
     assert proc.returncode != 0 and "'none', 'T', 'H', 'S', 'seq'" in proc.stderr
@@ -129,6 +132,7 @@ def test_bad_hyperparameters_name_the_allowed_values(stage):
     assert proc.returncode != 0 and "unknown option --no_such_knob" in proc.stderr
 
 
+@pytest.mark.slow
 def test_micro_batch_size_does_not_change_the_update(toy, stage, tmp_path):
     # one micro-batch per update vs one response per micro-batch: the same update up to float noise
     # (assert_same_run's tolerances); a micro-batch counted twice or lost fails it
@@ -202,6 +206,7 @@ def assert_same_run(one, two, initial):
     (50, ["--m2po_tau=1e-4", "--nav_delta=none", "--clip_high=1e9"]),        # M2PO's mask binds
     (50, ["--tis_cap=2", "--nav_delta=0.95", "--nav_scope=S"]),              # TIS pass; NAV vetoes
 ])
+@pytest.mark.slow
 def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_tokens, loss_args):
     # with 50-token micro-batches the two ranks get different numbers of micro-batches
     twin = tmp_path / "twin"                        # its own stage dir: per-stage passes are not shared
@@ -222,6 +227,7 @@ def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_to
     assert len(timing["peak_rss_gib_per_rank"]) == 2 and timing["attention"] == "varlen_sdpa"
 
 
+@pytest.mark.slow
 def test_tied_embeddings_train_as_one_weight(toy, tmp_path):
     # a checkpoint with tie_word_embeddings (Qwen2.5-0.5B…3B) has no lm_head.weight: the meta-device build
     # must tie again after to_empty, one process and two FSDP2 ranks alike, and save the weight once
@@ -244,6 +250,7 @@ def test_tied_embeddings_train_as_one_weight(toy, tmp_path):
     assert not torch.equal(trained["model.embed_tokens.weight"], weights["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow
 def test_a_rank_without_responses_keeps_in_step(toy, tmp_path):
     # 1 prompt × G=2 responses per update on 3 ranks: the third rank has nothing to train on
     write_stage(tmp_path / "stage_0", toy / "model", PROBLEMS[:2], group_size=2)
@@ -254,6 +261,7 @@ def test_a_rank_without_responses_keeps_in_step(toy, tmp_path):
     assert_same_run(tmp_path / "one", tmp_path / "three", toy / "model")
 
 
+@pytest.mark.slow
 def test_killed_mid_stage_resumes_to_the_same_weights(toy, stage, tmp_path):
     args = ["--updates_per_stage=40", "--checkpoint_every=4", "--micro_batch_tokens=16", *FAST]
     reference = tmp_path / "reference"
@@ -274,6 +282,7 @@ def test_killed_mid_stage_resumes_to_the_same_weights(toy, stage, tmp_path):
     assert [m["loss/policy"] for m in metrics] == [m["loss/policy"] for m in ref_metrics]
 
 
+@pytest.mark.slow
 def test_lora_trains_and_saves_a_merged_policy(toy, stage):
     from transformers import AutoModelForCausalLM
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=3", *FAST, "--lora_rank=4")
@@ -284,6 +293,7 @@ def test_lora_trains_and_saves_a_merged_policy(toy, stage):
     AutoModelForCausalLM.from_pretrained(stage / "policy")     # reloads as an ordinary checkpoint
 
 
+@pytest.mark.slow
 def test_truncated_importance_weight_uses_the_trainers_old_logprobs(stage):
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--tis_cap=2")
     [old] = (stage / "logprobs").glob("old-*.f32")
@@ -295,12 +305,14 @@ def test_truncated_importance_weight_uses_the_trainers_old_logprobs(stage):
     assert abs(first["ratio/kl"]) < 1e-8 and (stage / "policy" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_m2po_and_grpo_presets_run(stage):
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--nav_delta=none",
                "--clip_low=0", "--clip_high=1e9", "--m2po_tau=0.04")
     assert "m2po/masked_frac" in read_lines(stage / "metrics.jsonl")[0]
 
 
+@pytest.mark.slow
 def test_each_group_is_used_once_and_zero_variance_groups_stay(toy, tmp_path):
     # 8 groups, 2 of them all wrong; μ = 4 updates × 2 prompts: the stage is cut once into 4 minibatches
     problems = [(f"Question: What is {a} + {b}? Answer:", str(a + b)) for a, b in
@@ -319,6 +331,7 @@ def test_each_group_is_used_once_and_zero_variance_groups_stay(toy, tmp_path):
     assert not {2, 5} & set(used) and len(used) == 8 and len(set(used)) == 6
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_engages_and_dropout_is_off(toy, tmp_path):
     # a config asking for attention dropout: optimize.py turns it off, since it now trains in train mode
     model_dir = tmp_path / "model"
@@ -340,6 +353,7 @@ def test_gradient_checkpointing_engages_and_dropout_is_off(toy, tmp_path):
         assert m["mismatch/max_abs_log_ratio"] < 1e-4
 
 
+@pytest.mark.slow
 def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -360,6 +374,7 @@ def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
         assert json.loads((policy / "policy_id.json").read_text())["fingerprint"] == M.weights_fingerprint(policy)
 
 
+@pytest.mark.slow
 def test_adam_state_and_update_count_carry_over_to_the_next_stage(toy, stage, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     args = ["--updates_per_stage=2", "--prompts_per_update=2", "--lr=1e-3", "--warmup_updates=4"]
@@ -388,6 +403,7 @@ def test_adam_state_and_update_count_carry_over_to_the_next_stage(toy, stage, tm
     assert not (tmp_path / "previous").exists() and (tmp_path / "released" / "train_state" / "progress.json").exists()
 
 
+@pytest.mark.slow
 def test_kl_penalty_reference_pass_is_stored_once_and_beta_zero_changes_nothing(toy, stage, tmp_path):
     args = ["--updates_per_stage=2", *FAST, f"--ref_policy={toy / 'model'}"]
     first = run_script("optimize.py", f"--stage_dir={stage}", *args, "--kl_coef=0.1", f"--out={tmp_path / 'a' / 'policy'}")
@@ -412,12 +428,14 @@ def test_kl_penalty_reference_pass_is_stored_once_and_beta_zero_changes_nothing(
     assert read_lines(tmp_path / "zero" / "metrics.jsonl")[1]["kl/in_loss"] == 0
 
 
+@pytest.mark.slow
 def test_tis_replay_into_a_new_directory(toy, stage, tmp_path):
     out = tmp_path / "replays" / "tis" / "policy"           # a directory that does not exist yet
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--tis_cap=2", f"--out={out}")
     assert (out / "model.safetensors").exists() and len(read_lines(out.parent / "metrics.jsonl")) == 2
 
 
+@pytest.mark.slow
 def test_token_ids_beyond_the_vocabulary_are_refused(stage):
     shard = stage / "rollouts" / "shard_00000.jsonl"
     rows = read_lines(shard)

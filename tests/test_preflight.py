@@ -42,6 +42,7 @@ def check_functions(monkeypatch):
     return P
 
 
+@pytest.mark.slow
 def test_preflight_passes_on_the_toy_model_with_its_table(passed):
     out, proc = passed
     report = json.loads(out.read_text())
@@ -61,6 +62,7 @@ def test_preflight_passes_on_the_toy_model_with_its_table(passed):
     assert report["figures"]["engines_ran"] == 1 and 0 < report["figures"]["batch_saturation"] < 1
 
 
+@pytest.mark.slow
 def test_the_runs_optimize_flags_reach_the_miniature_and_its_weights_are_deleted(toy, passed):
     out, _ = passed
     work = out.with_suffix("")
@@ -77,11 +79,13 @@ def test_the_runs_optimize_flags_reach_the_miniature_and_its_weights_are_deleted
     assert (work / "stage_0" / "rollouts" / "manifest.json").exists() and (work / "logs" / "optimize_0.log").exists()
 
 
+@pytest.mark.slow
 def test_a_pass_is_cached_for_the_same_model_code_gpus_and_settings(toy, passed):
     out, _ = passed
     assert "passed before" in preflight(toy, out, run_flags(toy), "--resident=true").stdout
 
 
+@pytest.mark.slow
 def test_a_wrong_temperature_fails_the_agreement_check(toy, passed, tmp_path):
     # the trainer at another temperature than sampling, on the preflight's own stage-0 rollouts: its update-0
     # |Δ log p| is what the agreement check compares with its CPU threshold (1e-3), which the passing run met
@@ -95,6 +99,7 @@ def test_a_wrong_temperature_fails_the_agreement_check(toy, passed, tmp_path):
     assert wrong > 10 * agreement["threshold"] > 100 * agreement["value"]
 
 
+@pytest.mark.slow
 def test_the_round_trip_fails_on_a_stale_save_and_on_a_train_state_not_loaded(toy, passed, tmp_path, check_functions):
     work = passed[0].with_suffix("")
     shutil.copytree(work / "stage_0", tmp_path / "stage_0")
@@ -122,6 +127,7 @@ def test_the_round_trip_fails_on_a_stale_save_and_on_a_train_state_not_loaded(to
     assert results[0]["status"] == "FAIL", first["mismatch/mean_abs_log_ratio"]
 
 
+@pytest.mark.slow
 def test_the_packing_check_fails_when_sequences_see_each_other(toy, passed, tmp_path, check_functions):
     # the planted fault: the packed attention treats the whole row as one causal sequence
     shutil.copytree(passed[0].with_suffix("") / "stage_0", tmp_path / "stage_0")
@@ -156,6 +162,7 @@ def test_the_stop_token_check_fails_on_a_special_token_or_a_new_turn_inside(toy,
         assert str(results[0]["value"]).startswith(str(inside))
 
 
+@pytest.mark.slow
 def test_a_failed_phase_stops_the_run_and_names_its_log(toy, passed, tmp_path):
     # a phase that cannot run (an unknown optimize.py setting) is a failed check: table, exit 1, the log named.
     # Other optimize flags than the passing run's: its cached pass does not apply
