@@ -5,6 +5,9 @@ optimize_timing.json).
     python bench/bench_switching.py                              # STAGES=32 UPDATES=2, both modes (~25 min, 2 cores)
     python bench/bench_switching.py --stages=8 --modes=resident
 
+With both modes it also checks that they give the same run (same seeds): the final weights bit-identical and the
+rollouts of every stage identical.
+
 Overhead is everything that is not generation compute (the engine's time on the stage's requests, from the
 manifests), training compute (the updates' seconds, from metrics.jsonl) or evaluation (none here:
 EVAL_EVERY=0): process starts, model and engine builds, weight loading and reloading, saves, rollout columns,
@@ -72,6 +75,21 @@ def measure(run):
             "overhead": wall - generation - training, "parts": parts}
 
 
+def same_runs(phases, resident):
+    """The two loops' outputs, compared: the final policy's tensors (torch.equal) and every stage's rollout shards
+    (the same rows once each run's own directory is taken out of them). Returns (same weights, same rollouts)."""
+    import torch
+    from safetensors.torch import load_file
+    last = f"stage_{stages - 1}/policy/model.safetensors"
+    w1, w2 = load_file(phases / last), load_file(resident / last)
+    same_weights = w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    text = lambda path, run: path.read_text().replace(str(run), "RUN")  # noqa: E731
+    shards = sorted(p.relative_to(phases) for p in phases.glob("stage_*/rollouts/shard_*.jsonl"))
+    same_rollouts = len(shards) >= stages and all(
+        (resident / p).exists() and text(phases / p, phases) == text(resident / p, resident) for p in shards)
+    return same_weights, same_rollouts
+
+
 def run_mode(mode, out):
     env = {**os.environ, "PRESET": "toy", "LOSS": "grpo", "RUN": str(out), "MODEL": f"{toy_dir}/model",
            "TRAIN_DATA": f"{toy_dir}/train.jsonl", "EVAL_DATA_DIR": toy_dir, "STAGES": str(stages),
@@ -103,4 +121,7 @@ if __name__ == "__main__":
     if len(results) == 2:
         ratio = results["phases"]["overhead"] / max(results["resident"]["overhead"], 1e-9)
         print(f"\noverhead per stage: process-per-phase / resident = {ratio:.1f}×")
+        same_weights, same_rollouts = same_runs(Path(out_dir) / "phases", Path(out_dir) / "resident")
+        print(f"same results (same seeds): final weights bit-identical {same_weights}, "
+              f"rollouts of all {stages} stages identical {same_rollouts}")
     print(json.dumps({m: {k: v for k, v in r.items()} for m, r in results.items()}))
