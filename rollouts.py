@@ -16,6 +16,7 @@ while a shard is parsed, so building them needs no more memory than one line; np
 with nothing beyond numpy (a notebook too: np.fromfile(path, dtype)); and a token's position in the
 stage is a plain offset, which the per-stage log-prob passes (TokenColumn) share.
 """
+import fcntl
 import json
 import math
 import os
@@ -165,8 +166,23 @@ def write_shard(path, rows):
 
 
 def build_columns(path):
-    """Columns of an existing JSONL shard, streaming: one line in memory at a time. Returns its path."""
+    """Columns of an existing JSONL shard, streaming: one line in memory at a time. Returns its path.
+
+    Processes that open one stage at once (ablate.sh's replays side by side) build a shard's columns once: each
+    takes the shard's lock and builds only what is still stale once it holds it. Without the lock the later
+    builder swapped its copy in while an earlier one was checking its own, and the check found no columns.
+    """
     path = Path(path)
+    lock_file = columns_dir(path).with_name(f".{path.stem}.lock")
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes, or when the process dies
+        if not columns_fresh(path):
+            _build_columns(path)
+    return str(columns_dir(path))
+
+
+def _build_columns(path):
     writer = ColumnWriter(columns_dir(path))
     try:
         with open(path, "rb") as f:
@@ -185,7 +201,6 @@ def build_columns(path):
         writer.abort()
         raise
     writer.close(path)
-    return str(columns_dir(path))
 
 
 def columns_fresh(shard_path):

@@ -124,6 +124,30 @@ def test_malformed_rollouts_are_refused_with_file_and_line(stage, breakage, mess
     assert not (stage / "policy").exists()
 
 
+def test_processes_opening_one_stage_together_build_its_columns_once(stage):
+    # ablate.sh replays side by side open one stage; when its columns are stale (here: none yet) the first to take
+    # the shard's lock builds them and the others, once they hold it, find them fresh and keep them. Without the
+    # lock a later builder swapped its copy in while an earlier one checked its own: "columns were not built"
+    import fcntl
+    import threading
+    import rollouts
+    shard = stage / "rollouts" / "shard_00000.jsonl"
+    lock_file = rollouts.columns_dir(shard).with_name(".shard_00000.lock")
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    opened = {}
+    with open(lock_file, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                       # "the other process" is building
+        reader = threading.Thread(target=lambda: opened.update(stage=rollouts.open_stage(stage / "rollouts", workers=1)))
+        reader.start()
+        reader.join(timeout=2.0)
+        assert reader.is_alive(), "open_stage built stale columns without waiting for the shard's lock"
+        rollouts._build_columns(shard)
+        built = (rollouts.columns_dir(shard) / "columns.json").stat().st_ino
+    reader.join(timeout=60)
+    assert not reader.is_alive() and opened["stage"].n == len(read_lines(shard))
+    assert (rollouts.columns_dir(shard) / "columns.json").stat().st_ino == built   # kept, not rebuilt
+
+
 @pytest.mark.slow
 def test_bad_hyperparameters_name_the_allowed_values(stage):
     proc = run_script("optimize.py", f"--stage_dir={stage}", "--nav_scope=X", check=False)
