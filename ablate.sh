@@ -28,7 +28,7 @@ ONPOLICY_LOSSES=${ONPOLICY_LOSSES:-grpo}  # the references: each LOSS with a sma
 ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # their μ (0: no reference); UPDATES / ONPOLICY_UPDATES stages each
 ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0 1 2}   # their seeds (resident mode: one engine and one trainer process per run)
 EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
-MAX_RESPONSE=${MAX_RESPONSE:-$([[ $LAB == lab-fork ]] && echo 160 || echo 128)}   # tokens (lab: 32–77, lab-fork: up to ~140)
+MAX_RESPONSE=${MAX_RESPONSE:-$([[ $LAB == lab-fork ]] && echo 160 || echo 128)}   # tokens (lab: 32–77; lab-fork: up to 82 as built by default, longer with fork=end)
 JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS threads
 # ------------------------------------------------------------------------------
 
