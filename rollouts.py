@@ -152,6 +152,11 @@ def columns_dir(shard_path):
     return shard_path.parent / "columns" / shard_path.stem
 
 
+def columns_lock(shard_path):
+    """The lock file a builder of the shard's columns holds (beside its columns directory)."""
+    return columns_dir(shard_path).with_name(f".{Path(shard_path).stem}.lock")
+
+
 def write_shard(path, rows):
     """A JSONL shard, atomically (temporary name, fsync, rename), then its columns."""
     common.atomic_write(path, b"".join(dumps(r) for r in rows))
@@ -173,7 +178,7 @@ def build_columns(path):
     builder swapped its copy in while an earlier one was checking its own, and the check found no columns.
     """
     path = Path(path)
-    lock_file = columns_dir(path).with_name(f".{path.stem}.lock")
+    lock_file = columns_lock(path)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_file, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes, or when the process dies

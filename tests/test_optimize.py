@@ -1,10 +1,12 @@
 """optimize.py on CPU with a tiny toy policy and rollouts written here, with behavior log-probs from the
 same weights (so the first update's ratios are 1 up to float noise)."""
+import fcntl
 import json
 import math
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 import common
 import loss as L
 import model as M
+import rollouts
 from conftest import ROOT, kill_when, read_lines, run_script
 
 G = 4
@@ -128,11 +131,8 @@ def test_processes_opening_one_stage_together_build_its_columns_once(stage):
     # ablate.sh replays side by side open one stage; when its columns are stale (here: none yet) the first to take
     # the shard's lock builds them and the others, once they hold it, find them fresh and keep them. Without the
     # lock a later builder swapped its copy in while an earlier one checked its own: "columns were not built"
-    import fcntl
-    import threading
-    import rollouts
     shard = stage / "rollouts" / "shard_00000.jsonl"
-    lock_file = rollouts.columns_dir(shard).with_name(".shard_00000.lock")
+    lock_file = rollouts.columns_lock(shard)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     opened = {}
     with open(lock_file, "a") as lock:
