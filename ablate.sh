@@ -33,7 +33,7 @@ JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS 
 # ------------------------------------------------------------------------------
 
 bash setup.sh >&2
-PY=.venv/bin/python
+PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh)
 source losses.sh
 for v in UPDATES PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }

@@ -6,6 +6,7 @@ Nothing here parses a command line; the scripts pass their settings.
 """
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -40,14 +41,28 @@ def n_engines(gpus, tensor_parallel):
 
 def start_engine_workers(script, argv, n, tensor_parallel):
     """Start `script argv --worker_rank=r --engines=n` for r < n, each on its GPU group and leading its own
-    process group (its vLLM engine core, GPU workers and grader pool are in it). Returns the processes."""
+    process group (its vLLM engine core, GPU workers and grader pool are in it), and each ended by a SIGTERM
+    when this process dies, however it dies: a SIGKILL to this process (or to run_stages.sh's process group,
+    which the workers are not in) would otherwise leave them generating, holding their GPUs, beside the rerun's
+    own engines. Returns the processes."""
     import subprocess
     procs = []
     for r, group in enumerate(engine_gpu_groups(n, tensor_parallel)):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
         procs.append(subprocess.Popen([sys.executable, script, *argv, f"--worker_rank={r}", f"--engines={n}"],
-                                      env=env, start_new_session=True))
+                                      env=env, start_new_session=True,
+                                      preexec_fn=functools.partial(_terminate_with_parent, os.getpid())))
     return procs
+
+
+def _terminate_with_parent(parent):
+    """In a child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG, kept across exec; a
+    parent that died before this call is caught by the getppid check)."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_engine_workers(procs, grace_s=10):

@@ -18,6 +18,7 @@ stage (and on the last) is evaluated by the same engines, as evaluate.py would.
 import concurrent.futures
 import functools
 import json
+import math
 import os
 import shutil
 import sys
@@ -105,19 +106,35 @@ def stage_policy(s):
     return str(policy) if s == stage else str(Path(run_dir) / f"stage_{s - 1}" / "policy")
 
 
+def shard_count():
+    """How many shards a stage is cut into: one per shard_prompts prompts, and at least one per engine, so that
+    every engine has work when there are prompts for it (a GRPO μ = 4 stage of 256 prompts on 4 engines: 4
+    shards of 64, not one shard of 256 that one engine generates while three wait)."""
+    return max(math.ceil(prompts_per_stage / shard_prompts), min(n_engines, prompts_per_stage))
+
+
 def plan_of(s, label):
     return {"policy": label, "data": data, "stage": s, "prompts_per_stage": prompts_per_stage, "group_size": group_size,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
             "max_response_tokens": max_response_tokens, "prompt_template": prompt_template,
-            "chat_template": chat_template, "seed": seed, "shard_prompts": shard_prompts,
+            "chat_template": chat_template, "seed": seed, "shard_prompts": shard_prompts, "shards": shard_count(),
             "normalize_std": normalize_std, "format_bonus": format_bonus}
 
 
 def stage_shards(s, problems):
-    """{shard k: (positions in the stage, problem rows)} of stage s's prompts."""
+    """{shard k: (positions in the stage, problem rows)} of stage s's prompts: shard_count() shards of equal size
+    (the last one smaller). Every prompt has its own sampling seed, so a response is the same whichever engine
+    and shard generate it."""
     stage_rows = common.shuffled_window(problems, s * prompts_per_stage, prompts_per_stage, seed)
-    return {k: (list(range(i, min(i + shard_prompts, len(stage_rows)))), stage_rows[i:i + shard_prompts])
-            for k, i in enumerate(range(0, len(stage_rows), shard_prompts))}
+    size = math.ceil(len(stage_rows) / shard_count())
+    return {k: (list(range(i, min(i + size, len(stage_rows)))), stage_rows[i:i + size])
+            for k, i in enumerate(range(0, len(stage_rows), size))}
+
+
+def engine_shards(shards, rank, s):
+    """The shards of stage s that engine `rank` generates and has not yet written: shard k goes to engine
+    k mod n_engines (a rule every engine process applies alone to the same stage, so no two take one shard)."""
+    return [k for k in shards if k % n_engines == rank and not shard_done(s, k)]
 
 
 def prepare_stage(s, label):
@@ -130,7 +147,8 @@ def prepare_stage(s, label):
         old = json.loads(plan_file.read_text())
         diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
         if diff:
-            sys.exit(f"{out} was started with other settings {diff}; rerun with the same flags or delete the directory")
+            sys.exit(f"{out} was started with other settings {diff}; rerun with the same flags (and ENGINES, which "
+                     f"sets the shard count of a stage smaller than ENGINES × SHARD_PROMPTS) or delete the directory")
     else:
         common.atomic_write_json(plan_file, plan)
     # a killed run's half-written files: common.atomic_write's `.<name>.tmp<pid>` beside the shards, the
@@ -367,7 +385,8 @@ def write_manifest(s, label, shard_ids, policy_id=None):
         "tokens_per_s_per_engine": total("response_tokens") / max(1e-9, total("generation_seconds")),
         # how full an engine's batch could get: sequences it had at once (two shards queued) over its largest
         # batch; an engine far below 1 runs slower per token than a full one
-        "batch_saturation": min(1.0, min(responses / max(1, len(engine_seconds)), 2 * shard_prompts * group_size)
+        "batch_saturation": min(1.0, min(responses / max(1, len(engine_seconds)),
+                                         2 * math.ceil(prompts_per_stage / shard_count()) * group_size)
                                 / max(1, max((st.get("max_num_seqs") or 1 for st in stats), default=1))),
         # first request to last shard written (grading and writing included, engine start-up not;
         # on a resumed stage it spans the pause too)
@@ -397,12 +416,12 @@ def one_stage(problems):
         print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
               f"in {len(shards)} shards ({len(shards) - len(todo)} already done); {n_engines} engine(s) × "
               f"TP {tensor_parallel}; temperature {temperature}, max {max_response_tokens} tokens")
-    if is_main and n_engines > 1 and len(todo) > 1:
+    if is_main and len({k % n_engines for k in todo}) > 1:      # more than one engine has shards to generate
         codes = engine.run_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
         if any(codes):
             sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
     else:
-        mine = todo if is_main else [k for k in todo if k % n_engines == worker_rank]
+        mine = todo if is_main else engine_shards(shards, worker_rank, s)
         if mine:
             generate_shards(start_engine(policy), s, label, common.policy_fingerprint(policy), mine, shards)
     if is_main:
@@ -458,7 +477,11 @@ def resident_engine(problems, procs=()):
     pending one: wait for the policy the trainer hands over, load it in place, evaluate it when due, generate
     this engine's shards of the stage, sleep. The main process also coordinates: it prepares each stage,
     writes its manifest once every engine's shards are in, and scores the evaluations; with data-parallel
-    engines in worker processes (procs) it only coordinates."""
+    engines in worker processes (procs) it only coordinates.
+
+    Timeline rows: the coordinator's per stage (phase generate: from the policy's arrival to the manifest, and
+    the wait for it), every engine's own per stage (phase engine: its reload, sleep and the GPU memory sleep freed),
+    the coordinator's per evaluation."""
     rank, coordinate, has_engine = max(worker_rank, 0), is_main, not procs
     partner = handoff.Partner(run_dir, "engine")
     if is_main:
@@ -482,20 +505,25 @@ def resident_engine(problems, procs=()):
     if first > stage:
         flag, _ = partner.wait_for_policy(first - 1)
     llm = start_engine(flag["path"]) if has_engine else None
+    started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
     if coordinate:
         partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
     for s in range(first, stages + 1):
-        row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0, "reload_seconds": 0.0}
+        row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
+        mine = {"phase": "engine", "name": f"engine_{rank}_{s}", "stage": s, "engine": rank, "reload_seconds": 0.0,
+                "start_seconds": started if s == first else 0.0}
         if s > first:
             flag, row["wait_seconds"] = partner.wait_for_policy(s - 1)
-            if has_engine:
-                row["reload_seconds"] = engine.load_policy(llm, flag["path"])
-        row["start"], t = time.time() - row["reload_seconds"], s - 1
+        row["start"] = mine["start"] = time.time()
+        if s > first and has_engine:
+            mine["reload_seconds"] = engine.load_policy(llm, flag["path"])
+        t = s - 1
         if eval_due(t) and not (coordinate and evaluated(t)):
             t0 = time.time()
             if has_engine:
                 samples = engine.sample_and_grade(llm, ev, rank, n_engines)
                 if not coordinate:
+                    (eval_parts / f"stage_{t}").mkdir(parents=True, exist_ok=True)
                     common.atomic_write_json(eval_parts / f"stage_{t}" / f"part_{rank}.json", samples)
             if coordinate:
                 if procs:
@@ -507,15 +535,15 @@ def resident_engine(problems, procs=()):
         if s == stages:
             break
         shards = stage_shards(s, problems)
-        mine = [k for k in shards if k % n_engines == rank and not shard_done(s, k)]
-        if has_engine and mine:
-            generate_shards(llm, s, flag["policy"], flag["fingerprint"], mine, shards)
+        if has_engine:     # this engine's shards, then asleep before the trainer (told by the manifest) takes memory
+            generate_shards(llm, s, flag["policy"], flag["fingerprint"], engine_shards(shards, rank, s), shards)
+            mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(llm)
+            partner.engine_finished(s, rank, {**mine, "end": time.time()})
         if coordinate:
-            partner.wait(lambda: all(shard_done(s, k) for k in shards), watch=watch_workers)
+            engine_rows = partner.wait(lambda: partner.engines_finished(s, n_engines), watch=watch_workers)[1]
             write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
-        row["sleep_seconds"], row["freed_gib"] = engine.sleep(llm) if has_engine else (0.0, None)
-        if coordinate:
-            partner.timeline({**row, "end": time.time()})
+            for r in [*engine_rows, {**row, "end": time.time()}]:
+                partner.timeline(r)
 
 
 def main():

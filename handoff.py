@@ -6,8 +6,10 @@ contract of the process-per-phase loop.
     <run>/resident/trained_<s>.json            the trainer → the engine: the policy trained on stage s (it
                                                generates stage s + 1): where to load it from, its label
     <run>/resident/<role>.json                 each process's pid and start time, so the other can tell it died
+    <run>/resident/engine_<r>_stage_<s>.json   engine r → its coordinator: its shards of stage s are written and it
+                                               is asleep (its reload, sleep and freed memory: a timeline row)
     <fast dir>/policy_<s>/                     the policies handed over (bf16 safetensors; /dev/shm when it
-                                               has room), the last two kept
+                                               has room for two), the last two kept
 
 A process that waits checks its partner every poll: a partner that died (or never started) is an error within
 seconds, not a hang. Resume needs no file of its own: the engine starts at the first stage without a manifest,
@@ -16,6 +18,7 @@ cleared before either starts (`reset`).
 """
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -30,22 +33,83 @@ def state_dir(run_dir):
     return Path(run_dir) / "resident"
 
 
-def fast_dir(run_dir, needed_bytes=0):
-    """Where policies are handed over: a directory in /dev/shm (memory; named after the run directory) when it
-    has room for two of them, else <run>/resident/policies."""
-    run = Path(run_dir).resolve()
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * needed_bytes:
-        return shm / f"mu-grpo-{hashlib.sha256(str(run).encode()).hexdigest()[:12]}"
-    return state_dir(run) / "policies"
+def shm_root():
+    """Where memory-backed hand-off directories go: /dev/shm, or MU_GRPO_SHM (a test points it elsewhere)."""
+    return Path(os.environ.get("MU_GRPO_SHM", "/dev/shm"))
+
+
+def _shm_dir(run_dir):
+    return shm_root() / f"mu-grpo-{hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]}"
+
+
+def fast_dir(run_dir, policy_bytes):
+    """(where policies are handed over, why): a directory in /dev/shm (memory; named after the run directory) when
+    it has room for the two policies that coexist there (the trainer deletes policy s − 2 before it writes policy
+    s, which goes to policy_<s>.tmp first while s − 1 still exists), else <run>/resident/policies on the run's disk.
+    Resident mode's trainer decides on its rank 0 and tells the other ranks (they could see different free space
+    while rank 0 writes, and a rank that chose otherwise would enter a collective save alone)."""
+    root, need = shm_root(), 2 * policy_bytes
+    if not (root.is_dir() and os.access(root, os.W_OK)):
+        return state_dir(run_dir) / "policies", f"{root} is not a writable directory"
+    free = shutil.disk_usage(root).free
+    if free <= need:
+        return state_dir(run_dir) / "policies", (f"{root} has {free / 1e9:.1f} GB free, not the {need / 1e9:.1f} GB "
+                                                 f"two policies need (in Docker: --shm-size or --ipc=host)")
+    return _shm_dir(run_dir), f"{root} has {free / 1e9:.1f} GB free for two policies of {policy_bytes / 1e9:.1f} GB"
+
+
+def policy_locations(run_dir):
+    """Both places fast_dir may choose."""
+    return [_shm_dir(run_dir), state_dir(run_dir) / "policies"]
+
+
+def clear_policies(run_dir):
+    """Delete the handed-over policies wherever they went (a finished or failed run: the run directory keeps the
+    saved ones, and a resume hands the last one over again)."""
+    for d in policy_locations(run_dir):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def reset(run_dir):
     """Clear an earlier attempt's flags, pid files and handed-over policies (run_stages.sh, before it starts the
     two processes)."""
+    clear_policies(run_dir)
     shutil.rmtree(state_dir(run_dir), ignore_errors=True)
-    shutil.rmtree(fast_dir(run_dir), ignore_errors=True)
     state_dir(run_dir).mkdir(parents=True)
+
+
+# The trainer's memory that stays on each GPU while the engine is awake, beyond its resident state: the CUDA
+# context and NCCL's buffers (~1 GiB) and what the caching allocator cannot hand back (fragmentation).
+TRAINER_OVERHEAD_GIB = 2.0
+
+
+def max_engine_share(parameters, ranks, gpu_bytes, reference_model=False):
+    """The largest RESIDENT_GPU_MEMORY (an engine's fraction of its GPU, vLLM's gpu_memory_utilization) that leaves
+    the resident trainer its memory while the engine is awake: fp32 weights and AdamW's two moments, 12 bytes per
+    parameter sharded over the ranks (the gradients are freed before the engine wakes), KL's fp32 reference
+    model (4 bytes per parameter) when there is one, and TRAINER_OVERHEAD_GIB. vLLM's budget covers the whole
+    engine (weights, KV cache, CUDA graphs), and its start-up refuses a budget above the free memory
+    (vllm/v1/worker/utils.py `request_memory`, called from gpu_worker.py `init_device`: "Free memory on device ...
+    is less than desired GPU memory utilization"),
+    which is what a resumed engine meets, started beside the trainer. Returns (bound, trainer bytes per GPU)."""
+    trainer = (12 + (4 if reference_model else 0)) * parameters / ranks + TRAINER_OVERHEAD_GIB * 2**30
+    return math.floor(100 * (1 - trainer / gpu_bytes)) / 100, trainer
+
+
+def check_engine_share(model, ranks, share, kl_coef):
+    """run_stages.sh, RESIDENT=true on GPUs, before any phase: refuse RESIDENT_GPU_MEMORY above max_engine_share
+    in one line."""
+    import torch
+
+    import model as M
+    parameters, ranks, share = M.parameter_count(model), int(ranks), float(share)
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    bound, trainer = max_engine_share(parameters, ranks, gpu_bytes, reference_model=float(kl_coef) > 0)
+    if share > bound:
+        raise SystemExit(f"RESIDENT_GPU_MEMORY={share:g} is too much: the resident trainer keeps ~{trainer / 2**30:.1f} "
+                         f"GiB on each GPU ({parameters / 1e9:.2f} B parameters over {ranks} rank(s)) of its "
+                         f"{gpu_bytes / 2**30:.1f} GiB, so an engine may take at most {bound:g}; set "
+                         f"RESIDENT_GPU_MEMORY={bound:g} or less")
 
 
 def _start_time(pid):
@@ -56,12 +120,6 @@ def _start_time(pid):
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def finish(run_dir):
-    """After a complete run: the handed-over policies are gone (the run directory keeps the saved ones)."""
-    shutil.rmtree(fast_dir(run_dir), ignore_errors=True)
-    shutil.rmtree(state_dir(run_dir) / "policies", ignore_errors=True)
 
 
 class Partner:
@@ -75,9 +133,12 @@ class Partner:
         self.dir = state_dir(run_dir)
         self.started = time.monotonic()
 
-    def announce(self):
+    def _write(self, name, obj):
         self.dir.mkdir(parents=True, exist_ok=True)
-        common.atomic_write_json(self.dir / f"{self.role}.json", {"pid": os.getpid(), "start": _start_time(os.getpid())})
+        common.atomic_write_json(self.dir / name, obj)
+
+    def announce(self):
+        self._write(f"{self.role}.json", {"pid": os.getpid(), "start": _start_time(os.getpid())})
 
     def check_partner(self):
         """Raise SystemExit if the other process died, or has not announced itself within START_GRACE_S."""
@@ -92,15 +153,16 @@ class Partner:
             raise SystemExit(f"the {self.other} process (pid {info['pid']}) has died: see its log; rerun to resume")
 
     def wait(self, ready, watch=None, poll_s=0.05):
-        """Wait until ready() is true, checking the partner (and calling watch(), which raises on a failure of
-        the caller's own: its engine processes) at every poll; returns the seconds waited."""
+        """Wait until ready() is true (not None or False), checking the partner (and calling watch(), which raises
+        on a failure of the caller's own: its engine processes) at every poll; returns (the seconds waited, what
+        ready() returned)."""
         t0 = time.perf_counter()
-        while not ready():
+        while not (value := ready()):
             self.check_partner()
             if watch is not None:
                 watch()
             time.sleep(poll_s)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, value
 
     def timeline(self, row):
         """Append a row of this process's (row: phase, name, stage, start, end, ...) to <run>/timeline.jsonl."""
@@ -112,7 +174,7 @@ class Partner:
     def publish_policy(self, stage, path, label, fingerprint, updates):
         """The policy trained on `stage` is at `path` (complete); `label` is its run-directory name, updates the
         run's updates so far."""
-        common.atomic_write_json(self.dir / f"trained_{stage}.json", {
+        self._write(f"trained_{stage}.json", {
             "stage": stage, "path": str(path), "policy": str(label), "fingerprint": fingerprint, "updates": updates})
 
     def trained(self, stage):
@@ -122,8 +184,20 @@ class Partner:
 
     def wait_for_policy(self, stage):
         """(flag, seconds waited) of the policy trained on `stage`."""
-        seconds = self.wait(lambda: self.trained(stage) is not None)
-        return self.trained(stage), seconds
+        seconds, flag = self.wait(lambda: self.trained(stage))
+        return flag, seconds
+
+    # the engines → their coordinator (generate.py's main process; with one engine, the same process)
+
+    def engine_finished(self, stage, rank, row):
+        """Engine `rank` has written its shards of `stage` and is asleep; `row` is its timeline row (its reload, sleep
+        and the memory sleep freed), which the coordinator appends once every engine's is in."""
+        self._write(f"engine_{rank}_stage_{stage}.json", row)
+
+    def engines_finished(self, stage, n_engines):
+        """The n engines' rows of `stage` in rank order once all are in, else None."""
+        paths = [self.dir / f"engine_{r}_stage_{stage}.json" for r in range(n_engines)]
+        return [json.loads(p.read_text()) for p in paths] if all(p.exists() for p in paths) else None
 
     # the engine → the trainer
 
@@ -131,5 +205,6 @@ class Partner:
         return self.run_dir / f"stage_{stage}" / "rollouts" / "manifest.json"
 
     def wait_for_rollouts(self, stage):
-        """Seconds waited until stage `stage`'s rollouts are complete (their manifest is written last)."""
-        return self.wait(lambda: self.manifest(stage).exists())
+        """Seconds waited until stage `stage`'s rollouts are complete (their manifest is written last, once every
+        engine is asleep)."""
+        return self.wait(lambda: self.manifest(stage).exists())[0]

@@ -36,6 +36,28 @@ def barrier():
         dist.barrier()
 
 
+def start_process_group(device, timeout):
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs) and run a first collective, which is where NCCL
+    sets up its transports: a failure there (most often Docker's 64 MB /dev/shm, which NCCL's shared-memory
+    transport outgrows) is one message with the way out, not a stack of NCCL internals."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timeout)
+    try:
+        barrier()
+    except Exception as e:
+        raise SystemExit(process_group_hint(backend, e, shutil.disk_usage("/dev/shm").free
+                                            if os.path.isdir("/dev/shm") else None)) from None
+
+
+def process_group_hint(backend, error, shm_free_bytes):
+    """The message of a process group that could not start."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    shm = "no /dev/shm" if shm_free_bytes is None else f"/dev/shm has {shm_free_bytes / 2**20:.0f} MiB free"
+    return (f"the {backend} process group could not start ({type(error).__name__}: {first}). NCCL puts its "
+            f"shared-memory buffers in /dev/shm ({shm}): in Docker run the container with --ipc=host or a large "
+            f"--shm-size (e.g. 16g); NCCL_DEBUG=INFO says which transport failed")
+
+
 # ----------------------------------------------------------------------------- packed attention
 
 
@@ -221,6 +243,15 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
     if live:
         raise SystemExit(f"dropout is still on in {live[:3]}: in train mode the log-probs would be random")
     return model
+
+
+def release_gradients(optimizer):
+    """Free the gradients (fp32, 4 bytes per parameter) and the CUDA cache's blocks: what the resident trainer does
+    before the engine wakes. Returns the gradient bytes still held on this rank (0)."""
+    optimizer.zero_grad(set_to_none=True)
+    release_memory()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
 
 
 def release_memory():

@@ -79,7 +79,8 @@ checkpoint_every = 0            # updates between resumable states (0: only the 
 save_policy_every = 0           # also write the policy every K updates, to <out>_u<k> (curves within a stage)
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
 mismatch_warn = 0.05            # warn when the first update's mean |log ratio| exceeds this
-check_packing = False           # update 0: log check/packed_{mean,p999,max}_abs_diff (packed vs one-sequence forwards)
+check_packing = False           # update 0: log check/packed_* (the micro-batch packed in two orders) and check/alone_*
+                                # (packed vs one sequence at a time): mean, p99.9, max |Δ log p|
 resident = False                # keep the model and AdamW for a run's every stage, handed rollouts and handing policies
                                 # to generate.py --resident (handoff.py; run_stages.sh RESIDENT=true)
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
@@ -106,7 +107,7 @@ device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.
 if device.type == "cuda":
     torch.cuda.set_device(device)
 if distributed:  # an hour: rank 0 may build rollout columns or save a 15 GB policy while the others wait
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
+    M.start_process_group(device, timeout=datetime.timedelta(hours=1))
 is_main = rank == 0
 if distributed and lora_rank:
     sys.exit("--lora_rank with torchrun is not supported: LoRA runs in one process (its adapters are small)")
@@ -325,6 +326,15 @@ def gather_values(values):
     return torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
 
 
+def broadcast(obj):
+    """Rank 0's picklable object, on every rank (decisions taken from the filesystem: one rank decides)."""
+    if not distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def reduce_stats(stats):
     """Sum the ranks' stats (extremes: min/max), two collectives in all."""
     if not distributed:
@@ -342,12 +352,21 @@ def reduce_stats(stats):
 
 
 def packing_check(model, stage, temp, mb):
-    """|log-prob difference| between the packed forward of micro-batch `mb` and forwards of its sequences one
-    at a time (the first 8 on each rank): the attention keeps sequences apart. Its mean, 99.9th percentile
-    and max over every rank's tokens, as check/packed_*_abs_diff metrics."""
+    """Whether the packed attention keeps sequences apart, measured two ways on micro-batch `mb` (every rank's):
+    - differential (check/packed_*): the same sequences packed in the order given and in reverse. Both rows have
+      the same length, so every GEMM has the same shape and rounds alike; a sequence that saw the ones packed
+      before it sees other ones in the other order, which moves its log-probs by far more than rounding;
+    - packed vs each of its first 8 sequences alone (check/alone_*, for information): on a GPU the bf16 GEMMs of
+      a 16k-row micro-batch and of one sequence's rows are tiled differently (cuBLAS tile shapes, split-K), which
+      moves a few tokens in a hundred by ~0.1 nats with no fault at all.
+    The mean, the 99.9th percentile and the max of |Δ log p| over every rank's tokens."""
     with torch.no_grad():
         packed = forward(model, stage, mb, temp)
-        diffs = [torch.zeros(0, device=device)]
+        backwards = forward(model, stage, mb[::-1] if mb else None, temp)
+        n = len(mb or [])
+        reordered = [(packed["lp"][j] - backwards["lp"][n - 1 - j]).abs()[:int(stage.response_len[i])]
+                     for j, i in enumerate(mb or [])]
+        alone = [torch.zeros(0, device=device)]
         singles = (mb or [])[:8]
         count = torch.tensor([len(singles)], device=device)
         if distributed:
@@ -355,15 +374,22 @@ def packing_check(model, stage, temp, mb):
         for j in range(int(count)):
             if j < len(singles):
                 one = forward(model, stage, [singles[j]], temp)["lp"][0]
-                n = int(stage.response_len[singles[j]])
-                diffs.append((one[:n] - packed["lp"][j, :n]).abs())
+                k = int(stage.response_len[singles[j]])
+                alone.append((one[:k] - packed["lp"][j, :k]).abs())
             else:
                 forward(model, stage, None, temp)
-    diffs = gather_values(torch.cat(diffs))   # a few thousand values per rank: gathered whole, the quantile exact
-    if not diffs.numel():
-        return {}
-    return {"check/packed_mean_abs_diff": diffs.mean().item(), "check/packed_max_abs_diff": diffs.max().item(),
-            "check/packed_p999_abs_diff": torch.quantile(diffs.double(), 0.999).item()}
+    fewest = torch.tensor([n], device=device)       # a micro-batch of one sequence compares nothing: said so
+    if distributed:
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+    out = {"check/packed_sequences_min": int(fewest)}
+    for name, diffs in (("packed", reordered), ("alone", alone)):
+        # a few thousand values per rank: gathered whole, the quantile exact
+        values = gather_values(torch.cat(diffs) if diffs else torch.zeros(0, device=device))
+        if values.numel():
+            out.update({f"check/{name}_mean_abs_diff": values.mean().item(),
+                        f"check/{name}_max_abs_diff": values.max().item(),
+                        f"check/{name}_p999_abs_diff": torch.quantile(values.double(), 0.999).item()})
+    return out
 
 
 def empty_stats(loss_kw, columns, cutoff):
@@ -544,14 +570,14 @@ def reference_pass(stage, temp, reference, attention, progress):
     return {"ref": column}, {"ref_pass_seconds": seconds}
 
 
-def check_disk(stage, start_policy, progress, passes):
-    """Refuse, before any compute, a stage whose outputs will not fit: the train state (fp32 weights and
-    AdamW's two moments, 12 bytes per parameter; a new one is written beside the current before it replaces
-    it), every policy it saves (in the initial model's dtype) and the per-stage log-prob passes still to
-    compute (4 bytes per response token each)."""
+def check_disk(stage, start_policy, progress, passes, saves_state, saves_policy=True):
+    """Refuse, before any compute, a stage whose outputs will not fit: a train state when it saves one (fp32 weights
+    and AdamW's two moments, 12 bytes per parameter; a new one is written beside the current before it replaces
+    it), every policy it saves (in the initial model's dtype) and the per-stage log-prob passes still to compute
+    (4 bytes per response token each)."""
     n = M.parameter_count(start_policy)
-    state = (4 if lora_rank else 12) * n if (save_train_state or checkpoint_every) else 0
-    policies = 1 + (max(updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
+    state = (4 if lora_rank else 12) * n if saves_state else 0
+    policies = int(saves_policy) + (max(updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
     policy_bytes = policies * n * M.checkpoint_dtype(start_policy).itemsize
     pass_bytes = passes * 4 * int(stage.token_offset[-1])
     common.require_free_disk(progress.work_dir, state + policy_bytes + pass_bytes,
@@ -620,7 +646,8 @@ def main():
     if reference and not ref_policy:
         log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
     temp = temperature or stage.temperature
-    check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None))
+    check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
+               saves_state=save_train_state or bool(checkpoint_every))
     write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temp,
                               "attention": attention, "norm_len": loss_options(stage)["norm_len"]})
     torch.manual_seed(seed)
@@ -672,7 +699,9 @@ def resident_main():
         start, update_offset, start_weights, said = M.restore(model, optimizer, stage_path(last) / "train_state",
                                                               resume=not meta["complete"], start_weights=start_weights)
         log(said)
-    dtype, fast = M.checkpoint_dtype(start_policy), handoff.fast_dir(run_dir, M.parameter_count(start_policy) * 2)
+    dtype = M.checkpoint_dtype(start_policy)
+    fast, why = broadcast(handoff.fast_dir(run_dir, M.parameter_count(start_policy) * dtype.itemsize) if is_main else None)
+    log(f"policies are handed over through {fast}: {why}")
     if meta is not None and meta["complete"] and partner.trained(last) is None:   # killed before its policy was saved
         publish(partner, model, last, stage_path(last) / "policy", start_policy, dtype)
     if is_main:
@@ -689,15 +718,23 @@ def resident_main():
                             save_state=due, policy_dirs=(fast / f"policy_{s}", *([stage_path(s) / "policy"] if due else [])))
         write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temp,
                                   "attention": attention, "norm_len": loss_options(stage)["norm_len"], "resident": True})
+        # room for the train state and policy a due save writes into the run directory, checked before the stage;
+        # and before the first stage whatever is due, so that a disk without room for one save stops the run now,
+        # not hours in
+        check_disk(stage, start_policy, progress, passes=(ref_model is not None) + (tis_cap is not None),
+                   saves_state=due or s == first, saves_policy=due or s == first)
+        if is_main:                            # two policies coexist in the hand-off directory: s − 1 and this one
+            shutil.rmtree(fast / f"policy_{s - 2}", ignore_errors=True)
         columns, timing = {}, {}
         if ref_model is not None:
             columns["ref"], timing["ref_pass_seconds"] = logprob_pass(ref_model, stage, temp, "ref",
                                                                       common.policy_fingerprint(reference), progress)
         timing.update(train_stage(model, optimizer, stage, progress, columns, start_policy, dtype))
-        M.release_memory()                     # the engine wakes next: this process keeps only its resident state
+        # the engine wakes next: this process keeps only its resident state (fp32 weights, AdamW; not the
+        # gradients, ~4 bytes per parameter)
+        timing["gradient_bytes_kept"] = M.release_gradients(optimizer)
         publish(partner, model, s, fast / f"policy_{s}", start_policy, dtype)
         if is_main:
-            shutil.rmtree(fast / f"policy_{s - 2}", ignore_errors=True)       # the last two kept
             if due and release_init_state:        # the newest train state has taken over from the older ones
                 for older in range(s):
                     shutil.rmtree(stage_path(older) / "train_state", ignore_errors=True)
@@ -705,7 +742,8 @@ def resident_main():
         write_timing(progress, {**timing, "attention": attention, "wait_seconds": waited})
         if is_main:
             partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
-                              "wait_seconds": waited, **{k: v for k, v in timing.items() if k.endswith("seconds")}})
+                              "wait_seconds": waited, "gradient_bytes_kept": timing["gradient_bytes_kept"],
+                              **{k: v for k, v in timing.items() if k.endswith("seconds")}})
     del model, optimizer, ref_model
     teardown()
 

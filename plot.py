@@ -71,15 +71,22 @@ def phase_summary(run):
 
 
 def resident_parts(run):
-    """A resident run's switching costs from its processes' timeline rows, in seconds: start-up (the slower of
-    the two processes' starts), weight reloads, the trainer's saves, engine sleeps, and the time each process
-    spent waiting for the other beyond the other's own work (hand-off latency)."""
+    """A resident run's switching costs from its processes' timeline rows, in seconds: start-up (the slowest of
+    the processes' starts: the trainer's, the engine process's, each engine's own), weight reloads and engine sleeps (each engine writes its own row per stage; the
+    engines work side by side, so a stage costs its slowest engine's), the trainer's saves."""
     rows = [t for t in run["timeline"] if "process" in t]
     starts = [t["seconds"] for t in rows if t["phase"] == "start"]
-    return {"start-up": max(starts, default=0.0),
-            "reload": sum(t.get("reload_seconds", 0.0) for t in rows),
+
+    def slowest_per_stage(key):
+        per_stage = {}
+        for t in rows:
+            if t["phase"] == "engine":
+                per_stage[t["stage"]] = max(per_stage.get(t["stage"], 0.0), t.get(key) or 0.0)
+        return sum(per_stage.values())
+    return {"start-up": max(starts + [t.get("start_seconds") or 0.0 for t in rows if t["phase"] == "engine"], default=0.0),
+            "reload": slowest_per_stage("reload_seconds"),
             "save": sum(t.get("save_seconds", 0.0) for t in rows if t["process"] == "trainer"),
-            "sleep": sum(t.get("sleep_seconds", 0.0) for t in rows)}
+            "sleep": slowest_per_stage("sleep_seconds")}
 
 
 def figures(runs, out):

@@ -4,15 +4,19 @@ on the paper preset; PREFLIGHT=0 skips it, PREFLIGHT=force runs on after a FAIL)
 
     python preflight.py --policy=Qwen/Qwen2.5-Math-7B --data=data/deepscaler.jsonl --out=runs/x/preflight.json
 
-One small stage (`prompts` × G at the preset's response length) with generate.py, a few updates with
-optimize.py (torchrun over the GPUs, the run's micro-batch, checkpointing and loss flags), a second small
-stage sampled by vLLM from the saved policy and read back by the trainer from its own fp32 state, two
-one-update runs with and without gradient checkpointing, and a tiny evaluation. Each check prints PASS /
-FAIL / SKIPPED (INFO: printed, not gated) with its measured number and threshold; preflight.json keeps
-them. A pass is cached for the same model, code, GPU count and optimize settings. The miniature's weights
-(a train state of 12 bytes per parameter, four policies) are deleted at the end; its logs and rollouts stay.
+One small stage (`prompts` × G at the preset's response length) with generate.py (the run's engines, one
+process each), a few updates with optimize.py (torchrun over the run's trainer ranks, its micro-batch,
+checkpointing and loss flags), a second small stage sampled by vLLM from the saved policy and read back by the
+trainer from its own fp32 state, two one-update runs with and without gradient checkpointing, a tiny
+evaluation, and with --resident=true two stages handed over between the resident engine and trainer
+processes. Each check prints PASS / FAIL / SKIPPED (INFO: printed, not gated) with its measured number and
+threshold; preflight.json keeps them and is written whatever happens (a check that raises is that check's
+FAIL). A pass is cached for the same model, code (every source file), GPU count and preflight settings. The
+miniature's weights (a train state of 12 bytes per parameter, four policies) are deleted at the end; its logs
+and rollouts stay.
 Exit status 1 after a FAIL (0 with --force=true).
 """
+import contextlib
 import hashlib
 import json
 import math
@@ -34,6 +38,11 @@ policy = "data/toy/model"       # the run's initial model (HF name or directory)
 data = "data/toy/train.jsonl"   # the run's training problems
 out = "runs/preflight.json"     # the report; the miniature run lives in <out without .json>/
 gpus = -1                       # GPUs (-1: all visible; 0: CPU)
+engines = 0                     # vLLM engines, one process each (0: one per GPU; 1 on a CPU): the run's ENGINES
+train_ranks = 0                 # optimize.py's torchrun ranks (0: one per GPU; 1 on a CPU): the run's TRAIN_RANKS
+run_dir = ""                    # the run directory whose free disk is checked against what the run keeps (empty:
+                                # this report's directory)
+stages = 4                      # the run's stages, for that disk estimate
 prompts = 32                    # prompts in the miniature stage (× group_size responses)
 group_size = 8
 updates = 3                     # updates of the miniature optimize run
@@ -58,18 +67,27 @@ resident_gpu_memory = 0.5       # resident: each engine's share of its GPU (run_
 # ones by several. The failures these checks exist for move most tokens: a wrong temperature or checkpoint moves
 # the mean by > 0.05; a fault that touches a minority of tokens (positions past some length, the end of a packed
 # row seeing the row before) is diluted in the mean but puts far more than 1 token in 1000 above 1 nat (a logit
-# difference > 0.5). Packed vs one-sequence forwards use the same kernels, only the grouping differs: rounding
-# noise (mean ~1e-3), so 0.01 and 0.25. These bounds are our reasoning, not yet calibrated on a GPU box.
+# difference > 0.5).
+# Packing is checked differentially: one micro-batch packed in two orders (optimize.py packing_check). Both rows
+# are as long, so every GEMM has the same shape, tiling and reduction order and each row rounds alike (cuBLAS gives
+# bit-identical results for one shape on one GPU); the attention kernels work per sequence. A correct packing
+# differs by ~0 there, while a sequence that sees its predecessors sees other ones in the other order. Not packed
+# vs one sequence alone: a 16k-row and a 300-row GEMM are tiled differently, and a published measurement on
+# Qwen2.5-7B moved 5.6 % of tokens by more than ~0.1 nats through a batch-shape change alone, which would fail a
+# healthy box (that comparison is printed, not gated). These bounds are our reasoning, not yet calibrated on a GPU.
 # CPU, fp32: the same checks at float32 noise (~1e-6 per log-prob).
 agreement_mean = 0.05           # mean |log π_trainer − log π_engine| at update 0 (GPU); CPU fp32 1e-3
 agreement_p999 = 1.0            # 99.9th percentile (GPU); CPU 1e-2 (a level of loss.MISMATCH_LEVELS)
-packing_mean = 0.01             # packed vs one-sequence forwards, mean |Δ log p| (GPU); CPU 1e-5
+packing_mean = 0.01             # one micro-batch packed in two orders, mean |Δ log p| (GPU); CPU 1e-5
 packing_p999 = 0.25             # its 99.9th percentile (GPU); CPU 1e-4
 max_truncation_rate = 0.25      # responses hitting max_response_tokens
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
+settings = {k: v for k, v in common.hyperparameters(globals()).items() if k != "force"}   # all in the cache key
 n_gpus = common.gpu_count() if gpus < 0 else gpus
 on_gpu = n_gpus > 0
+n_engines = engines or max(1, n_gpus)
+n_ranks = train_ranks or max(1, n_gpus)
 if not on_gpu:
     agreement_mean, agreement_p999, packing_mean, packing_p999 = 1e-3, 1e-2, 1e-5, 1e-4
 if agreement_p999 not in MISMATCH_LEVELS:
@@ -91,6 +109,8 @@ HINTS = {
     "evaluation": "evaluate.py failed on the saved policy: see its log",
     "resident hand-off": "the engine and trainer processes did not hand a stage over: see logs/resident_engine.log "
                          "and logs/resident_trainer.log (on a GPU: lower RESIDENT_GPU_MEMORY if the engine cannot wake)",
+    "disk": "the run directory's filesystem cannot hold what the run keeps: free space, point RUN at a larger disk, "
+            "or keep fewer train states (KEEP_TRAIN_STATES=false)",
     "headroom": "peak GPU memory near the limit: lower MICRO_BATCH_TOKENS or set GRAD_CKPT=true; low MFU: check "
                 "the attention implementation (flash-attn installed?) and GRAD_CKPT",
 }
@@ -114,8 +134,10 @@ class PhaseError(RuntimeError):
 
 
 def trainer_launcher():
-    return [ROOT / ".venv" / "bin" / "torchrun", "--standalone", f"--nproc_per_node={n_gpus}"] if n_gpus > 1 \
-        else [sys.executable]
+    """optimize.py's launcher at the run's shape: torchrun over train_ranks ranks (the run's TRAIN_RANKS), from this
+    Python's environment."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n_ranks}"] \
+        if n_ranks > 1 else [sys.executable]
 
 
 def optimize_cmd(stage_dir, out_dir, n_updates, *extra):
@@ -126,11 +148,16 @@ def optimize_cmd(stage_dir, out_dir, n_updates, *extra):
             f"--prompts_per_update={max(1, prompts // max(1, updates))}", f"--lr={round_trip_lr}", *extra]
 
 
+def engine_args(run, prompts_per_stage):
+    """generate.py's settings at the run's shape (its engines, lengths, template, temperature)."""
+    return [f"--data={data}", f"--run_dir={run}", f"--prompts_per_stage={prompts_per_stage}", f"--group_size={group_size}",
+            f"--temperature={temperature}", f"--max_prompt_tokens={max_prompt_tokens}",
+            f"--max_response_tokens={max_response_tokens}", f"--shard_prompts={prompts_per_stage}", f"--gpus={n_gpus}",
+            f"--engines={n_engines}", f"--prompt_template={prompt_template}"]
+
+
 def generate_cmd(model, stage):
-    return [sys.executable, "generate.py", f"--policy={model}", f"--data={data}", f"--run_dir={work}", f"--stage={stage}",
-            f"--prompts_per_stage={prompts}", f"--group_size={group_size}", f"--temperature={temperature}",
-            f"--max_prompt_tokens={max_prompt_tokens}", f"--max_response_tokens={max_response_tokens}",
-            f"--shard_prompts={prompts}", f"--gpus={n_gpus}", f"--prompt_template={prompt_template}"]
+    return [sys.executable, "generate.py", f"--policy={model}", f"--stage={stage}", *engine_args(work, prompts)]
 
 
 def check(results, name, passed, value, threshold, unit=""):
@@ -138,6 +165,18 @@ def check(results, name, passed, value, threshold, unit=""):
     status = "INFO" if passed == "info" else "SKIPPED" if passed is None else ("PASS" if passed else "FAIL")
     results.append({"check": name, "status": status, "value": value, "threshold": threshold, "unit": unit,
                     "hint": HINTS.get(name.split(":")[0]) if status == "FAIL" else None})
+
+
+@contextlib.contextmanager
+def guarded(results, name):
+    """A check that raises (a figure missing from a log, a file not written) is that check's FAIL row with the
+    error, and the preflight goes on to its other checks; a phase that failed (PhaseError) stops the miniature."""
+    try:
+        yield
+    except PhaseError:
+        raise
+    except (Exception, SystemExit) as e:
+        check(results, f"{name}: the check ran", False, f"{type(e).__name__}: {e}", "no error")
 
 
 def stop_token_check(results, rows, model):
@@ -171,12 +210,21 @@ def agreement_checks(results, first, what):
 
 
 def packing_checks(results, first):
+    """optimize.py's packing_check of update 0: gated on one micro-batch packed in two orders (every rank's packs
+    at least 2 sequences, or nothing was compared); packed vs one sequence alone is printed."""
     mean, p999 = first.get("check/packed_mean_abs_diff"), first.get("check/packed_p999_abs_diff")
-    check(results, "packed attention: mean |Δ log p| packed vs one sequence", mean is not None and mean <= packing_mean,
-          mean, packing_mean)
-    check(results, "packed attention: p99.9 |Δ log p| packed vs one sequence", p999 is not None and p999 <= packing_p999,
-          p999, packing_p999)
-    check(results, "packed attention: max |Δ log p| (for information)", "info", first.get("check/packed_max_abs_diff"), "—")
+    fewest = first.get("check/packed_sequences_min") or 0
+    check(results, "packed attention: sequences per packed micro-batch compared (fewest over ranks)", fewest >= 2,
+          fewest, ">= 2")
+    check(results, "packed attention: mean |Δ log p| of one micro-batch packed in two orders",
+          mean is not None and mean <= packing_mean, mean, packing_mean)
+    check(results, "packed attention: p99.9 |Δ log p| of one micro-batch packed in two orders",
+          p999 is not None and p999 <= packing_p999, p999, packing_p999)
+    check(results, "packed attention: max |Δ log p| in two orders (for information)", "info",
+          first.get("check/packed_max_abs_diff"), "—")
+    for stat in ("mean", "p999", "max"):
+        check(results, f"packed attention: {stat} |Δ log p| packed vs each sequence alone (for information)", "info",
+              first.get(f"check/alone_{stat}_abs_diff"), "—")
 
 
 def round_trip_checks(results, initial, saved, state_dir):
@@ -212,21 +260,15 @@ def round_trip_checks(results, initial, saved, state_dir):
     check(results, "round trip: saved weights equal the trainer's state (max |Δ|)", worst == 0.0, worst, 0.0)
 
 
-def resident_check(results, model):
-    """Resident mode in miniature: generate.py --resident and optimize.py --resident side by side for two stages
-    of one update each. The engine generates stage 0 and sleeps (on a GPU: level 2, weights and KV cache freed),
-    the trainer trains on it and hands its policy over, the engine wakes, loads it in place and generates stage
-    1 with it, the trainer trains on that."""
+def run_resident(run_dir, model):
+    """generate.py --resident and optimize.py --resident side by side for two stages of one update each, at the run's
+    engines and ranks; their logs go to logs/resident_engine.log and logs/resident_trainer.log."""
     import handoff
-    run_dir = work / "resident"
     shutil.rmtree(run_dir, ignore_errors=True)
     handoff.reset(run_dir)
     prompts_per_stage = max(1, prompts // max(1, updates))
     engine_cmd = [sys.executable, "generate.py", "--resident=true", "--stages=2", "--stage=0", f"--policy={model}",
-                  f"--data={data}", f"--run_dir={run_dir}", f"--prompts_per_stage={prompts_per_stage}",
-                  f"--group_size={group_size}", f"--temperature={temperature}", f"--max_prompt_tokens={max_prompt_tokens}",
-                  f"--max_response_tokens={max_response_tokens}", f"--shard_prompts={prompts_per_stage}",
-                  f"--gpus={n_gpus}", f"--prompt_template={prompt_template}", f"--gpu_memory_utilization={resident_gpu_memory}"]
+                  *engine_args(run_dir, prompts_per_stage), f"--gpu_memory_utilization={resident_gpu_memory}"]
     trainer_cmd = [*trainer_launcher(), "optimize.py", "--resident=true", f"--run_dir={run_dir}", "--stages=2", f"--policy={model}",
                    f"--micro_batch_tokens={micro_batch_tokens}", *optimize_args.split(), "--updates_per_stage=1",
                    f"--prompts_per_update={prompts_per_stage}", f"--lr={round_trip_lr}"]
@@ -243,16 +285,51 @@ def resident_check(results, model):
         codes = [p.wait() for p in procs]
     if any(codes):
         raise PhaseError("resident", f"engine exit {codes[0]}, trainer exit {codes[1]}")
+
+
+def resident_checks(results, run_dir):
+    """Resident mode in miniature (run_resident): the engines generate stage 0 and sleep (on a GPU: level 2,
+    weights and KV cache freed), the trainer trains on it and hands its policy over, every engine wakes, loads it
+    in place and generates its shards of stage 1 with it, the trainer trains on that. Every engine's own timeline
+    row says it reloaded (and, on a GPU, what its sleep freed); a figure missing from a row is a FAIL."""
+    import handoff
     flag = handoff.Partner(run_dir, "engine").trained(0)
     manifest = json.loads((run_dir / "stage_1" / "rollouts" / "manifest.json").read_text())
-    rows = {r["name"]: r for r in common.read_jsonl(run_dir / "timeline.jsonl")}
-    handed = manifest["policy_id"] == flag["fingerprint"] and rows["generate_1"]["reload_seconds"] > 0 and \
-        (run_dir / "stage_1" / "policy" / "model.safetensors").exists()
-    check(results, "resident hand-off: stage 1 generated by the policy trained on stage 0, loaded in place", handed,
-          round(rows["generate_1"]["reload_seconds"], 3), "reloaded", "s")
-    freed = rows["generate_0"].get("freed_gib")
-    check(results, "resident hand-off: the sleeping engine frees GPU memory", freed > 1.0 if on_gpu else None,
-          None if freed is None else round(freed, 2), "> 1" if on_gpu else "no GPU", "GiB")
+    rows = common.read_jsonl(run_dir / "timeline.jsonl")
+    engine_rows = {s: {r["engine"]: r for r in rows if r["phase"] == "engine" and r["stage"] == s} for s in (0, 1)}
+    reloads = [engine_rows[1].get(r, {}).get("reload_seconds") for r in range(n_engines)]
+    reloaded = all(x is not None and x > 0 for x in reloads)
+    handed = manifest["policy_id"] == flag["fingerprint"] and (run_dir / "stage_1" / "policy" / "model.safetensors").exists()
+    check(results, f"resident hand-off: stage 1 generated by the policy trained on stage 0, loaded in place by every "
+          f"engine ({n_engines})", handed and reloaded, "none" if not any(reloads) else
+          round(min(x or 0.0 for x in reloads), 3), "reloaded", "s (slowest engine's reload: the least)")
+    check(results, f"resident hand-off: every engine generated a shard of a {manifest['prompts']}-prompt stage",
+          manifest.get("engines_ran") == n_engines, manifest.get("engines_ran"), n_engines, "engines")
+    freed = [engine_rows[0].get(r, {}).get("freed_gib") for r in range(n_engines)]
+    if on_gpu:
+        ok = all(f is not None and f > 1.0 for f in freed)
+        value = "missing" if any(f is None for f in freed) else round(min(freed), 2)
+    else:
+        ok, value = None, None
+    check(results, "resident hand-off: every sleeping engine frees GPU memory (the least)", ok, value,
+          "> 1" if on_gpu else "no GPU", "GiB")
+
+
+def disk_check(results, rows, model):
+    """The run directory's free space against what the run keeps: every stage's rollouts (the miniature's bytes per
+    response, JSONL and columns, × the run's responses per stage), every stage's policy, and two train states
+    (the newest is written beside the current before it replaces it)."""
+    import model as M
+    stage_dir = work / "stage_0" / "rollouts"
+    rollout_bytes = sum(f.stat().st_size for f in stage_dir.rglob("*") if f.is_file()) / max(1, len(rows))
+    n = M.parameter_count(model)
+    keeps = stages * (estimate_stage_prompts * group_size * rollout_bytes + n * M.checkpoint_dtype(model).itemsize) \
+        + 2 * 12 * n
+    where = Path(run_dir) if run_dir else report_path.parent
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    check(results, f"disk: free space in {where} for {stages} stages' rollouts and policies and 2 train states",
+          free >= keeps, round(free / 1e9, 1), f">= {keeps / 1e9:.1f}", "GB")
 
 
 def grader_throughput(rows):
@@ -263,19 +340,25 @@ def grader_throughput(rows):
     return len(items) / (time.perf_counter() - t0)
 
 
-def code_version():
+def code_version(root=ROOT):
+    """A hash of every source file at the repository's top level (scripts, modules, losses.sh) and in data/: a pass
+    is reused only for the code that earned it."""
     h = hashlib.sha256()
-    for name in ("common.py", "generate.py", "optimize.py", "model.py", "evaluate.py", "loss.py", "reward.py",
-                 "rollouts.py", "preflight.py"):
-        h.update((ROOT / name).read_bytes())
+    for path in sorted([*root.glob("*.py"), *root.glob("*.sh"), *root.glob("data/*.py")]):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def cache_key(model):
+    """What a cached pass was earned for: the model's weights, the code, the GPU count and every preflight setting."""
+    return {"model": common.policy_fingerprint(model), "code": code_version(), "gpus": n_gpus, "settings": settings}
 
 
 def clean_up():
     """Delete the miniature's weights (its train state alone is 12 bytes per parameter: 91 GB for 7B) and stored
     passes; keep its logs, rollouts and metrics."""
     import handoff
-    handoff.finish(work / "resident")
+    handoff.clear_policies(work / "resident")
     for d in [work / "stage_0" / "train_state", work / "stage_0" / "train_state.tmp", *work.glob("stage_*/policy*"),
               *work.glob("stage_*/logprobs"), *work.glob("ckpt_*/policy*"), *work.glob("ckpt_*/train_state*"),
               *work.glob("resident/stage_*/policy*"), *work.glob("resident/stage_*/train_state*")]:
@@ -283,18 +366,23 @@ def clean_up():
 
 
 def miniature(results, figures, model):
-    """The miniature run and its checks (raises PhaseError when a phase fails)."""
+    """The miniature run and its checks (raises PhaseError when a phase fails; a check that raises is its FAIL)."""
     import model as M
     figures["generate_seconds"] = run("generate_0", generate_cmd(model, 0))
     manifest = json.loads((work / "stage_0" / "rollouts" / "manifest.json").read_text())
     rows = [r for f in sorted((work / "stage_0" / "rollouts").glob("shard_*.jsonl")) for r in common.read_jsonl(f)]
-    stop_token_check(results, rows, model)
+    with guarded(results, "stop tokens"):
+        stop_token_check(results, rows, model)
+    with guarded(results, "disk"):
+        disk_check(results, rows, model)
 
     run("optimize_0", optimize_cmd(work / "stage_0", work / "stage_0" / "policy", updates, f"--policy={model}",
                                    "--check_packing=true"))
     metrics = common.read_jsonl(work / "stage_0" / "metrics.jsonl")
-    agreement_checks(results, metrics[0], "engine/trainer agreement")
-    packing_checks(results, metrics[0])
+    with guarded(results, "engine/trainer agreement"):
+        agreement_checks(results, metrics[0], "engine/trainer agreement")
+    with guarded(results, "packed attention"):
+        packing_checks(results, metrics[0])
 
     small = min(micro_batch_tokens, 2048)      # a micro-batch that fits without checkpointing
     saved = {}
@@ -310,25 +398,36 @@ def miniature(results, figures, model):
 
     # round trip: the saved policy is the trained one; vLLM samples from it; the next stage's trainer starts from the
     # fp32 train state with --policy the *initial* model, so a train state that is not loaded shows as a mismatch
-    round_trip_checks(results, model, work / "stage_0" / "policy", work / "stage_0" / "train_state")
+    with guarded(results, "round trip"):
+        round_trip_checks(results, model, work / "stage_0" / "policy", work / "stage_0" / "train_state")
     run("generate_1", generate_cmd(work / "stage_0" / "policy", 1))
     run("optimize_1", optimize_cmd(work / "stage_1", work / "stage_1" / "policy", 1, f"--policy={model}",
                                    f"--init_state={work / 'stage_0' / 'train_state'}", "--save_train_state=false"))
-    agreement_checks(results, common.read_jsonl(work / "stage_1" / "metrics.jsonl")[0],
-                     "round trip: vLLM on the saved policy vs the trainer's state")
+    with guarded(results, "round trip"):
+        agreement_checks(results, common.read_jsonl(work / "stage_1" / "metrics.jsonl")[0],
+                         "round trip: vLLM on the saved policy vs the trainer's state")
 
     (work / "eval").mkdir(parents=True, exist_ok=True)
     shutil.copy(data, work / "eval" / "train.jsonl")
     run("evaluate", [sys.executable, "evaluate.py", f"--policy={work / 'stage_0' / 'policy'}", "--benchmarks=train",
                      f"--data_dir={work / 'eval'}", "--max_problems=16", "--k=2", f"--gpus={n_gpus}",
-                     f"--max_prompt_tokens={max_prompt_tokens}", f"--max_response_tokens={max_response_tokens}",
-                     f"--prompt_template={prompt_template}", f"--results={work / 'eval' / 'results.jsonl'}"])
+                     f"--engines={n_engines}", f"--max_prompt_tokens={max_prompt_tokens}",
+                     f"--max_response_tokens={max_response_tokens}", f"--prompt_template={prompt_template}",
+                     f"--results={work / 'eval' / 'results.jsonl'}"])
     ev = common.read_jsonl(work / "eval" / "results.jsonl")[0]
     check(results, "evaluation: avg@2 of the saved policy on 16 training problems", True, round(ev["avg_at_k"], 4), "runs")
     if resident:
-        resident_check(results, model)
+        run_resident(work / "resident", model)
+        with guarded(results, "resident hand-off"):
+            resident_checks(results, work / "resident")
 
-    # headroom and throughput
+    with guarded(results, "headroom"):
+        throughput(results, figures, model, metrics, manifest, rows, saved)
+
+
+def throughput(results, figures, model, metrics, manifest, rows, saved):
+    """Headroom (GPU memory, MFU) and the throughputs behind the hours-per-stage estimate."""
+    import model as M
     steady = metrics[1:] or metrics
     train_tps = sum(m["tokens"] for m in steady) / sum(m["seconds"] for m in steady)
     peak = max((m.get("memory/peak_gib") or 0.0) for m in metrics)
@@ -337,7 +436,7 @@ def miniature(results, figures, model):
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
         check(results, "headroom: peak GPU memory per rank at the run's micro-batch", peak <= 0.9 * total,
               round(peak, 2), round(0.9 * total, 1), "GiB")
-        mfu = 6 * M.parameter_count(model) * train_tps / (peak_tflops * 1e12 * n_gpus)
+        mfu = 6 * M.parameter_count(model) * train_tps / (peak_tflops * 1e12 * n_ranks)
         check(results, "headroom: training MFU (6·N·tokens/s over bf16 peak)", mfu >= 0.1, round(mfu, 3), 0.1)
     else:
         check(results, "headroom: peak GPU memory per rank at the run's micro-batch", None, None, "no GPU", "GiB")
@@ -346,13 +445,13 @@ def miniature(results, figures, model):
     mean_response = manifest["mean_response_tokens"]
     mean_prompt = sum(len(r["prompt_token_ids"]) for r in rows) / max(1, len(rows))
     stage_responses = estimate_stage_prompts * group_size
-    engines = max(1, n_gpus)                   # the real run: one engine per GPU, each at this per-engine rate
     per_engine = manifest.get("tokens_per_s_per_engine", manifest["generated_tokens_per_s"])
-    hours = {"generate": stage_responses * mean_response / max(per_engine * engines, 1e-9) / 3600,
+    hours = {"generate": stage_responses * mean_response / max(per_engine * n_engines, 1e-9) / 3600,
              "optimize": stage_responses * (mean_prompt + mean_response) / max(train_tps, 1e-9) / 3600,
              "grade": stage_responses / grader_rps / 3600}
     figures.update({"train_tokens_per_s": train_tps, "generated_tokens_per_s_per_engine": per_engine,
-                    "engines_ran": manifest.get("engines_ran"), "batch_saturation": manifest.get("batch_saturation"),
+                    "engines_ran": manifest.get("engines_ran"), "engines": n_engines, "train_ranks": n_ranks,
+                    "batch_saturation": manifest.get("batch_saturation"),
                     "grader_responses_per_s": grader_rps, "peak_gpu_gib": peak or None,
                     "estimated_hours_per_stage": hours, "mean_response_tokens": mean_response,
                     "saved_activations_gib": {"with_ckpt": saved[True][0], "without": saved[False][0]}})
@@ -360,18 +459,15 @@ def miniature(results, figures, model):
 
 def main():
     model = common.local_dir(policy)        # a hub name: the same local snapshot every phase reads
-    key = {"model": common.policy_fingerprint(model), "code": code_version(), "gpus": n_gpus,
-           "micro_batch_tokens": micro_batch_tokens, "optimize_args": optimize_args, "round_trip_lr": round_trip_lr,
-           "resident": resident}
+    key = cache_key(model)
     if report_path.exists():
         old = json.loads(report_path.read_text())
         if old.get("key") == key and old.get("passed"):
-            print(f"preflight: passed before for this model, code, GPU count and optimize settings ({report_path}); "
-                  f"skipping")
+            print(f"preflight: passed before for this model, code, GPU count and settings ({report_path}); skipping")
             return
-    print(f"preflight on {n_gpus} GPU(s) ({'bf16' if on_gpu else 'CPU, fp32'}): {prompts} prompts × G={group_size}, "
-          f"{updates} updates, micro-batches of {micro_batch_tokens} tokens, optimize flags [{optimize_args}]; "
-          f"model {model}; work dir {work}")
+    print(f"preflight on {n_gpus} GPU(s) ({'bf16' if on_gpu else 'CPU, fp32'}), {n_engines} engine(s), {n_ranks} "
+          f"trainer rank(s): {prompts} prompts × G={group_size}, {updates} updates, micro-batches of "
+          f"{micro_batch_tokens} tokens, optimize flags [{optimize_args}]; model {model}; work dir {work}")
     for d in ("stage_0/policy", "stage_0/train_state", "stage_0/metrics.jsonl", "stage_1", "ckpt_on", "ckpt_off", "eval"):
         p = work / d
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
@@ -380,6 +476,8 @@ def main():
         miniature(results, figures, model)
     except PhaseError as e:
         check(results, f"{e.phase}: the phase ran", False, str(e), "exit 0")
+    except (Exception, SystemExit) as e:      # whatever went wrong, the report is written and says what
+        check(results, "preflight: it ran to the end", False, f"{type(e).__name__}: {e}", "no error")
     finally:
         clean_up()
     passed = all(r["status"] != "FAIL" for r in results)
@@ -394,18 +492,20 @@ def main():
 
 
 def print_table(results, figures):
-    print(f"| {'check':<72} | {'status':<7} | {'measured':>12} | {'threshold':>10} |")
-    print(f"|{'-' * 74}|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
+    width = max([len(r["check"]) for r in results] + [5])          # names in full
+    print(f"| {'check':<{width}} | {'status':<7} | {'measured':>12} | {'threshold':>10} |")
+    print(f"|{'-' * (width + 2)}|{'-' * 9}|{'-' * 14}|{'-' * 12}|")
     for r in results:
         value = f"{r['value']:.3g}" if isinstance(r["value"], float) else str(r["value"])
-        print(f"| {r['check'][:72]:<72} | {r['status']:<7} | {value[:12]:>12} | {str(r['threshold'])[:10]:>10} |")
+        print(f"| {r['check']:<{width}} | {r['status']:<7} | {value:>12} | {str(r['threshold']):>10} |")
         if r["hint"]:
             print(f"|   hint: {r['hint']}")
     if "train_tokens_per_s" in figures:
         h = figures["estimated_hours_per_stage"]
         print(f"throughput here: generation {figures['generated_tokens_per_s_per_engine']:.0f} tokens/s per engine "
-              f"({figures['engines_ran']} engine(s) ran), training {figures['train_tokens_per_s']:.0f} tokens/s, "
-              f"grading {figures['grader_responses_per_s']:.0f} responses/s")
+              f"({figures['engines_ran']} of {figures['engines']} engine(s) ran), training "
+              f"{figures['train_tokens_per_s']:.0f} tokens/s on {figures['train_ranks']} rank(s), grading "
+              f"{figures['grader_responses_per_s']:.0f} responses/s")
         print(f"ESTIMATE for a stage of {estimate_stage_prompts} prompts × G={group_size} at this response length "
               f"({figures['mean_response_tokens']:.0f} tokens): generate {h['generate']:.2f} h, optimize "
               f"{h['optimize']:.2f} h (grading {h['grade']:.2f} h, overlapped with generation)")

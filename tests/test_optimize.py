@@ -477,3 +477,21 @@ def test_non_finite_weights_are_refused_before_anything_is_written(toy, tmp_path
     with pytest.raises(SystemExit, match=r"non-finite weights \(\['model.layers.1.mlp.down_proj.weight'\]"):
         M.save_policy(model, toy / "model", torch.float32, tmp_path / "policy", {})
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_resident_trainer_checks_the_disk_before_its_first_stage(toy, stage):
+    # a disk without room for one save (a train state of 12 bytes per parameter and a policy) stops the resident
+    # trainer before it trains, not at its first due save hours in (before: it was never checked in resident mode)
+    run_dir = stage.parent            # stage_0/rollouts with its manifest: the engine's first stage is in
+    need = 12 * M.parameter_count(toy / "model")
+    args = ["optimize.py", "--resident=true", f"--run_dir={run_dir}", "--stages=2", f"--policy={toy / 'model'}",
+            "--updates_per_stage=1", *FAST]
+    code = ("import collections, runpy, shutil, sys; u = collections.namedtuple('u', 'total used free'); "
+            f"shutil.disk_usage = lambda p: u({10 * need}, {9 * need}, {need}); "
+            f"sys.argv = {args!r}; runpy.run_path('optimize.py', run_name='__main__')")
+    # (without the check it trains stage 0, which saves nothing here, and waits for stage 1's rollouts: a timeout)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "not enough disk: this stage's train state" in proc.stderr and "1 policy directory" in proc.stderr
+    assert not (run_dir / "stage_0" / "metrics.jsonl").exists()

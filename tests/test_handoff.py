@@ -1,0 +1,113 @@
+"""handoff.py, in process: the resident processes' protocol (announce, a dead or missing partner, policies handed
+over, the engines' rows), where policies go (/dev/shm or the run's disk) and the engines' share of a GPU."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import handoff
+
+
+def test_a_partner_that_announced_is_watched_and_a_dead_one_is_named(tmp_path):
+    engine = handoff.Partner(tmp_path, "engine")
+    engine.announce()
+    info = json.loads((tmp_path / "resident" / "engine.json").read_text())
+    assert info["pid"] == os.getpid() and info["start"] == handoff._start_time(os.getpid())
+    trainer = handoff.Partner(tmp_path, "trainer")
+    trainer.check_partner()                                   # alive: nothing happens
+    # a partner that died: a process that announced itself and exited
+    code = f"import handoff; handoff.Partner({str(tmp_path)!r}, 'engine').announce()"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(handoff.__file__))
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match=r"the engine process \(pid \d+\) has died"):
+        trainer.wait(lambda: False, poll_s=0.01)
+    assert time.monotonic() - t0 < 1.0                         # within one poll, not a timeout
+
+
+def test_a_partner_that_never_starts_is_an_error_after_the_grace(tmp_path, monkeypatch):
+    trainer = handoff.Partner(tmp_path, "trainer")
+    trainer.check_partner()                                    # within the grace: waiting is fine
+    monkeypatch.setattr(handoff, "START_GRACE_S", 0.05)
+    with pytest.raises(SystemExit, match="the engine process has not started within 0 s"):
+        trainer.wait(lambda: False, poll_s=0.01)
+
+
+def test_wait_returns_the_seconds_and_what_was_ready(tmp_path):
+    partner = handoff.Partner(tmp_path, "trainer")
+    answers = iter([None, None, {"x": 1}])
+    seconds, value = partner.wait(lambda: next(answers), poll_s=0.01)
+    assert value == {"x": 1} and seconds >= 0.02
+
+
+def test_engines_finished_only_once_every_engine_wrote_its_row(tmp_path):
+    partner = handoff.Partner(tmp_path, "engine")
+    partner.engine_finished(3, 1, {"engine": 1, "reload_seconds": 0.5})
+    assert partner.engines_finished(3, 2) is None             # engine 0 has not finished stage 3
+    partner.engine_finished(3, 0, {"engine": 0, "reload_seconds": 0.25})
+    assert [r["engine"] for r in partner.engines_finished(3, 2)] == [0, 1]
+    assert partner.engines_finished(2, 2) is None
+
+
+def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    trainer = handoff.Partner(tmp_path / "run", "trainer")
+    trainer.announce()
+    trainer.publish_policy(0, "/x/policy_0", "run/stage_0/policy", "abc", updates=8)
+    flag, waited = handoff.Partner(tmp_path / "run", "engine").wait_for_policy(0)
+    assert flag == {"stage": 0, "path": "/x/policy_0", "policy": "run/stage_0/policy", "fingerprint": "abc", "updates": 8}
+    for d in handoff.policy_locations(tmp_path / "run"):
+        (d / "policy_0").mkdir(parents=True)
+    handoff.reset(tmp_path / "run")
+    assert list((tmp_path / "run" / "resident").iterdir()) == []
+    assert not any(d.exists() for d in handoff.policy_locations(tmp_path / "run"))
+
+
+def test_policies_go_to_shm_only_when_two_fit_there(tmp_path, monkeypatch):
+    # the hand-off directory holds two policies at once (s − 1 and s, written to policy_s.tmp first, once s − 2 is
+    # deleted): /dev/shm is chosen when its free space exceeds two policies, else the run's own disk, and why is said
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setenv("MU_GRPO_SHM", str(shm))
+    free = __import__("shutil").disk_usage(shm).free
+    where, why = handoff.fast_dir(tmp_path / "run", policy_bytes=free // 3)
+    assert where.parent == shm and where.name.startswith("mu-grpo-") and "free for two policies" in why
+    where, why = handoff.fast_dir(tmp_path / "run", policy_bytes=free // 2 + 1)       # two would not fit
+    assert where == tmp_path / "run" / "resident" / "policies"
+    assert f"not the {2 * (free // 2 + 1) / 1e9:.1f} GB two policies need" in why and "--shm-size" in why
+    monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path / "missing"))
+    where, why = handoff.fast_dir(tmp_path / "run", policy_bytes=1)
+    assert where == tmp_path / "run" / "resident" / "policies" and "not a writable directory" in why
+
+
+def test_the_engines_share_leaves_the_resident_trainer_its_memory():
+    # Qwen2.5-Math-7B (7.62 B parameters) on 4 ranks of 139.8 GiB: fp32 weights and AdamW's two moments,
+    # 12 × 7.62e9 / 4 = 22.86 GB = 21.29 GiB, plus 2 GiB: 23.29 GiB, so an engine may take 1 − 23.29/139.8 = 0.833
+    gib = 2**30
+    bound, trainer = handoff.max_engine_share(7.62e9, 4, 139.8 * gib)
+    assert trainer / gib == pytest.approx(12 * 7.62e9 / 4 / gib + 2, rel=1e-12)
+    assert bound == 0.83
+    # with KL's fp32 reference model, 4 bytes more per parameter: 16 × 7.62e9 / 4 / 2^30 + 2 = 30.38 GiB → 0.78
+    assert handoff.max_engine_share(7.62e9, 4, 139.8 * gib, reference_model=True)[0] == 0.78
+    # one rank holds it all: 12 × 7.62e9 / 2^30 + 2 = 87.16 GiB of an H100's 79.2 GiB: no share is left
+    assert handoff.max_engine_share(7.62e9, 1, 79.2 * gib)[0] < 0
+
+
+def test_a_share_above_the_bound_is_refused_in_one_line(tmp_path, monkeypatch):
+    import types
+
+    import torch
+
+    import model as M
+    monkeypatch.setattr(M, "parameter_count", lambda path: 7_620_000_000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=139.8 * 2**30))
+    handoff.check_engine_share("model", "4", "0.8", "0")       # at most 0.83: fine
+    with pytest.raises(SystemExit) as e:
+        handoff.check_engine_share("model", "4", "0.9", "0")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("RESIDENT_GPU_MEMORY=0.9 is too much")
+    assert "~23.3 GiB on each GPU (7.62 B parameters over 4 rank(s)) of its 139.8 GiB" in message
+    assert message.endswith("set RESIDENT_GPU_MEMORY=0.83 or less")
