@@ -123,8 +123,17 @@ def run(name, cmd):
     proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True)
     (work / "logs" / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise PhaseError(name, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
+        raise PhaseError(name, failure_line(proc.stderr) or f"exit {proc.returncode}")
     return time.perf_counter() - t0
+
+
+def failure_line(stderr):
+    """Why a phase failed: the last line of its output, or under torchrun the last line the ranks wrote before the
+    launcher's own traceback (torch/distributed/elastic: `raise ChildFailedError`, then its summary table)."""
+    if "ChildFailedError" in stderr:
+        stderr = stderr[:stderr.rfind("Traceback (most recent call last):")]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else None
 
 
 class PhaseError(RuntimeError):

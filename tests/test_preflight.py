@@ -216,6 +216,29 @@ def test_a_check_that_raises_is_its_fail_row_and_the_rest_go_on(check_functions)
             raise check_functions.PhaseError("optimize_0", "exit 1")
 
 
+# what torchrun wrote when optimize.py's two ranks refused a flag (torch/distributed/run.py, abridged)
+TORCHRUN_FAILURE = """unknown option --no_such_setting; known: adam_betas, agg
+unknown option --no_such_setting; known: adam_betas, agg
+Traceback (most recent call last):
+  File "torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+optimize.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+  rank      : 0 (local_rank: 0)
+============================================================
+"""
+
+
+def test_a_failed_phase_is_named_by_its_own_last_line_not_torchruns(check_functions):
+    assert check_functions.failure_line(TORCHRUN_FAILURE) == "unknown option --no_such_setting; known: adam_betas, agg"
+    one_process = "Traceback (most recent call last):\n  File \"optimize.py\"\nValueError: no rollouts\n"
+    assert check_functions.failure_line(one_process) == "ValueError: no rollouts"
+    assert check_functions.failure_line("") is None
+
+
 def fake_resident_run(run_dir, engine_rows):
     """The files resident_checks reads: the hand-off flag, stage 1's manifest and saved policy, the timeline."""
     import handoff
