@@ -22,7 +22,7 @@ UPDATES=${UPDATES:-256}         # μ of the replays: the last update trains on d
 PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-4}   # prompts per minibatch (× GROUP_SIZE responses)
 GROUP_SIZE=${GROUP_SIZE:-8}     # G
 LR=${LR:-1e-4}                  # AdamW learning rate (constant): the ratios drift (min ratio → 0) within 64 updates
-NAV_DELTA=${NAV_DELTA:-1e-4}    # NAV's trigger threshold δ for every NAV variant (the presets' 1e-4)
+# NAV_DELTA                     NAV's trigger threshold δ for every NAV variant and reference: losses.sh (1e-4)
 SAVE_EVERY=${SAVE_EVERY:-32}    # updates between saved policies: the points of each accuracy curve
 ONPOLICY_LOSSES=${ONPOLICY_LOSSES:-grpo}  # the references: each LOSS with a small μ, fresh rollouts per stage
 ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # their μ (0: no reference); UPDATES / ONPOLICY_UPDATES stages each
@@ -43,7 +43,6 @@ for v in UPDATES PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS; do
 done
 case "$LAB" in lab) BUILDER=data/lab.py ;; lab-fork) BUILDER=data/lab_fork.py ;;
   *) echo "LAB must be lab or lab-fork, got '$LAB'" >&2; exit 2 ;; esac
-[[ "$NAV_DELTA" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] || { echo "NAV_DELTA must be a positive number, got '$NAV_DELTA'" >&2; exit 2; }
 for variant in $VARIANTS $ONPOLICY_LOSSES; do loss_args "$variant" || exit 2; done
 for seed in $SEEDS $ONPOLICY_SEEDS; do
   [[ "$seed" =~ ^[0-9]+$ ]] || { echo "SEEDS and ONPOLICY_SEEDS must be whole numbers, got '$seed'" >&2; exit 2; }
@@ -83,7 +82,6 @@ step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --
 replay() {
   local variant=$1 seed=$2 LOSS_ARGS KL_COEF=0
   loss_args "$variant"
-  LOSS_ARGS=${LOSS_ARGS/--nav_delta=1e-4/--nav_delta=$NAV_DELTA}     # the NAV variants' δ
   OMP_NUM_THREADS=$THREADS $PY optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
       --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \

@@ -253,6 +253,13 @@ def sample_seed(seed, *key):
 POLICY_ID_FILE = "policy_id.json"
 
 
+def policy_record(policy_dir):
+    """A policy's policy_id.json, written by optimize.py (model.save_policy): its fingerprint, stage and update
+    counts (model.py's records); {} for a checkpoint this code did not write, such as the initial model."""
+    path = Path(policy_dir) / POLICY_ID_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def content_fingerprint(directory):
     """sha256 (16 hex digits) of the names and bytes of a directory's files (policy_id.json aside)."""
     h = hashlib.sha256()

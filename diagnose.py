@@ -31,7 +31,8 @@ ablation_dir = "runs/lab-fork-ablation"   # an ablate.sh output directory (stage
 variants = "relaxed-no-nav,mu-grpo"      # comma list of its variants
 seeds = "0"                               # comma list
 updates = "0,64,128,256"                  # checkpoints (0: the initial policy, the rollouts' own)
-nav_delta = 1e-4                          # δ of the κ this reports
+nav_delta = None                          # δ of the κ this reports; None: each variant's own, read from its replays'
+                                          # optimize_config.json (a variant without NAV: the δ of the NAV variants)
 groups = 128                              # groups analysed (those with a negative response; the first ones)
 out = ""                                  # default <ablation_dir>/plots/diagnostics
 # -----------------------------------------------------------------------------
@@ -61,8 +62,16 @@ def checkpoint_logprobs(path, rows):
     return out
 
 
-def diagnose(rows, logprobs, tokenizer):
-    """The statistics of one checkpoint over the negative responses of `rows` (whole groups)."""
+def first_trigger(ratio, advantage, delta):
+    """κ, NAV's first trigger token of one response (loss.nav_triggers, the trainer's own test), or None."""
+    trig, _ = L.nav_triggers(torch.as_tensor(ratio)[None], torch.tensor([advantage]),
+                             torch.ones(1, len(ratio), dtype=torch.bool), delta)
+    hits = trig[0].nonzero()
+    return int(hits[0]) if len(hits) else None
+
+
+def diagnose(rows, logprobs, tokenizer, delta):
+    """The statistics of one checkpoint over the negative responses of `rows` (whole groups), κ at NAV's δ."""
     by_group = {}
     for i, r in enumerate(rows):
         by_group.setdefault(r["group"], []).append(i)
@@ -79,8 +88,7 @@ def diagnose(rows, logprobs, tokenizer):
             if f is None:
                 continue
             ratios_at.append(ratio[i][f])
-            triggers = np.flatnonzero(ratio[i] < nav_delta)
-            k = triggers[0] if len(triggers) else None
+            k = first_trigger(ratio[i], r["advantage"], delta)
             kappa["none" if k is None else "before" if k < f else "at" if k == f else "after"] += 1
             ids = r["response_token_ids"]
             for t in range(len(ids)):
@@ -102,9 +110,32 @@ def checkpoint_path(root, variant, seed, u, model):
     candidates = [d / f"policy_u{u:05d}", d / "policy"]
     for c in candidates:
         meta = c / common.POLICY_ID_FILE
-        if meta.exists() and json.loads(meta.read_text()).get("updates_in_stage") == u:
+        if meta.exists() and json.loads(meta.read_text()).get("stage_updates") == u:
             return c
     return None
+
+
+def replay_delta(root, variant, seed):
+    """The NAV δ a replay trained with (its optimize_config.json), None when it ran without NAV."""
+    config = root / variant / f"seed{seed}" / "optimize_config.json"
+    if not config.exists():
+        raise SystemExit(f"{config} is missing: not an ablate.sh replay (pass --nav_delta to diagnose it anyway)")
+    return json.loads(config.read_text())["hyperparameters"]["nav_delta"]
+
+
+def deltas(root, variant_seeds):
+    """δ per (variant, seed): --nav_delta when given, else the replay's own, and for a replay without NAV the one δ
+    of the ablation's NAV replays (ablate.sh gives every NAV variant the same NAV_DELTA)."""
+    if nav_delta is not None:
+        return {vs: nav_delta for vs in variant_seeds}
+    own = {vs: replay_delta(root, *vs) for vs in variant_seeds}
+    used = {d for d in own.values() if d is not None}
+    if len(used) > 1:
+        raise SystemExit(f"the replays used several NAV δ {sorted(used)}: pass --nav_delta to pick one")
+    if None in own.values() and not used:
+        raise SystemExit("no replay listed ran with NAV, so there is no δ to report κ at: pass --nav_delta "
+                         "(or list a NAV variant, e.g. --variants=relaxed-no-nav,mu-grpo)")
+    return {vs: d if d is not None else next(iter(used)) for vs, d in own.items()}
 
 
 def main():
@@ -117,25 +148,27 @@ def main():
     negative_groups = sorted({r["group"] for r in all_rows if r["advantage"] < 0})[:groups]
     rows = [r for r in all_rows if r["group"] in set(negative_groups)]
     table = []
-    for variant in [v for v in variants.split(",") if v]:
-        for seed in [int(s) for s in seeds.split(",") if s]:
-            for u in [int(x) for x in updates.split(",") if x]:
-                path = checkpoint_path(root, variant, seed, u, model)
-                if path is None:
-                    print(f"{variant} seed {seed}: no checkpoint at update {u}; skipped")
-                    continue
-                stats = diagnose(rows, checkpoint_logprobs(path, rows), tokenizer)
-                table.append({"variant": variant, "seed": seed, "updates": u, **stats})
-                print(json.dumps(table[-1]), flush=True)
+    variant_seeds = [(v, int(s)) for v in variants.split(",") if v for s in seeds.split(",") if s]
+    delta = deltas(root, variant_seeds)
+    for variant, seed in variant_seeds:
+        for u in [int(x) for x in updates.split(",") if x]:
+            path = checkpoint_path(root, variant, seed, u, model)
+            if path is None:
+                print(f"{variant} seed {seed}: no checkpoint at update {u}; skipped")
+                continue
+            stats = diagnose(rows, checkpoint_logprobs(path, rows), tokenizer, delta[variant, seed])
+            table.append({"variant": variant, "seed": seed, "updates": u, "nav_delta": delta[variant, seed], **stats})
+            print(json.dumps(table[-1]), flush=True)
     target = Path(out) if out else root / "plots" / "diagnostics"
     target.parent.mkdir(parents=True, exist_ok=True)
     common.atomic_write_json(target.with_suffix(".json"), table)
-    lines = [f"negative responses of {len(negative_groups)} groups; κ at δ = {nav_delta:g}; push: Σ_j A_j·ρ_j over the "
-             "group-mates sharing the token and its prefix", "",
-             "| variant | seed | updates | κ before / at / after / none | ρ at first wrong p10 / p50 / p90 | "
-             "net push before / at / after |", "|---|---|---|---|---|---|"]
+    lines = [f"negative responses of {len(negative_groups)} groups; κ at the replay's NAV δ; push: Σ_j A_j·ρ_j over "
+             "the group-mates sharing the token and its prefix", "",
+             "| variant | seed | updates | δ | κ before / at / after / none | ρ at first wrong p10 / p50 / p90 | "
+             "net push before / at / after |", "|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['variant']} | {r['seed']} | {r['updates']} | {r['kappa_before']:.2f} / {r['kappa_at']:.2f} / "
+        lines.append(f"| {r['variant']} | {r['seed']} | {r['updates']} | {r['nav_delta']:g} | "
+                     f"{r['kappa_before']:.2f} / {r['kappa_at']:.2f} / "
                      f"{r['kappa_after']:.2f} / {r['kappa_none']:.2f} | {r['ratio_at_first_wrong_p10']:.3g} / "
                      f"{r['ratio_at_first_wrong_p50']:.3g} / {r['ratio_at_first_wrong_p90']:.3g} | "
                      f"{r['push_before']:+.3f} / {r['push_at']:+.3f} / {r['push_after']:+.3f} |")

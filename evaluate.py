@@ -42,7 +42,6 @@ seed = 0
 results = ""                    # results table (JSONL) to update; empty: print only
 samples_dir = ""                # graded samples go here (default: next to the results table)
 stage = -1                      # labels for the results row: stage index (-1: the initial policy)
-updates = 0                     # optimizer updates so far in the run
 run_start = 0.0                 # unix time the run started (for hours since start; 0: now)
 gpus = -1                       # GPUs to use: one data-parallel engine per tensor_parallel of them (-1: all; 0: CPU)
 tensor_parallel = 1
@@ -54,7 +53,6 @@ engines = 0                     # data-parallel engines (0: gpus // tensor_paral
 parts_dir = ""                  # internal: where the subprocesses leave their graded samples
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
-policies = [policy]             # the --policy list (main)
 
 
 def evaluation(sets):
@@ -66,7 +64,7 @@ def evaluation(sets):
                              grader_workers=grader_workers, grader_timeout_s=grader_timeout_s)
 
 
-def sample_and_grade(ev, rank, n):
+def sample_and_grade(policies, ev, rank, n):
     """For each policy, its graded samples of every benchmark's prompts at positions ≡ rank (mod n). The engine
     is built once; the next policy's weights are loaded into it in place (engine.load_policy)."""
     reward.start_graders(grader_workers)  # their start-up runs beside the engine's
@@ -80,15 +78,7 @@ def sample_and_grade(ev, rank, n):
     return parts
 
 
-def policy_updates(path):
-    """The updates a listed checkpoint was trained for (policy_id.json from optimize.py; 0 for a model
-    it did not write, e.g. the initial policy)."""
-    meta = Path(path) / common.POLICY_ID_FILE
-    return json.loads(meta.read_text()).get("global_updates", 0) if meta.exists() else 0
-
-
 def main():
-    global policies
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     configs = {p: json.loads((Path(p) / "config.json").read_text()) for p in policies if Path(p).is_dir()}
     shapes = {json.dumps({k: c.get(k) for k in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers")})
@@ -100,7 +90,7 @@ def main():
     ev = evaluation(engine.benchmark_sets(names, data_dir, max_problems))
     n = engines or engine.n_engines(gpus, tensor_parallel)
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
-        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(ev, worker_rank, n))
+        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(policies, ev, worker_rank, n))
         return
     t0 = time.perf_counter()
     if n > 1:
@@ -111,7 +101,7 @@ def main():
             per_rank = engine.read_parts(tmp, n)
             parts = [[x for part in per_rank for x in part[i]] for i in range(len(policies))]
     else:
-        parts = sample_and_grade(ev, 0, 1)
+        parts = sample_and_grade(policies, ev, 0, 1)
     seconds = (time.perf_counter() - t0) / len(policies)
     out_rows = []
     for path, samples in zip(policies, parts):
@@ -120,7 +110,7 @@ def main():
                 Path(results).parent / "eval_samples" / f"stage_{stage}" if results else None)
         else:
             sample_dir = (Path(samples_dir) if samples_dir else Path(path).parent / "eval_samples") / Path(path).name
-        labels = {"stage": stage, "updates": updates if len(policies) == 1 else policy_updates(path),
+        labels = {"stage": stage, "updates": common.policy_record(path).get("run_updates", 0),
                   "hours": (time.time() - run_start) / 3600 if run_start else 0.0, "policy": str(path),
                   "seconds": seconds, "engines": n}
         rows = engine.score(samples, ev, labels, sample_dir)

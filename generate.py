@@ -3,7 +3,7 @@ reward.py grades them, and JSONL shards with behavior log-probs and advantages g
 
     python generate.py --policy=data/toy/model --data=data/toy/train.jsonl --run_dir=runs/toy --stage=0
 
-Output (DESIGN.md §3): <run_dir>/stage_<s>/rollouts/shard_<k>.jsonl, one line per response, each
+Output (docs/design.md §3): <run_dir>/stage_<s>/rollouts/shard_<k>.jsonl, one line per response, each
 shard written atomically; manifest.json last (its presence means the stage is complete). Rerunning
 the same command after a crash keeps the finished shards and produces the rest, identically (every
 prompt has its own sampling seed). On a multi-GPU box one engine runs per GPU group (data parallel),
@@ -501,7 +501,8 @@ def resident_engine(problems, procs=()):
                 raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
 
     t_start = time.time()
-    flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy), "updates": 0}
+    flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
+            "run_updates": common.policy_record(policy).get("run_updates", 0)}
     if first > stage:
         flag, _ = partner.wait_for_policy(first - 1)
     llm = start_engine(flag["path"]) if has_engine else None
@@ -530,7 +531,7 @@ def resident_engine(problems, procs=()):
                     partner.wait(lambda: all((eval_parts / f"stage_{t}" / f"part_{r}.json").exists()
                                              for r in range(n_engines)), watch=watch_workers)
                     samples = [x for part in engine.read_parts(eval_parts / f"stage_{t}", n_engines) for x in part]
-                score_evaluation(ev, t, flag["policy"], flag["updates"], samples, time.time() - t0)
+                score_evaluation(ev, t, flag["policy"], flag["run_updates"], samples, time.time() - t0)
                 partner.timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
         if s == stages:
             break

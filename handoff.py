@@ -1,4 +1,4 @@
-"""Resident mode's hand-off (DESIGN.md §2): how the long-lived engine process (generate.py --resident) and
+"""Resident mode's hand-off (docs/design.md §4): how the long-lived engine process (generate.py --resident) and
 trainer process (optimize.py --resident) pass stages to each other, through files, as rollouts.py is the
 contract of the process-per-phase loop.
 
@@ -171,11 +171,11 @@ class Partner:
 
     # the trainer → the engine
 
-    def publish_policy(self, stage, path, label, fingerprint, updates):
-        """The policy trained on `stage` is at `path` (complete); `label` is its run-directory name, updates the
-        run's updates so far."""
-        self._write(f"trained_{stage}.json", {
-            "stage": stage, "path": str(path), "policy": str(label), "fingerprint": fingerprint, "updates": updates})
+    def publish_policy(self, stage, path, label, fingerprint, run_updates):
+        """The policy trained on `stage` is at `path` (complete); `label` is its run-directory name, run_updates the
+        run's updates it was trained for (its policy_id.json record)."""
+        self._write(f"trained_{stage}.json", {"stage": stage, "path": str(path), "policy": str(label),
+                                              "fingerprint": fingerprint, "run_updates": run_updates})
 
     def trained(self, stage):
         """The flag of the policy trained on `stage`, or None."""

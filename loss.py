@@ -1,6 +1,6 @@
 """The μ-GRPO objective and its baselines, as pure tensor functions.
 
-Reads next to DESIGN.md §4. Per response i with response tokens t:
+Reads next to docs/design.md §1. Per response i with response tokens t:
 
     ρ_t    = exp(ℓ_t − b_t)                                 current vs behavior log-prob
     A_i    = (r_i − mean(r_group)) / (std(r_group) + eps)   group-normalized advantage
@@ -267,7 +267,7 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
                                 normalized tokens
                               seq-mean-token-sum-norm: Σ kept loss / (num_seqs · norm_len) (Dr. GRPO)
     token_normalizer          which tokens a mean divides by: "kept" (response tokens not vetoed or
-                              masked, verl's masked mean; DESIGN.md §4) or "all" (every response token)
+                              masked, verl's masked mean; docs/design.md §1) or "all" (every response token)
     num_tokens, num_seqs      the whole minibatch's token-mean denominator and response count, so that
                               a micro-batch's loss is its exact share (default: this call's). With
                               token_normalizer="kept" the minibatch's count is only known once every

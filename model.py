@@ -1,4 +1,4 @@
-"""The trainer's policy (DESIGN.md §2): built on the meta device, sharded with FSDP2 under torchrun, filled
+"""The trainer's policy (docs/design.md §2): built on the meta device, sharded with FSDP2 under torchrun, filled
 from an HF checkpoint (each rank reads only its own rows), saved as an HF directory vLLM loads, and its
 resumable train state (fp32 weights and AdamW moments, DCP). Also the packed-attention kernels and a
 meter of the activations autograd saves.
@@ -431,21 +431,45 @@ def state_source(state_dir, init_state):
     return None
 
 
-def restore(model, optimizer, source, resume, start_weights):
+# ----------------------------------------------------------------------------- the training records
+# Where a policy or a train state stands in the run is recorded by name where it is written (policy_id.json, read
+# by common.policy_record; progress.json; every metrics line) and read back by every consumer (the next stage, a
+# resume, the hand-off, evaluate.py, plot.py), never recomputed from μ, so stages of any length stay labelled right:
+#   stage_updates       updates done in its stage (a train state's "update": the next one to run)
+#   run_updates         the run's updates up to it, across stages: what accuracy is plotted against
+#   optimizer_updates   AdamW's steps since it was created; RESET_OPTIMIZER=true starts it (and the warmup, which
+#                       counts these) afresh each stage, while run_updates go on
+COUNTS = ("run_updates", "optimizer_updates")
+
+
+def newest_state(run_dir, stages):
+    """(stage, progress.json) of the newest train state in stage_0 .. stage_<stages−1> of a run directory (a
+    resident trainer's resume), or (None, None)."""
+    for s in reversed(range(stages)):
+        path = Path(run_dir) / f"stage_{s}" / "train_state" / "progress.json"
+        if path.exists():
+            return s, json.loads(path.read_text())
+    return None, None
+
+
+def restore(model, optimizer, source, resume, start_weights, start_policy):
     """Load `source` (state_source's) into the model and optimizer; returns (first update of this stage, the
-    run's updates before this stage, the id of the weights the stage started from, a line saying what was
-    done). A resume also restores the CPU RNG state and keeps the stage's own start id (its TIS pass was
-    computed from those weights); the previous stage's state is known by its state id."""
+    counts before this stage {run_updates, optimizer_updates}, the id of the weights the stage started from, a line
+    saying what was done). A resume also restores the CPU RNG state and keeps the stage's own start id (its TIS pass
+    was computed from those weights); the previous stage's state is known by its state id. Without a state the run's
+    count continues from the start policy's record (RESET_OPTIMIZER) and AdamW's starts at 0."""
     if source is None:
-        return 0, 0, start_weights, None
+        run_updates = common.policy_record(start_policy).get("run_updates", 0)
+        return 0, {"run_updates": run_updates, "optimizer_updates": 0}, start_weights, \
+            f"AdamW afresh from {start_policy} ({run_updates} run updates so far)" if run_updates else None
     meta = load_state(model, optimizer, source)
     if resume:
         torch.set_rng_state(torch.tensor(meta["rng"], dtype=torch.uint8))
-        return (meta["update"], meta["global_update"] - meta["update"], meta["start_weights"],
+        return (meta["update"], {k: meta[k] - meta["update"] for k in COUNTS}, meta["start_weights"],
                 f"resuming from {source} at update {meta['update']}")
-    return (0, meta["global_update"], meta["state_id"],
+    return (0, {k: meta[k] for k in COUNTS}, meta["state_id"],
             f"continuing the previous stage's fp32 weights and AdamW state from {source} "
-            f"({meta['global_update']} updates so far)")
+            f"({meta['run_updates']} updates so far)")
 
 
 # ----------------------------------------------------------------------------- memory

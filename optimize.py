@@ -5,7 +5,7 @@
 
 The stage's groups are put once in a seeded order and cut into `updates_per_stage` minibatches of
 `prompts_per_update` groups: update u trains on minibatch u, data exactly u updates stale, no
-response used twice (DESIGN.md §4). An update is one AdamW step on loss.policy_loss: the loss is
+response used twice (docs/design.md §1). An update is one AdamW step on loss.policy_loss: the loss is
 summed over packed micro-batches and ranks and divided by the minibatch's kept-token count.
 
 Writes next to --out (default <stage_dir>/policy): the next policy (an HF directory vLLM loads, in the
@@ -72,7 +72,7 @@ token_normalizer = "kept"       # means divide by kept tokens (vetoed/masked one
 norm_len = 0                    # Dr. GRPO constant length (0: the manifest's max response tokens)
 micro_batch_tokens = 16384      # tokens (prompt + response) packed into one micro-batch, per GPU
 gradient_checkpointing = False  # recompute each layer in backward: activations of one layer at a time
-attn_implementation = "auto"    # auto | flash_attention_2 | flex_attention | varlen_sdpa | sdpa (see README)
+attn_implementation = "auto"    # auto | flash_attention_2 | flex_attention | varlen_sdpa | sdpa (docs/scripts.md)
 lora_rank = 0                   # > 0: train LoRA adapters (peft) on all linear layers; merged at save
 lora_alpha = 32
 checkpoint_every = 0            # updates between resumable states (0: only the final one)
@@ -126,10 +126,15 @@ class Progress:
     """Where a stage's training starts and where its outputs go."""
     out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go next to it
     start: int = 0              # the first update to run (a resumed stage: its state's)
-    update_offset: int = 0      # the run's updates before this stage (warmup and global_update span stages)
+    before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (model.py's records)
     start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
     save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
     policy_dirs: tuple = ()     # where the final policy goes (default: out_dir)
+    after: dict = None          # the counts this stage ends at, set by train_stage (a resident run's next `before`)
+
+    def counts(self, done):
+        """The run's and AdamW's update counts after `done` updates of this stage."""
+        return {k: self.before[k] + done for k in M.COUNTS}
 
     @property
     def work_dir(self):
@@ -487,13 +492,12 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world])[0])
 
     def save_policy(directory, done):
-        M.save_policy(model, start_policy, save_dtype, directory, {
-            "stage": stage.index, "updates_in_stage": done, "global_updates": progress.update_offset + done})
+        M.save_policy(model, start_policy, save_dtype, directory,
+                      {"stage": stage.index, "stage_updates": done, **progress.counts(done)})
 
     def save_state(done, final=False):
         M.save_state(model, optimizer, progress.state_dir, {
-            "update": done, "global_update": progress.update_offset + done, "complete": final,
-            "start_weights": progress.start_weights})
+            "update": done, **progress.counts(done), "complete": final, "start_weights": progress.start_weights})
         if release_init_state and init_state and is_main and Path(init_state).exists():
             shutil.rmtree(init_state)         # this stage's own state has taken over from the previous stage's
 
@@ -503,8 +507,8 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
                initial=start, total=updates_per_stage)
     for u in bar:
         t0 = time.perf_counter()
-        g = progress.update_offset + u                      # the run's update count (warmup spans stages)
-        lr_now = lr * min(1.0, (g + 1) / warmup_updates) if warmup_updates else lr
+        counts = progress.counts(u)                         # this update's index in the run and in AdamW's life
+        lr_now = lr * min(1.0, (counts["optimizer_updates"] + 1) / warmup_updates) if warmup_updates else lr
         for group in optimizer.param_groups:
             group["lr"] = lr_now
         batch = stage.groups[schedule[u]].ravel()           # whole groups: response indices
@@ -516,7 +520,8 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
                              f"lower --lr or check the rollouts")
         seconds = time.perf_counter() - t0
         train_seconds += seconds
-        row = {"update": u, "global_update": g, "stage": stage.index, "staleness": u, "lr": lr_now,
+        row = {"update": u, "run_update": counts["run_updates"], "optimizer_update": counts["optimizer_updates"],
+               "stage": stage.index, "staleness": u, "lr": lr_now,
                "reward/mean": float(stage.reward[batch].mean()),
                "minibatch/zero_variance_frac": float(stage.zero_variance[schedule[u]].mean()),
                "groups": [stage.group_keys[i] for i in schedule[u]],     # which prompts (stage positions)
@@ -551,6 +556,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         if not progress.save_state:
             shutil.rmtree(progress.state_dir, ignore_errors=True)
     barrier()
+    progress.after = progress.counts(updates_per_stage)
     return {**timing, "train_seconds": train_seconds, "save_seconds": time.perf_counter() - t_save,
             "updates_this_run": updates_per_stage - start}
 
@@ -654,8 +660,9 @@ def main():
     columns, timing = reference_pass(stage, temp, reference, attention, progress)
     source = M.state_source(progress.state_dir, init_state)
     model, optimizer = build_trainer(start_policy, attention, weights=source is None)
-    progress.start, progress.update_offset, progress.start_weights, said = M.restore(
-        model, optimizer, source, resume=source == progress.state_dir, start_weights=common.policy_fingerprint(start_policy))
+    progress.start, progress.before, progress.start_weights, said = M.restore(
+        model, optimizer, source, resume=source == progress.state_dir, start_weights=common.policy_fingerprint(start_policy),
+        start_policy=start_policy)
     if said:
         log(said)
     timing["load_seconds"] = time.perf_counter() - t_start - sum(timing.values())
@@ -681,12 +688,10 @@ def resident_main():
     start_policy = common.local_dir(policy)
     attention = M.choose_attention(attn_implementation, device)
     stage_path = lambda s: Path(run_dir) / f"stage_{s}"    # noqa: E731
-    saved = [s for s in range(stages) if (stage_path(s) / "train_state" / "progress.json").exists()]
-    last = max(saved, default=None)
-    meta = json.loads((stage_path(last) / "train_state" / "progress.json").read_text()) if saved else None
-    first = (last + 1 if meta["complete"] else last) if saved else 0
-    if meta is not None and meta["complete"] and (stage_path(last) / "policy" / common.POLICY_ID_FILE).exists():
-        publish(partner, None, last, stage_path(last) / "policy", None, None)   # the engine resumes from it
+    last, meta = M.newest_state(run_dir, stages)
+    first = (last + 1 if meta["complete"] else last) if meta else 0
+    if meta is not None and meta["complete"] and common.policy_record(stage_path(last) / "policy"):
+        publish(partner, last, stage_path(last) / "policy")   # the engine resumes from it
     if first < stages:                    # the engine's first rollouts: it is asleep before this process takes memory
         partner.wait_for_rollouts(first)
     t_start = time.time()
@@ -694,16 +699,18 @@ def resident_main():
     torch.manual_seed(seed)
     ref_model = M.build(reference, attention=attention, trainable=False) if reference else None
     model, optimizer = build_trainer(start_policy, attention, weights=meta is None)
-    update_offset, start, start_weights = 0, 0, common.policy_fingerprint(start_policy)
-    if meta is not None:
-        start, update_offset, start_weights, said = M.restore(model, optimizer, stage_path(last) / "train_state",
-                                                              resume=not meta["complete"], start_weights=start_weights)
+    start, before, start_weights, said = M.restore(
+        model, optimizer, stage_path(last) / "train_state" if meta else None, resume=meta is not None and not meta["complete"],
+        start_weights=common.policy_fingerprint(start_policy), start_policy=start_policy)
+    if said:
         log(said)
     dtype = M.checkpoint_dtype(start_policy)
     fast, why = broadcast(handoff.fast_dir(run_dir, M.parameter_count(start_policy) * dtype.itemsize) if is_main else None)
     log(f"policies are handed over through {fast}: {why}")
     if meta is not None and meta["complete"] and partner.trained(last) is None:   # killed before its policy was saved
-        publish(partner, model, last, stage_path(last) / "policy", start_policy, dtype)
+        M.save_policy(model, start_policy, dtype, stage_path(last) / "policy",
+                      {"stage": last, "stage_updates": meta["update"], **{k: meta[k] for k in M.COUNTS}})
+        publish(partner, last, stage_path(last) / "policy")
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     for s in range(first, stages):
@@ -714,7 +721,7 @@ def resident_main():
         temp = temperature or stage.temperature
         due = s == stages - 1 or bool(save_every and (s + 1) % save_every == 0)
         progress = Progress(out_dir=stage_path(s) / "policy", start=start if s == first else 0,
-                            update_offset=update_offset, start_weights=start_weights if s == first else uuid.uuid4().hex[:16],
+                            before=before, start_weights=start_weights if s == first else uuid.uuid4().hex[:16],
                             save_state=due, policy_dirs=(fast / f"policy_{s}", *([stage_path(s) / "policy"] if due else [])))
         write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temp,
                                   "attention": attention, "norm_len": loss_options(stage)["norm_len"], "resident": True})
@@ -733,12 +740,12 @@ def resident_main():
         # the engine wakes next: this process keeps only its resident state (fp32 weights, AdamW; not the
         # gradients, ~4 bytes per parameter)
         timing["gradient_bytes_kept"] = M.release_gradients(optimizer)
-        publish(partner, model, s, fast / f"policy_{s}", start_policy, dtype)
+        publish(partner, s, fast / f"policy_{s}")
         if is_main:
             if due and release_init_state:        # the newest train state has taken over from the older ones
                 for older in range(s):
                     shutil.rmtree(stage_path(older) / "train_state", ignore_errors=True)
-        update_offset += updates_per_stage
+        before = progress.after                  # the next stage continues the counts this one recorded
         write_timing(progress, {**timing, "attention": attention, "wait_seconds": waited})
         if is_main:
             partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
@@ -748,15 +755,12 @@ def resident_main():
     teardown()
 
 
-def publish(partner, model, s, directory, start_policy, dtype):
-    """Hand the policy trained on stage s (at `directory`; written there first if missing) to the engine."""
-    if not (directory / common.POLICY_ID_FILE).exists():
-        M.save_policy(model, start_policy, dtype, directory,
-                      {"stage": s, "updates_in_stage": updates_per_stage, "global_updates": (s + 1) * updates_per_stage})
+def publish(partner, s, directory):
+    """Hand the policy trained on stage s (saved at `directory`) to the engine, with its recorded counts."""
     if is_main:
-        meta = json.loads((directory / common.POLICY_ID_FILE).read_text())
-        partner.publish_policy(s, directory, Path(run_dir) / f"stage_{s}" / "policy", meta["fingerprint"],
-                               updates=(s + 1) * updates_per_stage)
+        record = common.policy_record(directory)
+        partner.publish_policy(s, directory, Path(run_dir) / f"stage_{s}" / "policy", record["fingerprint"],
+                               run_updates=record["run_updates"])
 
 
 if __name__ == "__main__":

@@ -38,15 +38,13 @@ def load_run(path):
             manifests[s] = json.loads((stage_dir / "rollouts" / "manifest.json").read_text())
     for row in _rows(path / "metrics.jsonl"):   # an ablation replay: optimize.py --out=<path>/policy
         metrics.append(row)
-    updates_per_stage = 1 + max((m["update"] for m in metrics), default=-1)
-    for m in metrics:
-        m["global_update"] = m["stage"] * updates_per_stage + m["update"]
     return {"name": path.name, "results": _rows(path / "results.jsonl"), "timeline": _rows(path / "timeline.jsonl"),
             "metrics": metrics, "manifests": manifests}
 
 
 def accuracy_by_stage(run):
-    """[(stage, updates, hours, mean avg@k over benchmarks)] in stage order."""
+    """[(stage, the run's updates (the evaluated policy's record), hours, mean avg@k over benchmarks)] in stage
+    order."""
     by_stage = {}
     for r in run["results"]:
         by_stage.setdefault(r["stage"], []).append(r)
@@ -123,13 +121,13 @@ def figures(runs, out):
         fig, ax = plt.subplots(figsize=(6, 4))
         for run in runs:
             for key, label in series:
-                pts = [(m["global_update"], m[key]) for m in run["metrics"] if m.get(key) is not None]
+                pts = [(m["run_update"], m[key]) for m in run["metrics"] if m.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), label=f"{run['name']}: {label}")
         for run in runs[:1]:
             for m in run["metrics"]:
                 if m["update"] == 0 and m["stage"] > 0:
-                    ax.axvline(m["global_update"] - 0.5, color="grey", alpha=0.3)
+                    ax.axvline(m["run_update"] - 0.5, color="grey", alpha=0.3)
         ax.set(xlabel="update (stages back to back; grey: a new stage's rollouts)", title=title)
         ax.legend(fontsize=7)
         save(fig, title.split(" ")[0].lower() + "_" + title.split(" ")[-1] + ".png")

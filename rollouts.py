@@ -1,4 +1,4 @@
-"""The rollout files (DESIGN.md §3): written by generate.py, read by optimize.py.
+"""The rollout files (docs/design.md §3): written by generate.py, read by optimize.py.
 
 A stage's `rollouts/` directory holds JSONL shards, the readable contract (one line per response),
 and beside each shard its **columns**: the numbers training needs, as flat binary arrays that every

@@ -44,6 +44,7 @@ RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-0.5}  # resident, GPU: each engine's 
 #                    ENGINES=2 TRAIN_RANKS=2 runs the 4×H200 box's control flow (engines in child
 #                    processes, FSDP2 over gloo ranks), as the tests do
 #   WARMUP           linear warmup updates, counted over the whole run        (paper 0)
+#   NAV_DELTA        NAV trigger threshold δ of the LOSS presets with NAV     (paper 1e-4; losses.sh)
 # ------------------------------------------------------------------------------
 
 bash setup.sh >&2
@@ -191,7 +192,7 @@ if [[ "$PREFLIGHT" != 0 ]]; then
       "${TEMPLATE_ARG[@]}" $PREFLIGHT_ARGS 9>&-
 fi
 (( EVAL_EVERY == 0 )) || [[ "$RESIDENT" == true ]] \
-  || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 --updates=0 "${EVAL_ARGS[@]}"
+  || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 "${EVAL_ARGS[@]}"
 
 POLICY=$MODEL
 STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
@@ -260,7 +261,7 @@ for ((s = 0; s < STAGES; s++)); do
     rm -rf "$RUN/stage_$((s - 1))/train_state"                  # stage s carries it on
   fi
   if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || s == STAGES - 1) )); then
-    phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s --updates=$(( (s + 1) * UPDATES )) "${EVAL_ARGS[@]}"
+    phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
   fi
 done
 

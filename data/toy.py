@@ -1,4 +1,4 @@
-"""The toy task (DESIGN.md §5): two-number addition, graded by reward.py, with a tiny policy built here.
+"""The toy task (docs/design.md §5): two-number addition, graded by reward.py, with a tiny policy built here.
 
     python data/toy.py --out_dir=data/toy            # writes train.jsonl, test.jsonl and model/
 

@@ -56,9 +56,9 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
     (tmp_path / "shm").mkdir()
     trainer = handoff.Partner(tmp_path / "run", "trainer")
     trainer.announce()
-    trainer.publish_policy(0, "/x/policy_0", "run/stage_0/policy", "abc", updates=8)
+    trainer.publish_policy(0, "/x/policy_0", "run/stage_0/policy", "abc", run_updates=8)
     flag, waited = handoff.Partner(tmp_path / "run", "engine").wait_for_policy(0)
-    assert flag == {"stage": 0, "path": "/x/policy_0", "policy": "run/stage_0/policy", "fingerprint": "abc", "updates": 8}
+    assert flag == {"stage": 0, "path": "/x/policy_0", "policy": "run/stage_0/policy", "fingerprint": "abc", "run_updates": 8}
     for d in handoff.policy_locations(tmp_path / "run"):
         (d / "policy_0").mkdir(parents=True)
     handoff.reset(tmp_path / "run")

@@ -80,7 +80,7 @@ def test_the_lab_builder_writes_a_policy_that_loads(small_lab):
 def test_diagnostics_by_hand(small_lab, monkeypatch):
     # one group of three: a correct response (A = +1) and two that leave the worked solution at token f = 5 (A = -1/2
     # each); ratios are set by hand through the checkpoint's log-probs (behavior log-probs all 0)
-    monkeypatch.setattr(sys, "argv", ["diagnose.py"])         # its defaults (δ = 1e-4)
+    monkeypatch.setattr(sys, "argv", ["diagnose.py"])
     sys.modules.pop("diagnose", None)
     import diagnose
     from transformers import AutoTokenizer
@@ -97,7 +97,7 @@ def test_diagnostics_by_hand(small_lab, monkeypatch):
     ratios[1][2] = 1e-5            # second response: κ = 2, before f (δ = 1e-4)
     ratios[2][f + 1] = 1e-5        # third: κ = f + 1, after f
     ratios[2][f] = 0.5             # its ratio at the first wrong token
-    stats = diagnose.diagnose(rows, [np.log(r) for r in ratios], tokenizer)
+    stats = diagnose.diagnose(rows, [np.log(r) for r in ratios], tokenizer, 1e-4)
     assert stats["negative_responses"] == 2
     assert (stats["kappa_before"], stats["kappa_at"], stats["kappa_after"], stats["kappa_none"]) == (0.5, 0, 0.5, 0)
     assert stats["ratio_at_first_wrong_p50"] == pytest.approx((1.0 + 0.5) / 2)
@@ -110,6 +110,32 @@ def test_diagnostics_by_hand(small_lab, monkeypatch):
     assert stats["push_before"] == pytest.approx(np.mean(before))
     assert stats["push_at"] == pytest.approx(-0.75)
     assert stats["push_after"] == pytest.approx(np.mean([-0.5 - 0.5e-5, -1.0] * 2))
+
+
+def test_diagnose_reports_kappa_at_the_delta_each_replay_trained_with(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["diagnose.py"])
+    sys.modules.pop("diagnose", None)
+    import diagnose
+
+    def replay(variant, delta):
+        d = tmp_path / variant / "seed0"
+        d.mkdir(parents=True)
+        (d / "optimize_config.json").write_text(json.dumps({"hyperparameters": {"nav_delta": delta}}))
+    replay("mu-grpo", 0.1)
+    replay("grpo", None)
+    assert diagnose.deltas(tmp_path, [("grpo", 0), ("mu-grpo", 0)]) == {("grpo", 0): 0.1, ("mu-grpo", 0): 0.1}
+    with pytest.raises(SystemExit, match="no replay listed ran with NAV"):
+        diagnose.deltas(tmp_path, [("grpo", 0)])
+    replay("nav-T", 1e-4)
+    with pytest.raises(SystemExit, match="several NAV δ"):
+        diagnose.deltas(tmp_path, [("nav-T", 0), ("mu-grpo", 0)])
+    with pytest.raises(SystemExit, match="optimize_config.json is missing"):
+        diagnose.deltas(tmp_path, [("m2po", 0)])
+    monkeypatch.setattr(diagnose, "nav_delta", 1e-3)                       # --nav_delta wins
+    assert diagnose.deltas(tmp_path, [("grpo", 0)]) == {("grpo", 0): 1e-3}
+    # κ is the trainer's own trigger test: A < 0 and ρ < δ (strictly), the first such token
+    assert diagnose.first_trigger(np.array([1.0, 0.1, 0.05]), -1.0, 0.1) == 2
+    assert diagnose.first_trigger(np.array([1.0, 0.05]), +1.0, 0.1) is None
 
 
 def _fake_ablation(root):
@@ -179,11 +205,12 @@ def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_
     table = (out / "plots" / "table.md").read_text()
     assert all(f"| {v} | 1 |" in table for v in ("grpo", "mu-grpo"))
     # the mechanism diagnostics on the saved checkpoints (the pipeline: every share is a share, push is finite)
-    run_script("diagnose.py", f"--ablation_dir={out}", "--variants=mu-grpo", "--updates=0,4", "--nav_delta=0.5",
-               "--groups=4")
+    # at the replays' own δ (NAV_DELTA=0.5, read from their optimize_config.json), also for grpo's, which had none
+    run_script("diagnose.py", f"--ablation_dir={out}", "--variants=grpo,mu-grpo", "--updates=0,4", "--groups=4")
     rows = json.loads((out / "plots" / "diagnostics.json").read_text())   # the numbers: test_diagnostics_by_hand
-    assert [(r["variant"], r["updates"]) for r in rows] == [("mu-grpo", 0), ("mu-grpo", 4)]
-    assert (out / "plots" / "diagnostics.md").read_text().count("| mu-grpo | 0 |") == 2
+    assert [(r["variant"], r["updates"], r["nav_delta"]) for r in rows] == \
+        [("grpo", 0, 0.5), ("grpo", 4, 0.5), ("mu-grpo", 0, 0.5), ("mu-grpo", 4, 0.5)]
+    assert (out / "plots" / "diagnostics.md").read_text().count("| mu-grpo | 0 | 0.5 |") == 2
     # an engine that reloads the weights samples what a fresh engine samples: [a perturbed copy, the initial
     # policy] by one engine; its initial-policy samples equal those of the ablation's engine, which started
     # on it (the replays here barely move a policy that solves nothing, so a copy is perturbed instead)

@@ -357,7 +357,7 @@ def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation_in_resident_mode(to
     for s in (0, 1, 2):
         metrics = read_lines(run_dir / f"stage_{s}" / "metrics.jsonl")
         assert all(m["kl/in_loss"] == 1 and m["kl/ref_mean"] >= 0 for m in metrics)
-        assert [m["global_update"] for m in metrics] == [2 * s, 2 * s + 1]          # one run across stages
+        assert [m["run_update"] for m in metrics] == [2 * s, 2 * s + 1]             # one run across stages
         timing = json.loads((run_dir / f"stage_{s}" / "optimize_timing.json").read_text())
         assert timing["ref_pass_seconds"] > 0 and timing["train_seconds"] > 0
     first = read_lines(run_dir / "stage_0" / "metrics.jsonl")[0]

@@ -87,7 +87,7 @@ def test_padding_contributes_nothing():
 
 def test_vetoed_tokens_leave_the_token_mean():
     # A = −1, ratios [1, 1e-5 (trigger), 2, 3]; scope H vetoes t=2,3: the mean is over the 2 kept tokens
-    # (verl's masked token-mean, DESIGN.md §4); with token_normalizer="all" over all 4 response tokens
+    # (verl's masked token-mean, docs/design.md §1); with token_normalizer="all" over all 4 response tokens
     loss, grad, m = _loss_and_grad([[0.0] * 4], [[1.0, 1e-5, 2.0, 3.0]], [-1.0],
                                    clip_low=0.0, clip_high=5.0, nav_delta=1e-4, nav_scope="H")
     assert loss == pytest.approx((1.0 + 1e-5) / 2, abs=1e-7)

@@ -16,7 +16,7 @@ import common
 import loss as L
 import model as M
 import rollouts
-from conftest import ROOT, kill_when, read_lines, run_script
+from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
 
 G = 4
 
@@ -87,7 +87,7 @@ def test_policy_moves_toward_rewarded_responses(toy, stage):
         assert (moved > 0) == (r["advantage"] > 0), (r["sample_idx"], moved)
     assert (stage / "policy" / "tokenizer.json").exists()
     progress = json.loads((stage / "train_state" / "progress.json").read_text())   # the next stage continues it
-    assert progress["complete"] and progress["update"] == progress["global_update"] == 6
+    assert progress["complete"] and progress["update"] == progress["run_updates"] == progress["optimizer_updates"] == 6
     settings = json.loads((stage / "optimize_config.json").read_text())     # what produced these numbers
     assert settings["hyperparameters"]["lr"] == 1e-3 and settings["hyperparameters"]["nav_scope"] == "H"
     assert settings["resolved"]["temperature"] == 1.0 and settings["resolved"]["norm_len"] == 12
@@ -399,26 +399,54 @@ def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
 
 
 @pytest.mark.slow
-def test_adam_state_and_update_count_carry_over_to_the_next_stage(toy, stage, tmp_path):
+@needs_vllm
+def test_stages_of_different_lengths_are_counted_from_the_records(toy, stage, tmp_path):
+    # stage 0: 2 updates; stage 1 continues its train state for 3; stage 2 resets AdamW (RESET_OPTIMIZER) from stage
+    # 1's policy for 2. The run's count goes on through all three, AdamW's and the warmup restart at the reset, and
+    # every reader (the next stage, plot.py, evaluate.py's rows) takes the counts from the records
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    args = ["--updates_per_stage=2", "--prompts_per_update=2", "--lr=1e-3", "--warmup_updates=4"]
-    run_script("optimize.py", f"--stage_dir={stage}", *args)
-    shutil.copytree(stage / "rollouts", tmp_path / "stage_1" / "rollouts")           # the next stage's data
-    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--init_state={stage / 'train_state'}")
+    args = ["--prompts_per_update=2", "--lr=1e-3", "--warmup_updates=4"]
+    run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *args)
+    shutil.copytree(stage / "rollouts", tmp_path / "stage_1" / "rollouts")           # the next stages' data
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", "--updates_per_stage=3", *args,
+               f"--init_state={stage / 'train_state'}")
     carried = read_lines(tmp_path / "stage_1" / "metrics.jsonl")
-    assert [m["global_update"] for m in carried] == [2, 3]
-    assert [m["lr"] for m in carried] == pytest.approx([1e-3 * 3 / 4, 1e-3 * 4 / 4])    # warmup goes on
+    assert [(m["update"], m["run_update"], m["optimizer_update"]) for m in carried] == [(0, 2, 2), (1, 3, 3), (2, 4, 4)]
+    assert [m["lr"] for m in carried] == pytest.approx([1e-3 * 3 / 4, 1e-3, 1e-3])      # warmup goes on
     dcp_to_torch_save(tmp_path / "stage_1" / "train_state", tmp_path / "state.pt")
     optim = torch.load(tmp_path / "state.pt", weights_only=False)["optim"]["state"]
-    assert {int(s["step"]) for s in optim.values()} == {4}                          # AdamW's 4th step
+    assert {int(s["step"]) for s in optim.values()} == {5}                          # AdamW's 5th step
+    record = common.policy_record(tmp_path / "stage_1" / "policy")
+    assert (record["stage_updates"], record["run_updates"], record["optimizer_updates"]) == (3, 5, 5)
+    # a reset: fresh AdamW and warmup from stage 1's policy, whose record carries the run's count on
+    shutil.copytree(stage / "rollouts", tmp_path / "stage_2" / "rollouts")
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_2'}", "--updates_per_stage=2", *args,
+               f"--policy={tmp_path / 'stage_1' / 'policy'}")
+    reset = read_lines(tmp_path / "stage_2" / "metrics.jsonl")
+    assert [(m["run_update"], m["optimizer_update"]) for m in reset] == [(5, 0), (6, 1)]
+    assert [m["lr"] for m in reset] == pytest.approx([1e-3 / 4, 2e-3 / 4])
+    record = common.policy_record(tmp_path / "stage_2" / "policy")
+    assert (record["stage_updates"], record["run_updates"], record["optimizer_updates"]) == (2, 7, 2)
+    import plot
+    assert [m["run_update"] for m in plot.load_run(tmp_path)["metrics"]] == list(range(7))
+    results = tmp_path / "results.jsonl"
+    policies = ",".join(str(tmp_path / f"stage_{s}" / "policy") for s in range(3))
+    run_script("evaluate.py", f"--policy={toy / 'model'},{policies}", f"--data_dir={toy}", "--benchmarks=test",
+               "--max_problems=2", "--k=1", "--max_response_tokens=4", "--prompt_template={problem}",
+               f"--results={results}", "--grader_workers=1")
+    assert sorted(r["updates"] for r in read_lines(results)) == [0, 2, 5, 7]
+
+
+@pytest.mark.slow
+def test_a_stage_continues_the_previous_train_state_exactly_or_releases_it(toy, stage, tmp_path):
+    args = ["--updates_per_stage=2", "--prompts_per_update=2", "--lr=1e-3"]
+    run_script("optimize.py", f"--stage_dir={stage}", *args)
+    shutil.copytree(stage / "rollouts", tmp_path / "stage_1" / "rollouts")
     # --init_state with no update: the policy is the previous stage's fp32 weights, exactly
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", "--updates_per_stage=0",
                f"--init_state={stage / 'train_state'}", f"--out={tmp_path / 'zero' / 'policy'}")
     a, b = _weights(stage / "policy"), _weights(tmp_path / "zero" / "policy")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # without it (a reset): fresh AdamW and warmup, other weights
-    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--out={tmp_path / 'reset' / 'policy'}")
-    assert [m["lr"] for m in read_lines(tmp_path / "reset" / "metrics.jsonl")] == pytest.approx([1e-3 / 4, 2e-3 / 4])
     # --release_init_state: the previous stage's state is deleted once this stage has written its own (update 1
     # here), so two train states coexist on disk, not three
     shutil.copytree(stage / "train_state", tmp_path / "previous")
