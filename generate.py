@@ -20,7 +20,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -88,18 +87,6 @@ def rollouts_dir(s):
     return Path(run_dir) / f"stage_{s}" / "rollouts"
 
 
-def shard_path(s, k):
-    return rollouts_dir(s) / f"shard_{k:05d}.jsonl"
-
-
-def stats_path(s, k):
-    return rollouts_dir(s) / f"shard_{k:05d}.stats.json"
-
-
-def shard_done(s, k):
-    return shard_path(s, k).exists() and stats_path(s, k).exists()
-
-
 def stage_policy(s):
     """The policy that generates stage s, as the run names it: the initial one for the first stage, else the
     policy trained on stage s − 1 (run_stages.sh's <run>/stage_<s−1>/policy)."""
@@ -134,7 +121,7 @@ def stage_shards(s, problems):
 def engine_shards(shards, rank, s):
     """The shards of stage s that engine `rank` generates and has not yet written: shard k goes to engine
     k mod n_engines (a rule every engine process applies alone to the same stage, so no two take one shard)."""
-    return [k for k in shards if k % n_engines == rank and not shard_done(s, k)]
+    return [k for k in shards if k % n_engines == rank and not rollouts.shard_done(rollouts_dir(s), k)]
 
 
 def prepare_stage(s, label):
@@ -142,7 +129,7 @@ def prepare_stage(s, label):
     with, remove a killed run's half-written files, check the disk."""
     out = rollouts_dir(s)
     out.mkdir(parents=True, exist_ok=True)
-    plan_file, plan = out / "plan.json", plan_of(s, label)
+    plan_file, plan = out / rollouts.PLAN, plan_of(s, label)
     if plan_file.exists():
         old = json.loads(plan_file.read_text())
         diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
@@ -151,11 +138,7 @@ def prepare_stage(s, label):
                      f"sets the shard count of a stage smaller than ENGINES × SHARD_PROMPTS) or delete the directory")
     else:
         common.atomic_write_json(plan_file, plan)
-    # a killed run's half-written files: common.atomic_write's `.<name>.tmp<pid>` beside the shards, the
-    # column writer's `.shard_k.tmp<pid>/` (and a replaced `.shard_k.old<pid>/`) under columns/; this
-    # process is the directory's only writer (run_stages.sh holds the run's lock; workers start later)
-    for stale in [*out.glob(".*.tmp*"), *out.glob("columns/.*.tmp*"), *out.glob("columns/.*.old*")]:
-        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    rollouts.remove_temporaries(out)    # a killed run's; this process is the only writer (its workers start later)
     # what the stage will write, estimated: half the response limit per response at ~40 bytes per token
     # (JSONL ids, log-probs and text, ~30; binary columns, 8)
     common.require_free_disk(out, prompts_per_stage * group_size * max_response_tokens // 2 * 40,
@@ -234,9 +217,9 @@ def grade_and_write(s, label, k, kept, outputs, skipped, gen_seconds, started_at
              "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
              "generation_seconds": gen_seconds, "started_at": started_at, "engine": max(worker_rank, 0),
              "max_num_seqs": max_num_seqs}
-    rollouts.write_shard(shard_path(s, k), lines)          # JSONL and its columns
+    rollouts.write_shard(rollouts.shard_path(rollouts_dir(s), k), lines)          # JSONL and its columns
     stats["finished_at"] = time.time()
-    common.atomic_write_json(stats_path(s, k), stats)      # a shard counts once its stats exist too
+    common.atomic_write_json(rollouts.stats_path(rollouts_dir(s), k), stats)      # a shard counts once its stats exist too
     return stats
 
 
@@ -349,10 +332,10 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     """Stage s's manifest.json, written last once every shard is: sampling parameters, counts and summary
     statistics of the shards (policy_id: the fingerprint of the policy that generated them, default its
     directory's). Returns it."""
-    missing = [k for k in shard_ids if not shard_done(s, k)]
+    missing = [k for k in shard_ids if not rollouts.shard_done(rollouts_dir(s), k)]
     if missing:
         sys.exit(f"stage {s}: shards {missing} were not produced; rerun to resume")
-    stats = [json.loads(stats_path(s, k).read_text()) for k in shard_ids]
+    stats = [json.loads(rollouts.stats_path(rollouts_dir(s), k).read_text()) for k in shard_ids]
     if sum(st["responses"] for st in stats) == 0:
         sys.exit(f"stage {s}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
                  f"(after the template); raise it or shorten --prompt_template")
@@ -367,7 +350,7 @@ def write_manifest(s, label, shard_ids, policy_id=None):
         "complete": True, "stage": s, "policy": label, "policy_id": policy_id or common.policy_fingerprint(label),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "max_tokens": max_response_tokens, "seed": seed, "logprobs_mode": "processed_logprobs"},
-        "plan": plan_of(s, label), "shards": [shard_path(s, st["shard"]).name for st in stats],
+        "plan": plan_of(s, label), "shards": [rollouts.shard_path(rollouts_dir(s), st["shard"]).name for st in stats],
         "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
         "mean_reward": total("reward_sum") / max(1, responses),
         "frac_groups_all_correct": total("groups_all_correct") / max(1, groups),
@@ -393,7 +376,7 @@ def write_manifest(s, label, shard_ids, policy_id=None):
         "wall_seconds": wall,
         "wall_tokens_per_s": total("response_tokens") / max(1e-9, wall),
     }
-    common.atomic_write_json(rollouts_dir(s) / "manifest.json", manifest)
+    common.atomic_write_json(rollouts_dir(s) / rollouts.MANIFEST, manifest)
     print(f"stage {s} rollouts: {responses} responses, mean reward {manifest['mean_reward']:.3f}, all-correct groups "
           f"{manifest['frac_groups_all_correct']:.2f}, all-wrong {manifest['frac_groups_all_wrong']:.2f}, mean length "
           f"{manifest['mean_response_tokens']:.0f} (max {manifest['max_response_tokens']}), truncated "
@@ -405,13 +388,13 @@ def write_manifest(s, label, shard_ids, policy_id=None):
 def one_stage(problems):
     """The process-per-phase run: stage --stage with --policy, on one engine here or one per GPU group."""
     s, label = stage, str(policy)
-    if is_main and (rollouts_dir(s) / "manifest.json").exists():
+    if is_main and (rollouts_dir(s) / rollouts.MANIFEST).exists():
         print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
         return
     shards = stage_shards(s, problems)
     if is_main:
         prepare_stage(s, label)
-    todo = [k for k in shards if not shard_done(s, k)]
+    todo = [k for k in shards if not rollouts.shard_done(rollouts_dir(s), k)]
     if is_main:
         print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
               f"in {len(shards)} shards ({len(shards) - len(todo)} already done); {n_engines} engine(s) × "
@@ -433,7 +416,7 @@ def one_stage(problems):
 
 def first_pending_stage():
     """The first stage from --stage on without a complete manifest (--stages: every stage is generated)."""
-    return next((s for s in range(stage, stages) if not (rollouts_dir(s) / "manifest.json").exists()), stages)
+    return next((s for s in range(stage, stages) if not (rollouts_dir(s) / rollouts.MANIFEST).exists()), stages)
 
 
 def eval_due(t):

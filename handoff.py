@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import common
+import rollouts
 
 START_GRACE_S = 600.0   # how long a process waits for its partner to announce itself (a cold vLLM or torch start)
 
@@ -202,7 +203,7 @@ class Partner:
     # the engine → the trainer
 
     def manifest(self, stage):
-        return self.run_dir / f"stage_{stage}" / "rollouts" / "manifest.json"
+        return self.run_dir / f"stage_{stage}" / "rollouts" / rollouts.MANIFEST
 
     def wait_for_rollouts(self, stage):
         """Seconds waited until stage `stage`'s rollouts are complete (their manifest is written last, once every

@@ -16,7 +16,6 @@ caches of the stage (rollout columns, per-stage log-prob passes) go into the sta
 """
 import dataclasses
 import datetime
-import json
 import math
 import os
 import shutil
@@ -36,6 +35,7 @@ import model as M
 import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the stage and its outputs
 stage_dir = "runs/toy/stage_0"  # holds rollouts/ (JSONL read only; its columns are built there if missing)
 policy = ""                     # stage policy to start from (default: the one that generated the rollouts)
 out = ""                        # next policy directory (default: <stage_dir>/policy); metrics.jsonl,
@@ -45,16 +45,22 @@ init_state = ""                 # the previous stage's train_state/: continue it
 save_train_state = True         # keep train_state/ at the end (the next stage's --init_state)
 release_init_state = False      # delete --init_state once this stage's own train state is written (it has taken
                                 # over; run_stages.sh: true unless KEEP_TRAIN_STATES), so two states coexist, not three
+
+# the schedule: which rollouts each update trains on
 updates_per_stage = 16          # μ: optimizer updates on this stage's rollouts (paper: 1024; GRPO: 4)
 prompts_per_update = 8          # whole groups per update (paper: 64 prompts × G=8 = 512 responses)
 skip_zero_variance = False      # True: leave out groups whose rewards are all equal and draw minibatches from
                                 # repeated passes over the rest (responses reused: an ablation, not the paper)
 seed = 0                        # the seeded order in which the stage's groups become minibatches
+
+# AdamW
 lr = 1e-6                       # AdamW learning rate (constant after warmup)
-warmup_updates = 0              # linear warmup over the run's first updates (counted across stages)
+warmup_updates = 0              # linear warmup over AdamW's first updates (across stages; RESET_OPTIMIZER: each)
 weight_decay = 0.01
 adam_betas = "0.9,0.999"
 grad_clip = 1.0                 # max global grad norm
+
+# the loss (loss.py; the LOSS presets of losses.sh set these)
 temperature = 0.0               # log-prob temperature; 0: the sampling temperature from the manifest
 clip_low = 0.0                  # ratio clip bounds (μ-GRPO 0 and 5; GRPO 0.8 and 1.2; DAPO 0.8 and 1.28)
 clip_high = 5.0
@@ -70,17 +76,25 @@ ref_policy = ""                 # π_ref (run_stages.sh: the run's first MODEL);
 agg = "token-mean"              # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
 token_normalizer = "kept"       # means divide by kept tokens (vetoed/masked ones leave, as verl) | all
 norm_len = 0                    # Dr. GRPO constant length (0: the manifest's max response tokens)
+
+# memory and kernels
 micro_batch_tokens = 16384      # tokens (prompt + response) packed into one micro-batch, per GPU
 gradient_checkpointing = False  # recompute each layer in backward: activations of one layer at a time
 attn_implementation = "auto"    # auto | flash_attention_2 | flex_attention | varlen_sdpa | sdpa (docs/scripts.md)
 lora_rank = 0                   # > 0: train LoRA adapters (peft) on all linear layers; merged at save
 lora_alpha = 32
+
+# saving within a stage
 checkpoint_every = 0            # updates between resumable states (0: only the final one)
 save_policy_every = 0           # also write the policy every K updates, to <out>_u<k> (curves within a stage)
+
+# guards and checks
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
 mismatch_warn = 0.05            # warn when the first update's mean |log ratio| exceeds this
 check_packing = False           # update 0: log check/packed_* (the micro-batch packed in two orders) and check/alone_*
                                 # (packed vs one sequence at a time): mean, p99.9, max |Δ log p|
+
+# resident mode (run_stages.sh RESIDENT=true)
 resident = False                # keep the model and AdamW for a run's every stage, handed rollouts and handing policies
                                 # to generate.py --resident (handoff.py; run_stages.sh RESIDENT=true)
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
@@ -460,16 +474,13 @@ def run_update(model, optimizer, stage, batch, temp, loss_kw, columns, measure_m
 # ----------------------------------------------------------------------------- one stage
 
 
-def train_stage(model, optimizer, stage, progress, columns, start_policy, save_dtype):
-    """The stage's updates from progress.start on: the TIS pass, the schedule, the loop (metrics lines,
-    intermediate policies and resumable states), then the final train state and policy. `columns`: the
-    stored per-stage passes computed so far (KL's reference); start_policy: its tokenizer files go with
-    every saved policy. Returns its timing."""
+def describe_stage(stage):
+    """Log what the stage trains on and with which loss; returns the log-prob temperature (--temperature, else the
+    sampling temperature)."""
     temp = temperature or stage.temperature
     if temperature and temperature != stage.temperature:
         log(f"WARNING: --temperature={temperature} differs from the sampling temperature {stage.temperature}: "
             f"the ratios will not start at 1")
-    loss_kw, schedule, start, timing = loss_options(stage), minibatch_schedule(stage), progress.start, {}
     G = stage.group_size
     tokens_per_group = stage.response_len.sum() / max(1, len(stage.groups))
     log(f"stage {stage.index}: {len(stage.groups)} groups × G={G} ({int(stage.zero_variance.sum())} with zero reward "
@@ -478,6 +489,35 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         f"tokens; staleness 0..{max(updates_per_stage - 1, 0)} updates; temperature {temp}")
     log(f"  loss: clip [{clip_low}, {clip_high}], dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, "
         f"M2PO τ={m2po_tau}, TIS cap {tis_cap}, KL β={kl_coef} ({kl_estimator}), {agg} over {token_normalizer} tokens")
+    return temp
+
+
+def metrics_row(stage, u, groups, counts, lr_now, m, seconds, extra):
+    """Update u's line of metrics.jsonl: its place (in the stage: its staleness; in the run; in AdamW's life), its
+    minibatch, loss.metrics' values (the engine/trainer mismatch at update 0 only), timing. Warns at update 0 when
+    the engine's and the trainer's log-probs disagree before any update."""
+    batch = stage.groups[groups].ravel()
+    tokens = int((stage.prompt_len[batch] + stage.response_len[batch]).sum())
+    row = {"update": u, "run_update": counts["run_updates"], "optimizer_update": counts["optimizer_updates"],
+           "stage": stage.index, "staleness": u, "lr": lr_now, "reward/mean": float(stage.reward[batch].mean()),
+           "minibatch/zero_variance_frac": float(stage.zero_variance[groups].mean()),
+           "groups": [stage.group_keys[i] for i in groups],     # which prompts (stage positions)
+           **extra, "time": time.time(), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    row.update({k: v for k, v in m.items() if u == 0 or not k.startswith("mismatch/")})
+    if u == 0 and m["mismatch/mean_abs_log_ratio"] > mismatch_warn:
+        log(f"WARNING: before any update the mean |log ratio| between trainer and engine is "
+            f"{m['mismatch/mean_abs_log_ratio']:.3f} (> {mismatch_warn}): check the temperature, top_p/top_k "
+            f"and that --policy is the checkpoint that generated the rollouts")
+    return {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
+
+
+def train_stage(model, optimizer, stage, progress, columns, start_policy, save_dtype):
+    """The stage's updates from progress.start on: the TIS pass, the schedule, the loop (metrics lines,
+    intermediate policies and resumable states), then the final train state and policy. `columns`: the
+    stored per-stage passes computed so far (KL's reference); start_policy: its tokenizer files go with
+    every saved policy. Returns its timing."""
+    temp = describe_stage(stage)
+    loss_kw, schedule, start, timing = loss_options(stage), minibatch_schedule(stage), progress.start, {}
     if tis_cap is not None:
         columns = {**columns}
         columns["old"], timing["old_pass_seconds"] = logprob_pass(model, stage, temp, "old", progress.start_weights,
@@ -520,22 +560,9 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
                              f"lower --lr or check the rollouts")
         seconds = time.perf_counter() - t0
         train_seconds += seconds
-        row = {"update": u, "run_update": counts["run_updates"], "optimizer_update": counts["optimizer_updates"],
-               "stage": stage.index, "staleness": u, "lr": lr_now,
-               "reward/mean": float(stage.reward[batch].mean()),
-               "minibatch/zero_variance_frac": float(stage.zero_variance[schedule[u]].mean()),
-               "groups": [stage.group_keys[i] for i in schedule[u]],     # which prompts (stage positions)
-               "skipped_nonfinite": skipped_total, "update_skipped": not stepped, "time": time.time(),
-               "seconds": seconds, "tokens": int((stage.prompt_len[batch] + stage.response_len[batch]).sum())}
-        row["tokens_per_s"] = row["tokens"] / seconds
-        row.update({k: v for k, v in m.items() if u == 0 or not k.startswith("mismatch/")})
-        if u == start and check_packing:
-            row.update(packed_diff)
-        if u == 0 and m["mismatch/mean_abs_log_ratio"] > mismatch_warn:
-            log(f"WARNING: before any update the mean |log ratio| between trainer and engine is "
-                f"{m['mismatch/mean_abs_log_ratio']:.3f} (> {mismatch_warn}): check the temperature, top_p/top_k "
-                f"and that --policy is the checkpoint that generated the rollouts")
-        row = {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
+        row = metrics_row(stage, u, schedule[u], counts, lr_now, m, seconds,
+                          {"skipped_nonfinite": skipped_total, "update_skipped": not stepped,
+                           **(packed_diff if u == start and check_packing else {})})
         if is_main:
             common.append_jsonl(progress.metrics_path, row)
             bar.set_postfix(loss=f"{m['loss/policy']:.4f}", reward=f"{row['reward/mean']:.2f}",
@@ -640,6 +667,21 @@ def teardown():
         dist.destroy_process_group()
 
 
+def kl_reference(start_policy):
+    """π_ref of the KL term: --ref_policy, else the stage policy when kl_coef > 0 (said: the usual π_ref is the
+    run's first model), else none."""
+    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
+    if reference and not ref_policy:
+        log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
+    return reference
+
+
+def record_settings(progress, stage, start_policy, reference, attention, **more):
+    """optimize_config.json with what this stage resolved at run time."""
+    write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temperature or stage.temperature,
+                              "attention": attention, "norm_len": loss_options(stage)["norm_len"], **more})
+
+
 def main():
     t_start = time.perf_counter()
     stage = open_stage(stage_dir)
@@ -648,16 +690,12 @@ def main():
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}")
     progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", save_state=save_train_state)
-    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
-    if reference and not ref_policy:
-        log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
-    temp = temperature or stage.temperature
+    reference = kl_reference(start_policy)
     check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
                saves_state=save_train_state or bool(checkpoint_every))
-    write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temp,
-                              "attention": attention, "norm_len": loss_options(stage)["norm_len"]})
+    record_settings(progress, stage, start_policy, reference, attention)
     torch.manual_seed(seed)
-    columns, timing = reference_pass(stage, temp, reference, attention, progress)
+    columns, timing = reference_pass(stage, temperature or stage.temperature, reference, attention, progress)
     source = M.state_source(progress.state_dir, init_state)
     model, optimizer = build_trainer(start_policy, attention, weights=source is None)
     progress.start, progress.before, progress.start_weights, said = M.restore(
@@ -676,83 +714,116 @@ def main():
 # ----------------------------------------------------------------------------- resident mode
 
 
+@dataclasses.dataclass
+class Resident:
+    """What the resident trainer keeps for the whole run: the policy and AdamW, KL's reference model, and where the
+    policies are handed over."""
+    model: object
+    optimizer: object
+    start_policy: Path
+    attention: str
+    reference: str
+    ref_model: object
+    fast: Path = None
+
+    @property
+    def dtype(self):
+        return M.checkpoint_dtype(self.start_policy)
+
+
+def run_stage_dir(s):
+    return Path(run_dir) / f"stage_{s}"
+
+
 def resident_main():
     """Resident mode: the model, AdamW (and KL's reference model) built once and kept for stages from the first
     untrained one to --stages−1; each stage's rollouts are waited for, trained on (train_stage, as a one-stage
     run would), and the policy handed to the engine process through the fast hand-off directory. A resumed
-    run starts from the last train state in the run directory and trains again the stages after it (their
+    run starts from the newest train state in the run directory and trains again the stages after it (their
     rollouts are on disk), which gives the same weights as an unbroken run."""
     partner = handoff.Partner(run_dir, "trainer")
     if is_main:
         partner.announce()
-    start_policy = common.local_dir(policy)
-    attention = M.choose_attention(attn_implementation, device)
-    stage_path = lambda s: Path(run_dir) / f"stage_{s}"    # noqa: E731
     last, meta = M.newest_state(run_dir, stages)
     first = (last + 1 if meta["complete"] else last) if meta else 0
-    if meta is not None and meta["complete"] and common.policy_record(stage_path(last) / "policy"):
-        publish(partner, last, stage_path(last) / "policy")   # the engine resumes from it
+    if meta is not None and meta["complete"] and common.policy_record(run_stage_dir(last) / "policy"):
+        publish(partner, last, run_stage_dir(last) / "policy")   # the engine resumes from it
     if first < stages:                    # the engine's first rollouts: it is asleep before this process takes memory
         partner.wait_for_rollouts(first)
     t_start = time.time()
-    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
-    torch.manual_seed(seed)
-    ref_model = M.build(reference, attention=attention, trainable=False) if reference else None
-    model, optimizer = build_trainer(start_policy, attention, weights=meta is None)
+    start_policy = common.local_dir(policy)
+    trainer = build_resident(start_policy, weights=meta is None)
     start, before, start_weights, said = M.restore(
-        model, optimizer, stage_path(last) / "train_state" if meta else None, resume=meta is not None and not meta["complete"],
-        start_weights=common.policy_fingerprint(start_policy), start_policy=start_policy)
+        trainer.model, trainer.optimizer, run_stage_dir(last) / "train_state" if meta else None,
+        resume=meta is not None and not meta["complete"], start_weights=common.policy_fingerprint(start_policy),
+        start_policy=start_policy)
     if said:
         log(said)
-    dtype = M.checkpoint_dtype(start_policy)
-    fast, why = broadcast(handoff.fast_dir(run_dir, M.parameter_count(start_policy) * dtype.itemsize) if is_main else None)
-    log(f"policies are handed over through {fast}: {why}")
     if meta is not None and meta["complete"] and partner.trained(last) is None:   # killed before its policy was saved
-        M.save_policy(model, start_policy, dtype, stage_path(last) / "policy",
+        M.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / "policy",
                       {"stage": last, "stage_updates": meta["update"], **{k: meta[k] for k in M.COUNTS}})
-        publish(partner, last, stage_path(last) / "policy")
+        publish(partner, last, run_stage_dir(last) / "policy")
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     for s in range(first, stages):
-        waited = partner.wait_for_rollouts(s)
-        t0 = time.time()
-        stage = open_stage(stage_path(s))
-        check_vocabulary(stage, start_policy)
-        temp = temperature or stage.temperature
         due = s == stages - 1 or bool(save_every and (s + 1) % save_every == 0)
-        progress = Progress(out_dir=stage_path(s) / "policy", start=start if s == first else 0,
-                            before=before, start_weights=start_weights if s == first else uuid.uuid4().hex[:16],
-                            save_state=due, policy_dirs=(fast / f"policy_{s}", *([stage_path(s) / "policy"] if due else [])))
-        write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temp,
-                                  "attention": attention, "norm_len": loss_options(stage)["norm_len"], "resident": True})
-        # room for the train state and policy a due save writes into the run directory, checked before the stage;
-        # and before the first stage whatever is due, so that a disk without room for one save stops the run now,
-        # not hours in
-        check_disk(stage, start_policy, progress, passes=(ref_model is not None) + (tis_cap is not None),
-                   saves_state=due or s == first, saves_policy=due or s == first)
-        if is_main:                            # two policies coexist in the hand-off directory: s − 1 and this one
-            shutil.rmtree(fast / f"policy_{s - 2}", ignore_errors=True)
-        columns, timing = {}, {}
-        if ref_model is not None:
-            columns["ref"], timing["ref_pass_seconds"] = logprob_pass(ref_model, stage, temp, "ref",
-                                                                      common.policy_fingerprint(reference), progress)
-        timing.update(train_stage(model, optimizer, stage, progress, columns, start_policy, dtype))
-        # the engine wakes next: this process keeps only its resident state (fp32 weights, AdamW; not the
-        # gradients, ~4 bytes per parameter)
-        timing["gradient_bytes_kept"] = M.release_gradients(optimizer)
-        publish(partner, s, fast / f"policy_{s}")
-        if is_main:
-            if due and release_init_state:        # the newest train state has taken over from the older ones
-                for older in range(s):
-                    shutil.rmtree(stage_path(older) / "train_state", ignore_errors=True)
+        progress = Progress(out_dir=run_stage_dir(s) / "policy", start=start if s == first else 0, before=before,
+                            start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
+                            policy_dirs=(trainer.fast / f"policy_{s}", *([run_stage_dir(s) / "policy"] if due else [])))
+        resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
-        write_timing(progress, {**timing, "attention": attention, "wait_seconds": waited})
-        if is_main:
-            partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
-                              "wait_seconds": waited, "gradient_bytes_kept": timing["gradient_bytes_kept"],
-                              **{k: v for k, v in timing.items() if k.endswith("seconds")}})
-    del model, optimizer, ref_model
+    del trainer
     teardown()
+
+
+def build_resident(start_policy, weights):
+    """The resident trainer's model and AdamW (empty when a train state will fill them), KL's reference model, and
+    the hand-off directory: chosen on rank 0 (it sees the same /dev/shm as the engines) and broadcast, since a rank
+    that chose otherwise would save alone into a collective; the choice is logged."""
+    attention = M.choose_attention(attn_implementation, device)
+    reference = kl_reference(start_policy)
+    torch.manual_seed(seed)
+    ref_model = M.build(reference, attention=attention, trainable=False) if reference else None
+    model, optimizer = build_trainer(start_policy, attention, weights=weights)
+    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model)
+    policy_bytes = M.parameter_count(start_policy) * trainer.dtype.itemsize
+    trainer.fast, why = broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
+    log(f"policies are handed over through {trainer.fast}: {why}")
+    return trainer
+
+
+def resident_stage(partner, trainer, s, progress, check_all):
+    """Stage s in the resident trainer: wait for its rollouts, train on them as a one-stage run would, free the
+    gradients (the engine wakes next), hand the policy over. check_all: check the disk for a save even when none
+    is due (the first stage: a disk without room for one save stops the run now, not hours in)."""
+    waited = partner.wait_for_rollouts(s)
+    t0 = time.time()
+    stage = open_stage(run_stage_dir(s))
+    check_vocabulary(stage, trainer.start_policy)
+    record_settings(progress, stage, trainer.start_policy, trainer.reference, trainer.attention, resident=True)
+    saves = progress.save_state or check_all
+    check_disk(stage, trainer.start_policy, progress, passes=(trainer.ref_model is not None) + (tis_cap is not None),
+               saves_state=saves, saves_policy=saves)
+    if is_main:                            # two policies coexist in the hand-off directory: s − 1 and this one
+        shutil.rmtree(trainer.fast / f"policy_{s - 2}", ignore_errors=True)
+    columns, timing = {}, {}
+    if trainer.ref_model is not None:
+        columns["ref"], timing["ref_pass_seconds"] = logprob_pass(
+            trainer.ref_model, stage, temperature or stage.temperature, "ref",
+            common.policy_fingerprint(trainer.reference), progress)
+    timing.update(train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
+                              trainer.dtype))
+    # this process keeps only its resident state (fp32 weights, AdamW), not the gradients (4 bytes per parameter)
+    timing["gradient_bytes_kept"] = M.release_gradients(trainer.optimizer)
+    publish(partner, s, trainer.fast / f"policy_{s}")
+    if is_main and progress.save_state and release_init_state:    # the newest train state replaces the older ones
+        for older in range(s):
+            shutil.rmtree(run_stage_dir(older) / "train_state", ignore_errors=True)
+    write_timing(progress, {**timing, "attention": trainer.attention, "wait_seconds": waited})
+    if is_main:
+        partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
+                          "wait_seconds": waited, "gradient_bytes_kept": timing["gradient_bytes_kept"],
+                          **{k: v for k, v in timing.items() if k.endswith("seconds")}})
 
 
 def publish(partner, s, directory):

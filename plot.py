@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import common
+import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
 run_dir = "runs/toy-mu-grpo"    # one run directory, or several separated by commas
@@ -34,8 +35,8 @@ def load_run(path):
         s = int(stage_dir.name.split("_")[1])
         for row in _rows(stage_dir / "metrics.jsonl"):
             metrics.append({**row, "stage": s})
-        if (stage_dir / "rollouts" / "manifest.json").exists():
-            manifests[s] = json.loads((stage_dir / "rollouts" / "manifest.json").read_text())
+        if (stage_dir / "rollouts" / rollouts.MANIFEST).exists():
+            manifests[s] = json.loads((stage_dir / "rollouts" / rollouts.MANIFEST).read_text())
     for row in _rows(path / "metrics.jsonl"):   # an ablation replay: optimize.py --out=<path>/policy
         metrics.append(row)
     return {"name": path.name, "results": _rows(path / "results.jsonl"), "timeline": _rows(path / "timeline.jsonl"),

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import common
 import reward
+import rollouts
 from loss import MISMATCH_LEVELS
 
 ROOT = Path(__file__).resolve().parent
@@ -303,7 +304,7 @@ def resident_checks(results, run_dir):
     row says it reloaded (and, on a GPU, what its sleep freed); a figure missing from a row is a FAIL."""
     import handoff
     flag = handoff.Partner(run_dir, "engine").trained(0)
-    manifest = json.loads((run_dir / "stage_1" / "rollouts" / "manifest.json").read_text())
+    manifest = json.loads((run_dir / "stage_1" / "rollouts" / rollouts.MANIFEST).read_text())
     rows = common.read_jsonl(run_dir / "timeline.jsonl")
     engine_rows = {s: {r["engine"]: r for r in rows if r["phase"] == "engine" and r["stage"] == s} for s in (0, 1)}
     reloads = [engine_rows[1].get(r, {}).get("reload_seconds") for r in range(n_engines)]
@@ -378,7 +379,7 @@ def miniature(results, figures, model):
     """The miniature run and its checks (raises PhaseError when a phase fails; a check that raises is its FAIL)."""
     import model as M
     figures["generate_seconds"] = run("generate_0", generate_cmd(model, 0))
-    manifest = json.loads((work / "stage_0" / "rollouts" / "manifest.json").read_text())
+    manifest = json.loads((work / "stage_0" / "rollouts" / rollouts.MANIFEST).read_text())
     rows = [r for f in sorted((work / "stage_0" / "rollouts").glob("shard_*.jsonl")) for r in common.read_jsonl(f)]
     with guarded(results, "stop tokens"):
         stop_token_check(results, rows, model)

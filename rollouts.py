@@ -147,6 +147,38 @@ class ColumnWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------- the stage directory's names
+# generate.py writes them, optimize.py, the hand-off and plot.py read them: this module owns them.
+MANIFEST = "manifest.json"      # written last: its presence means the stage is complete
+PLAN = "plan.json"              # the settings the stage was started with (a rerun with others is refused)
+
+
+def shard_path(directory, k):
+    """Shard k's JSONL in a stage's rollouts directory."""
+    return Path(directory) / f"shard_{k:05d}.jsonl"
+
+
+def stats_path(directory, k):
+    """Shard k's statistics, written after its JSONL and columns: the shard is done when both exist."""
+    return Path(directory) / f"shard_{k:05d}.stats.json"
+
+
+def shard_done(directory, k):
+    return shard_path(directory, k).exists() and stats_path(directory, k).exists()
+
+
+def remove_temporaries(directory):
+    """Delete what a killed writer left half-written in a rollouts directory: common.atomic_write's
+    `.<name>.tmp<pid>` beside the shards, ColumnWriter's `.shard_k.tmp<pid>/` (and a replaced `.shard_k.old<pid>/`)
+    under columns/. Only the directory's one writer may call it (run_stages.sh holds the run's lock). Returns the
+    names removed."""
+    directory = Path(directory)
+    stale = [*directory.glob(".*.tmp*"), *directory.glob("columns/.*.tmp*"), *directory.glob("columns/.*.old*")]
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return sorted(str(p.relative_to(directory)) for p in stale)
+
+
 def columns_dir(shard_path):
     shard_path = Path(shard_path)
     return shard_path.parent / "columns" / shard_path.stem
@@ -326,7 +358,7 @@ def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
     Raises RolloutError naming the file and line of the first bad response.
     """
     directory = Path(directory)
-    manifest_file = directory / "manifest.json"
+    manifest_file = directory / MANIFEST
     if not manifest_file.exists():
         shards = sorted(directory.glob("shard_*.jsonl"))
         raise RolloutError(f"{directory}: no manifest.json ({len(shards)} shards present): the stage's "

@@ -32,7 +32,7 @@ import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the 
 # ----------------------------------------------------------------------------- hyperparameters
 out_dir = "data/lab"        # where train.jsonl, test.jsonl and model/ go
 train_problems = 4096
-test_per_length = 100       # test problems per chain length (6 lengths: 600 problems)
+test_per_length = 100       # test problems per chain length (× the max_steps − min_steps + 1 lengths: printed)
 min_steps = 3               # chain lengths: min_steps..max_steps operations
 max_steps = 8
 seed = 0
@@ -112,6 +112,8 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = problems(train_problems, test_per_length, min_steps, max_steps, seed)
+    print(f"{len(train)} training problems, {len(test)} test problems ({test_per_length} per chain length, "
+          f"{max_steps - min_steps + 1} lengths: {min_steps}..{max_steps} steps)")
     toy.write_jsonl(out / "train.jsonl", train)
     toy.write_jsonl(out / "test.jsonl", test)
     corpus_rng = random.Random(seed + 1)

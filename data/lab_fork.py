@@ -31,7 +31,7 @@ import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the 
 # ----------------------------------------------------------------------------- hyperparameters
 out_dir = "data/lab_fork"   # where train.jsonl, test.jsonl and model/ go
 train_problems = 4096
-test_per_length = 50        # test problems per chain length (6 lengths: 300 problems)
+test_per_length = 50        # test problems per chain length (× the max_steps − min_steps + 1 lengths: printed)
 min_steps = 3               # chain lengths: min_steps..max_steps operations
 max_steps = 6
 seed = 0
@@ -92,6 +92,8 @@ def build(out_dir, *, train_problems=4096, test_per_length=50, min_steps=3, max_
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = lab.problems(train_problems, test_per_length, min_steps, max_steps, seed)
+    print(f"{len(train)} training problems, {len(test)} test problems ({test_per_length} per chain length, "
+          f"{max_steps - min_steps + 1} lengths: {min_steps}..{max_steps} steps)")
     toy.write_jsonl(out / "train.jsonl", train)
     toy.write_jsonl(out / "test.jsonl", test)
     options = dict(p_detour=p_detour, fork=fork, detour=detour, p_slip=p_slip)

@@ -66,6 +66,20 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
     assert not any(d.exists() for d in handoff.policy_locations(tmp_path / "run"))
 
 
+def test_clearing_policies_at_the_end_keeps_the_flags_and_the_run_directory(tmp_path, monkeypatch):
+    # run_stages.sh after a resident run ends or fails: up to two policies per location would stay in /dev/shm
+    monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    handoff.reset(tmp_path / "run")
+    handoff.Partner(tmp_path / "run", "trainer").publish_policy(1, "/x", "y", "fp", run_updates=4)
+    for d in handoff.policy_locations(tmp_path / "run"):
+        (d / "policy_1").mkdir(parents=True)
+    (tmp_path / "run" / "stage_1" / "policy").mkdir(parents=True)
+    handoff.clear_policies(tmp_path / "run")
+    assert not any(d.exists() for d in handoff.policy_locations(tmp_path / "run"))
+    assert (tmp_path / "run" / "resident" / "trained_1.json").exists() and (tmp_path / "run" / "stage_1" / "policy").exists()
+
+
 def test_policies_go_to_shm_only_when_two_fit_there(tmp_path, monkeypatch):
     # the hand-off directory holds two policies at once (s − 1 and s, written to policy_s.tmp first, once s − 2 is
     # deleted): /dev/shm is chosen when its free space exceeds two policies, else the run's own disk, and why is said

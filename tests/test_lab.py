@@ -77,7 +77,7 @@ def test_the_lab_builder_writes_a_policy_that_loads(small_lab):
     AutoModelForCausalLM.from_pretrained(small_lab / "model")
 
 
-def test_diagnostics_by_hand(small_lab, monkeypatch):
+def test_kappa_ratio_and_net_push_around_the_first_wrong_token_by_hand(small_lab, monkeypatch):
     # one group of three: a correct response (A = +1) and two that leave the worked solution at token f = 5 (A = -1/2
     # each); ratios are set by hand through the checkpoint's log-probs (behavior log-probs all 0)
     monkeypatch.setattr(sys, "argv", ["diagnose.py"])
@@ -207,7 +207,7 @@ def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_
     # the mechanism diagnostics on the saved checkpoints (the pipeline: every share is a share, push is finite)
     # at the replays' own δ (NAV_DELTA=0.5, read from their optimize_config.json), also for grpo's, which had none
     run_script("diagnose.py", f"--ablation_dir={out}", "--variants=grpo,mu-grpo", "--updates=0,4", "--groups=4")
-    rows = json.loads((out / "plots" / "diagnostics.json").read_text())   # the numbers: test_diagnostics_by_hand
+    rows = json.loads((out / "plots" / "diagnostics.json").read_text())   # the numbers: test_kappa_ratio_and_net_push_around_the_first_wrong_token_by_hand
     assert [(r["variant"], r["updates"], r["nav_delta"]) for r in rows] == \
         [("grpo", 0, 0.5), ("grpo", 4, 0.5), ("mu-grpo", 0, 0.5), ("mu-grpo", 4, 0.5)]
     assert (out / "plots" / "diagnostics.md").read_text().count("| mu-grpo | 0 | 0.5 |") == 2

@@ -163,17 +163,10 @@ def test_plot_renders_every_figure(finished_run, tmp_path):
     assert "switching overhead" in proc.stdout
 
 
-def test_avg_and_pass_at_k_by_hand():
-    import engine
-    avg, passed = engine.avg_and_pass_at_k([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
-    assert avg == pytest.approx((0.25 + 0 + 1) / 3)
-    assert passed == pytest.approx(2 / 3)
-
-
 @pytest.mark.slow
 @needs_vllm
 @pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data not present")
-def test_evaluate_on_benchmark_rows(toy, tmp_path):
+def test_evaluate_grades_real_benchmark_rows_and_writes_their_samples(toy, tmp_path):
     data = tmp_path / "bench"
     run_script("data/prepare.py", "--name=aime24", f"--input={SHARED_DATA / 'aime24' / 'aime24.jsonl'}",
                f"--out={data / 'aime24.jsonl'}")

@@ -26,7 +26,7 @@ def _loss_and_grad(behavior, ratios, adv, mask=None, **kw):
 # ------------------------------------------------------------------ surrogate and its gradient
 
 
-def test_grpo_clip_positive_advantage():
+def test_grpo_clip_stops_the_gradient_above_hi_for_positive_advantage():
     # A = +2, ratios 1.5 (above hi=1.2: clipped), 1.0 and 0.5 (below lo, but A>0 so not clipped)
     loss, grad, m = _loss_and_grad([[-1.0, -2.0, -0.5]], [[1.5, 1.0, 0.5]], [2.0],
                                    clip_low=0.8, clip_high=1.2)
@@ -41,7 +41,7 @@ def test_grpo_clip_positive_advantage():
     assert m["ratio/min"] == pytest.approx(0.5) and m["ratio/max"] == pytest.approx(1.5)
 
 
-def test_grpo_clip_negative_advantage():
+def test_grpo_clip_stops_the_gradient_below_lo_for_negative_advantage():
     # A = −1: ratio 1.5 is *not* clipped (min picks −1.5), ratio 0.5 is clipped at lo = 0.8
     loss, grad, m = _loss_and_grad([[-1.0, -2.0, -0.5]], [[1.5, 1.0, 0.5]], [-1.0],
                                    clip_low=0.8, clip_high=1.2)
@@ -51,7 +51,7 @@ def test_grpo_clip_negative_advantage():
     assert m["ratio/mean_neg_adv"] == pytest.approx(1.0)
 
 
-def test_mu_grpo_relaxed_clip():
+def test_relaxed_clip_0_5_stops_only_ratios_above_5_for_positive_advantage():
     # clip [0, 5]: ratio 6 with A>0 is clipped (zero grad), ratio 4 is not; A<0 never hits lo = 0
     loss, grad, _ = _loss_and_grad([[0.0, 0.0], [0.0, 0.0]], [[6.0, 4.0], [0.01, 4.0]], [1.0, -1.0],
                                    clip_low=0.0, clip_high=5.0)
@@ -109,7 +109,7 @@ def test_vetoed_tokens_leave_the_token_mean():
     assert m["nav/triggered_seq_frac"] == 1.0
 
 
-def test_kl_and_log_sq_metrics():
+def test_log_sq_ratio_and_k3_kl_metrics_by_hand():
     # ratios e and 1: (log ρ)² mean = (1 + 0)/2; k3 KL = ((e − 1 − 1) + 0)/2
     _, _, m = _loss_and_grad([[0.0, 0.0]], [[math.e, 1.0]], [1.0], clip_low=0.0, clip_high=5.0)
     assert m["ratio/log_sq_mean"] == pytest.approx(0.5)
@@ -130,7 +130,7 @@ def test_mismatch_shares_above_each_level_and_the_p999_bound():
     assert m["mismatch/p999_at_most"] == 1e-4           # the lowest level
 
 
-def test_truncated_importance_weight():
+def test_tis_weights_the_ratio_to_old_by_min_old_over_behavior_and_cap_detached():
     # ratio against old_logprobs; weight min(exp(old − behavior), cap) = min(3, 2) = 2, detached
     b = torch.tensor([[0.0]])
     old = torch.log(torch.tensor([[3.0]]))
@@ -159,7 +159,7 @@ def test_bad_options_are_named():
 # ------------------------------------------------------------------ aggregations
 
 
-def test_aggregations_by_hand():
+def test_token_mean_seq_mean_and_dr_grpo_normalize_as_their_formulas_by_hand():
     # two responses, lengths 1 and 3, all ratios 1 → per-token loss −A; A = [+1, −1] → [−1 | 1, 1, 1]
     b = torch.zeros(2, 3)
     mask = torch.tensor([[T_, F_, F_], [T_, T_, T_]])
@@ -260,7 +260,7 @@ FIRST = [1e-5, 1.0, 1.0]
     ([0.5, 0.9, 2.0], "H", [T_, T_, T_]),    # no trigger
     ([0.5, 0.9, 2.0], "seq", [T_, T_, T_]),
 ])
-def test_nav_scopes(ratios, scope, expected):
+def test_each_nav_scope_vetoes_exactly_its_tokens_of_a_negative_response(ratios, scope, expected):
     ratio = torch.tensor([ratios])
     keep = L.nav_mask(ratio, torch.tensor([-1.0]), torch.ones_like(ratio, dtype=torch.bool), 1e-4, scope)
     assert keep.tolist() == [expected]
@@ -415,7 +415,7 @@ def test_token_logprobs_keeps_leading_shape_and_bf16():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-def test_token_entropy():
+def test_token_entropy_is_log_k_for_uniform_and_zero_for_one_hot():
     # uniform over 4 → log 4; one-hot-ish → ≈ 0
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
     assert L.token_entropy(logits).tolist() == pytest.approx([math.log(4), 0.0], abs=1e-5)

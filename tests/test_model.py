@@ -1,5 +1,8 @@
-"""model.py, in process: what the resident trainer keeps while the engine is awake, and the message of a process
-group that cannot start."""
+"""model.py, in process: the saved policy is the trainer's weights in the initial dtype and loads back, tied
+embeddings stay one parameter, what the resident trainer keeps while the engine is awake, and the message of a
+process group that cannot start."""
+import json
+
 import torch
 
 import model as M
@@ -26,3 +29,51 @@ def test_a_process_group_that_cannot_start_names_shm_and_docker():
                               "ProcessGroupNCCL.cpp:1234, unhandled system error)")
     assert "/dev/shm has 64 MiB free" in message and "--ipc=host" in message and "--shm-size" in message
     assert "no /dev/shm" in M.process_group_hint("nccl", error, None)
+
+
+def tiny_checkpoint(directory, tied, dtype=torch.bfloat16):
+    """A 2-layer Llama with random weights saved as an HF checkpoint in `dtype` (the initial policy's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+    LlamaForCausalLM(config).to(dtype).save_pretrained(directory)
+    return directory
+
+
+def trained(source):
+    """The trainer's policy built from `source`, every weight then moved by a step bf16 can see."""
+    model = M.build(source, attention="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def test_the_saved_policy_is_the_trainers_weights_in_the_initial_dtype(tmp_path):
+    from safetensors.torch import load_file
+    source = tiny_checkpoint(tmp_path / "initial", tied=False)
+    model = trained(source)
+    assert all(p.dtype == torch.float32 for p in model.parameters())          # fp32 master weights
+    M.save_policy(model, source, M.checkpoint_dtype(source), tmp_path / "policy", {"stage": 0})
+    saved = load_file(tmp_path / "policy" / "model.safetensors")
+    mine = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    assert saved.keys() == mine.keys() and all(torch.equal(saved[k], mine[k]) for k in saved)
+    record = json.loads((tmp_path / "policy" / "policy_id.json").read_text())
+    assert record == {"fingerprint": M.weights_fingerprint(tmp_path / "policy"), "stage": 0}
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["dtype"] == "bfloat16"
+    again = M.build(tmp_path / "policy", attention="sdpa")                   # and it loads back as it was saved
+    assert all(torch.equal(again.state_dict()[k], mine[k].float()) for k in mine)
+
+
+def test_tied_embeddings_are_one_parameter_saved_once_and_tied_again_on_load(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    source = tiny_checkpoint(tmp_path / "initial", tied=True)
+    model = trained(source)
+    assert model.lm_head.weight is model.model.embed_tokens.weight        # one parameter, stepped once
+    M.save_policy(model, source, torch.bfloat16, tmp_path / "policy", {"stage": 0})
+    assert "lm_head.weight" not in load_file(tmp_path / "policy" / "model.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight.detach().to(torch.bfloat16))

@@ -330,7 +330,7 @@ def test_truncated_importance_weight_uses_the_trainers_old_logprobs(stage):
 
 
 @pytest.mark.slow
-def test_m2po_and_grpo_presets_run(stage):
+def test_the_m2po_preset_trains_and_logs_its_masked_share(stage):
     run_script("optimize.py", f"--stage_dir={stage}", "--updates_per_stage=2", *FAST, "--nav_delta=none",
                "--clip_low=0", "--clip_high=1e9", "--m2po_tau=0.04")
     assert "m2po/masked_frac" in read_lines(stage / "metrics.jsonl")[0]

@@ -187,7 +187,7 @@ EXTRACTION_CASES = [
 
 
 @pytest.mark.parametrize("gold,pred,dataset,expected", CASES)
-def test_verdicts(gold, pred, dataset, expected):
+def test_equivalent_answers_are_right_and_different_ones_wrong(gold, pred, dataset, expected):
     reward, info = R.grade(boxed(pred), gold, dataset)
     assert (reward == 1.0) is expected, info
     assert info["reason"] in (("correct",) if expected else ("wrong", "unparsable"))
@@ -195,7 +195,7 @@ def test_verdicts(gold, pred, dataset, expected):
 
 
 @pytest.mark.parametrize("gold,response,expected", EXTRACTION_CASES)
-def test_extraction(gold, response, expected):
+def test_the_graded_answer_is_the_last_boxed_one_and_its_joined_boxes(gold, response, expected):
     reward, info = R.grade(response, gold)
     assert (reward == 1.0) is expected, info
 
@@ -209,7 +209,7 @@ def test_reasons_and_format_bonus():
     assert R.format_reward(boxed("x")) == 1.0 and R.format_reward("x") == 0.0
 
 
-def test_last_boxed():
+def test_last_boxed_reads_balanced_braces_and_bare_boxes():
     assert R.last_boxed("a \\boxed{1} b \\boxed{ {2} }") == "{2}"
     assert R.last_boxed("\\boxed{a{b}c}") == "a{b}c"
     assert R.last_boxed("\\boxed 7$ end") == "7"
@@ -221,7 +221,7 @@ def test_last_boxed():
     assert R.final_boxed("none") == []
 
 
-def test_gold_normalization():
+def test_gold_answers_are_normalized_per_dataset():
     assert R.normalize_gold("025", "aime24") == "25"
     assert R.normalize_gold("27.0", "amc23") == "27"
     assert R.normalize_gold("2,125", "gsm8k_test") == "2125"
