@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,12 +129,18 @@ def run(name, cmd):
     return time.perf_counter() - t0
 
 
+# torchrun's own log lines (glog format: level, date, time, pid, file:line]), e.g. "E1124 19:44:59.374000 27657
+# .../torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 ..."
+TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+
+
 def failure_line(stderr):
     """Why a phase failed: the last line of its output, or under torchrun the last line the ranks wrote before the
-    launcher's own traceback (torch/distributed/elastic: `raise ChildFailedError`, then its summary table)."""
+    launcher's own traceback (torch/distributed/elastic: `raise ChildFailedError`, then its summary table), its
+    log lines left out."""
     if "ChildFailedError" in stderr:
         stderr = stderr[:stderr.rfind("Traceback (most recent call last):")]
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    lines = [line for line in stderr.splitlines() if line.strip() and not TORCHRUN_LOG.match(line)]
     return lines[-1].strip() if lines else None
 
 

@@ -219,6 +219,7 @@ def test_a_check_that_raises_is_its_fail_row_and_the_rest_go_on(check_functions)
 # what torchrun wrote when optimize.py's two ranks refused a flag (torch/distributed/run.py, abridged)
 TORCHRUN_FAILURE = """unknown option --no_such_setting; known: adam_betas, agg
 unknown option --no_such_setting; known: adam_betas, agg
+E1124 19:44:59.374000 27657 /x/torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0
 Traceback (most recent call last):
   File "torch/distributed/launcher/api.py", line 383, in launch_agent
     raise ChildFailedError(
