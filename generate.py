@@ -36,8 +36,8 @@ import rollouts
 policy = "data/toy/model"       # HF checkpoint directory of the stage policy (resident: of the first stage)
 data = "data/toy/train.jsonl"   # prepared problems: JSONL with id, problem, answer, source
 run_dir = "runs/toy"            # stage s writes <run_dir>/stage_<s>/rollouts/
-stage = 0                       # stage index: selects prompts [s·P, (s+1)·P) of the seeded order
-prompts_per_stage = 64          # P (paper: 65,536 = 1024 updates × 64 prompts)
+stage = 0                       # stage index: its prompts follow the previous stage's in the seeded order
+prompts_per_stage = 64          # P (paper: 65,536 = 1024 updates × 64 prompts); may differ from stage to stage
 group_size = 8                  # G responses per prompt
 temperature = 1.0               # sampling temperature (the trainer uses the same one)
 top_p = 1.0                     # must stay 1 and top_k 0: truncated sampling renormalizes the engine's
@@ -100,8 +100,20 @@ def shard_count():
     return max(math.ceil(prompts_per_stage / shard_prompts), min(n_engines, prompts_per_stage))
 
 
+def prompt_offset(s):
+    """Where stage s's prompts start in the seeded order of the training set: right after the previous stage's,
+    as its plan records them (stages of different sizes stay disjoint); s · P when there is no such record (stage
+    0, or a stage generated alone)."""
+    previous = rollouts_dir(s - 1) / rollouts.PLAN
+    plan = json.loads(previous.read_text()) if s > 0 and previous.exists() else {}
+    if "prompt_offset" in plan:
+        return plan["prompt_offset"] + plan["prompts_per_stage"]
+    return s * prompts_per_stage
+
+
 def plan_of(s, label):
-    return {"policy": label, "data": data, "stage": s, "prompts_per_stage": prompts_per_stage, "group_size": group_size,
+    return {"policy": label, "data": data, "stage": s, "prompt_offset": prompt_offset(s),
+            "prompts_per_stage": prompts_per_stage, "group_size": group_size,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
             "max_response_tokens": max_response_tokens, "prompt_template": prompt_template,
             "chat_template": chat_template, "seed": seed, "shard_prompts": shard_prompts, "shards": shard_count(),
@@ -112,7 +124,7 @@ def stage_shards(s, problems):
     """{shard k: (positions in the stage, problem rows)} of stage s's prompts: shard_count() shards of equal size
     (the last one smaller). Every prompt has its own sampling seed, so a response is the same whichever engine
     and shard generate it."""
-    stage_rows = common.shuffled_window(problems, s * prompts_per_stage, prompts_per_stage, seed)
+    stage_rows = common.shuffled_window(problems, prompt_offset(s), prompts_per_stage, seed)
     size = math.ceil(len(stage_rows) / shard_count())
     return {k: (list(range(i, min(i + size, len(stage_rows)))), stage_rows[i:i + size])
             for k, i in enumerate(range(0, len(stage_rows), size))}

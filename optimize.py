@@ -53,6 +53,16 @@ skip_zero_variance = False      # True: leave out groups whose rewards are all e
                                 # repeated passes over the rest (responses reused: an ablation, not the paper)
 seed = 0                        # the seeded order in which the stage's groups become minibatches
 
+# the stage's end: every minibatch, or earlier when the policy has drifted from the rollouts
+stage_end = "fixed"             # fixed: all updates_per_stage updates | drift: end before the first update u ≥
+                                # drift_min_updates at which the drift warning is on; the minibatches left are
+                                # recorded as unused in stage_end.json (docs/design.md §4)
+drift_window = 16               # updates in the warning's moving average of 1 − E[ρ | A<0] (updates whose minibatch
+                                # has no A<0 token are skipped)
+drift_threshold = 0.01          # the warning: that average above this (first lab task: fires at update 47, 17 before
+                                # the accuracy drop shows, and in no on-policy stage; docs/lab.md)
+drift_min_updates = 16          # μ_min: no stage ends on drift before this many updates
+
 # AdamW
 lr = 1e-6                       # AdamW learning rate (constant after warmup)
 warmup_updates = 0              # linear warmup over AdamW's first updates (across stages; RESET_OPTIMIZER: each)
@@ -104,6 +114,7 @@ save_every = 0                  # resident: policy and train state into stage_<s
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
+common.check_choice("stage_end", stage_end, ("fixed", "drift"))
 common.check_choice("agg", agg, L.AGG_MODES)
 common.check_choice("token_normalizer", token_normalizer, L.TOKEN_NORMALIZERS)
 common.check_choice("kl_estimator", kl_estimator, L.KL_ESTIMATORS)
@@ -197,6 +208,23 @@ def minibatch_schedule(stage):
             f"({updates_per_stage} updates × {prompts_per_update} prompts)")
     order = common.shuffled_window(candidates.tolist(), 0, need, seed)
     return np.asarray(order, dtype=np.int64).reshape(updates_per_stage, prompts_per_update)
+
+
+def drift_warning(neg_ratios):
+    """The drift warning after these updates (their E[ρ | A<0], None or NaN for a minibatch without an A<0 token):
+    (the moving average of 1 − E[ρ | A<0] over the last drift_window updates that had one, or None before there are
+    that many; whether it exceeds drift_threshold)."""
+    seen = [v for v in neg_ratios if v is not None and math.isfinite(v)][-drift_window:]
+    if drift_window < 1 or len(seen) < drift_window:
+        return None, False
+    average = sum(1.0 - v for v in seen) / len(seen)
+    return average, average > drift_threshold
+
+
+def stage_ends_before(u, neg_ratios):
+    """Whether the stage ends before update u: with stage_end=drift, at u ≥ drift_min_updates when the warning over
+    updates 0..u−1 is on. Decided from the metrics lines, so a resumed stage ends where the unbroken one did."""
+    return stage_end == "drift" and u >= drift_min_updates and drift_warning(neg_ratios)[1]
 
 
 def micro_batches(stage, responses):
@@ -522,10 +550,13 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         columns = {**columns}
         columns["old"], timing["old_pass_seconds"] = logprob_pass(model, stage, temp, "old", progress.start_weights,
                                                                   progress, may_compute=start == 0)
+    kept = None
     if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
         progress.work_dir.mkdir(parents=True, exist_ok=True)
         rows = common.read_jsonl(progress.metrics_path) if progress.metrics_path.exists() else []
-        common.atomic_write_lines(progress.metrics_path, [r for r in rows if r.get("update", 0) < start])
+        kept = [r for r in rows if r.get("update", 0) < start]
+        common.atomic_write_lines(progress.metrics_path, kept)
+    neg_ratios = broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal so far
     if check_packing and start < updates_per_stage:
         first = stage.groups[schedule[start]].ravel()
         packed_diff = packing_check(model, stage, temp, micro_batches(
@@ -545,7 +576,11 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     from tqdm import tqdm
     bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {stage.index} updates",
                initial=start, total=updates_per_stage)
+    done = updates_per_stage
     for u in bar:
+        if stage_ends_before(u, neg_ratios):
+            done = u
+            break
         t0 = time.perf_counter()
         counts = progress.counts(u)                         # this update's index in the run and in AdamW's life
         lr_now = lr * min(1.0, (counts["optimizer_updates"] + 1) / warmup_updates) if warmup_updates else lr
@@ -563,29 +598,50 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         row = metrics_row(stage, u, schedule[u], counts, lr_now, m, seconds,
                           {"skipped_nonfinite": skipped_total, "update_skipped": not stepped,
                            **(packed_diff if u == start and check_packing else {})})
+        neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
             common.append_jsonl(progress.metrics_path, row)
             bar.set_postfix(loss=f"{m['loss/policy']:.4f}", reward=f"{row['reward/mean']:.2f}",
                             ratio_neg=f"{m['ratio/mean_neg_adv']:.3f}")
-        done = u + 1
-        if save_policy_every and done % save_policy_every == 0 and done < updates_per_stage:
-            save_policy(progress.out_dir.with_name(f"{progress.out_dir.name}_u{done:05d}"), done)
-        if checkpoint_every and done % checkpoint_every == 0 and done < updates_per_stage:
-            save_state(done)
+        if save_policy_every and (u + 1) % save_policy_every == 0 and u + 1 < updates_per_stage:
+            save_policy(progress.out_dir.with_name(f"{progress.out_dir.name}_u{u + 1:05d}"), u + 1)
+        if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates_per_stage:
+            save_state(u + 1)
+    bar.close()
     t_save = time.perf_counter()
+    record_stage_end(stage, schedule, done, neg_ratios, progress)
     if progress.save_state:
-        save_state(updates_per_stage, final=True)
+        save_state(done, final=True)
     first, *copies = progress.policy_dirs or (progress.out_dir,)
-    save_policy(first, updates_per_stage)
+    save_policy(first, done)
     if is_main:
         for directory in copies:                 # the same files: copied, not gathered again
             common.atomic_copytree(first, directory)
         if not progress.save_state:
             shutil.rmtree(progress.state_dir, ignore_errors=True)
     barrier()
-    progress.after = progress.counts(updates_per_stage)
+    progress.after = progress.counts(done)
     return {**timing, "train_seconds": train_seconds, "save_seconds": time.perf_counter() - t_save,
-            "updates_this_run": updates_per_stage - start}
+            "updates_this_run": done - start}
+
+
+def record_stage_end(stage, schedule, done, neg_ratios, progress):
+    """stage_end.json beside metrics.jsonl: where the stage ended and why, the drift signal there, and the groups
+    (prompts) generated for it but never trained on; the next stage's size is planned from it
+    (rollouts.planned_updates)."""
+    average, warned = drift_warning(neg_ratios)
+    unused = schedule[done:].ravel().tolist()
+    if done < updates_per_stage:
+        log(f"stage {stage.index} ends on drift after {done} of {updates_per_stage} updates: the average 1 − E[ρ | A<0] "
+            f"of the last {drift_window} updates is {average:.4f} > {drift_threshold}; {len(unused)} prompts unused")
+    if is_main:
+        common.atomic_write_json(progress.work_dir / rollouts.STAGE_END, {
+            "stage": stage.index, "reason": "drift" if done < updates_per_stage else "all minibatches",
+            "updates": done, "generated_updates": updates_per_stage, "stage_end": stage_end,
+            "drift_signal": average, "drift_warning": warned, "drift_window": drift_window,
+            "drift_threshold": drift_threshold, "drift_min_updates": drift_min_updates,
+            "unused_prompts": len(unused), "unused_groups": [stage.group_keys[g] for g in unused],
+            **progress.counts(done)})
 
 
 # ----------------------------------------------------------------------------- main

@@ -30,17 +30,19 @@ def _rows(path):
 def load_run(path):
     """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
     path = Path(path)
-    metrics, manifests = [], {}
+    metrics, manifests, stage_ends = [], {}, {}
     for stage_dir in sorted(path.glob("stage_*"), key=lambda p: int(p.name.split("_")[1])):
         s = int(stage_dir.name.split("_")[1])
         for row in _rows(stage_dir / "metrics.jsonl"):
             metrics.append({**row, "stage": s})
+        if (stage_dir / rollouts.STAGE_END).exists():      # where training on the stage ended, and why
+            stage_ends[s] = json.loads((stage_dir / rollouts.STAGE_END).read_text())
         if (stage_dir / "rollouts" / rollouts.MANIFEST).exists():
             manifests[s] = json.loads((stage_dir / "rollouts" / rollouts.MANIFEST).read_text())
     for row in _rows(path / "metrics.jsonl"):   # an ablation replay: optimize.py --out=<path>/policy
         metrics.append(row)
     return {"name": path.name, "results": _rows(path / "results.jsonl"), "timeline": _rows(path / "timeline.jsonl"),
-            "metrics": metrics, "manifests": manifests}
+            "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
 
 
 def accuracy_by_stage(run):
@@ -129,7 +131,11 @@ def figures(runs, out):
             for m in run["metrics"]:
                 if m["update"] == 0 and m["stage"] > 0:
                     ax.axvline(m["run_update"] - 0.5, color="grey", alpha=0.3)
-        ax.set(xlabel="update (stages back to back; grey: a new stage's rollouts)", title=title)
+            for end in run["stage_ends"].values():     # a stage that ended on the drift warning, before its last
+                if end["reason"] == "drift":           # generated minibatch
+                    ax.axvline(end["run_updates"] - 0.5, color="red", linestyle="--", alpha=0.5)
+        ax.set(xlabel="update (stages back to back; grey: a new stage's rollouts; red dashed: a stage ended on drift)",
+               title=title)
         ax.legend(fontsize=7)
         save(fig, title.split(" ")[0].lower() + "_" + title.split(" ")[-1] + ".png")
 
@@ -319,3 +325,8 @@ if __name__ == "__main__":
                 print("resident processes: " + ", ".join(f"{k} {v:.1f} s" for k, v in resident_parts(run).items()))
             for stage, updates, hours, acc in accuracy_by_stage(run):
                 print(f"  stage {stage:>2} ({updates:>5} updates, {hours * 60:6.1f} min): mean avg@k {acc:.3f}")
+            for stage, end in sorted(run["stage_ends"].items()):
+                if end["stage_end"] == "drift":
+                    print(f"  stage {stage:>2} trained {end['updates']} of its {end['generated_updates']} minibatches "
+                          f"({end['reason']}; drift signal {end['drift_signal'] if end['drift_signal'] is not None else 'n/a'}"
+                          f"; {end['unused_prompts']} prompts unused)")

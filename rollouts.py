@@ -151,6 +151,7 @@ class ColumnWriter:
 # generate.py writes them, optimize.py, the hand-off and plot.py read them: this module owns them.
 MANIFEST = "manifest.json"      # written last: its presence means the stage is complete
 PLAN = "plan.json"              # the settings the stage was started with (a rerun with others is refused)
+STAGE_END = "stage_end.json"    # optimize.py, beside the stage's metrics.jsonl: where training on it ended and why
 
 
 def shard_path(directory, k):
@@ -165,6 +166,22 @@ def stats_path(directory, k):
 
 def shard_done(directory, k):
     return shard_path(directory, k).exists() and stats_path(directory, k).exists()
+
+
+def planned_updates(run_dir, s, *, first, growth, max_updates, total):
+    """μ of stage s in a run whose stages may end on drift, from the records alone (so a rerun plans the same
+    stages): `first` for stage 0; after a stage that ended on the drift warning after u updates, ceil(growth · u)
+    (the warning came at u: the next stage plans a little past it); after one that trained on all its μ minibatches
+    without a warning, 2μ; at least the μ_min below which no stage ends (its record's drift_min_updates), at most
+    max_updates, and never past the run's `total` updates (0: the run is over)."""
+    if s == 0:
+        return min(first, total)
+    path = Path(run_dir) / f"stage_{s - 1}" / STAGE_END
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: stage {s - 1} has not been trained on, so stage {s} has no size")
+    end = json.loads(path.read_text())
+    size = math.ceil(growth * end["updates"]) if end["reason"] == "drift" else 2 * end["generated_updates"]
+    return max(0, min(max(end["drift_min_updates"], size), max_updates, total - end["run_updates"]))
 
 
 def remove_temporaries(directory):

@@ -11,6 +11,16 @@ LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav 
                                 # | offpolicy-grpo (clip [0.8, 1.2] + β·KL to the initial policy)
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last); 0: never
+STAGE_END=${STAGE_END:-fixed}   # fixed: STAGES stages of UPDATES updates | drift: a stage ends early once the policy
+                                # has drifted from its rollouts (optimize.py's drift warning on E[ρ | A<0]), the next
+                                # stage's μ is planned from where it ended (rollouts.planned_updates), until
+                                # TOTAL_UPDATES; UPDATES is then the first stage's μ
+TOTAL_UPDATES=${TOTAL_UPDATES:-}  # drift: the run's updates (default STAGES × UPDATES)
+DRIFT_GROWTH=${DRIFT_GROWTH:-1.25}  # drift: after a warning at update u the next stage plans ceil(growth · u) updates
+                                # (after a stage without one: twice its μ)
+DRIFT_MAX_UPDATES=${DRIFT_MAX_UPDATES:-}  # drift: the largest μ a stage is planned with (default 4 × UPDATES)
+DRIFT_ARGS=${DRIFT_ARGS:-}      # drift: optimize.py's warning, e.g. "--drift_window=16 --drift_threshold=0.01
+                                # --drift_min_updates=16" (its defaults)
 RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and warmup afresh from the saved policy
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
@@ -117,6 +127,15 @@ for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT; do
 done
 [[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
 [[ "$PREFLIGHT" == auto ]] && PREFLIGHT=$([[ "$PRESET" == paper ]] && echo 1 || echo 0)
+[[ "$STAGE_END" == fixed || "$STAGE_END" == drift ]] || { echo "STAGE_END must be fixed or drift, got '$STAGE_END'" >&2; exit 2; }
+: "${TOTAL_UPDATES:=$((STAGES * UPDATES))}" "${DRIFT_MAX_UPDATES:=$((4 * UPDATES))}"
+for v in TOTAL_UPDATES DRIFT_MAX_UPDATES; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] && (( ${!v} >= 1 )) || { echo "$v must be a whole number ≥ 1, got '${!v}'" >&2; exit 2; }
+done
+[[ "$DRIFT_GROWTH" =~ ^[0-9]*\.?[0-9]+$ ]] || { echo "DRIFT_GROWTH must be a positive number, got '$DRIFT_GROWTH'" >&2; exit 2; }
+if [[ "$STAGE_END" == drift && "$RESIDENT" == true ]]; then
+  echo "STAGE_END=drift runs in the process-per-phase loop (RESIDENT=false) for now: resident mode plans a fixed STAGES × UPDATES" >&2; exit 2
+fi
 if [[ "$RESIDENT" == true && "$RESET_OPTIMIZER" == true ]]; then
   echo "RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase loop" >&2; exit 2
 fi
@@ -126,8 +145,13 @@ TEMPLATE_ARG=(); [[ "$TEMPLATE" == plain ]] && TEMPLATE_ARG=("--prompt_template=
 mkdir -p "$RUN/logs" "$RUN/.done"
 exec 9>"$RUN/.lock"    # one run_stages.sh per run directory: a second one would race on the same files
 flock -n 9 || { echo "another run_stages.sh is running on $RUN (it holds $RUN/.lock); wait for it or choose another RUN" >&2; exit 1; }
-echo "run $RUN: $PRESET preset, loss $LOSS; $STAGES stages × $UPDATES updates × $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE" \
-     "($PROMPTS_PER_STAGE prompts per stage); model $MODEL; GPUs $GPUS"
+if [[ "$STAGE_END" == drift ]]; then
+  echo "run $RUN: $PRESET preset, loss $LOSS; stages that end on drift, the first of $UPDATES updates, until" \
+       "$TOTAL_UPDATES updates of $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE; model $MODEL; GPUs $GPUS"
+else
+  echo "run $RUN: $PRESET preset, loss $LOSS; $STAGES stages × $UPDATES updates × $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE" \
+       "($PROMPTS_PER_STAGE prompts per stage); model $MODEL; GPUs $GPUS"
+fi
 
 # the toy task and its warm-started policy are built locally; the paper's data comes from the hub
 if [[ "$PRESET" == toy && "$MODEL" == data/toy/model && ! -f data/toy/model/config.json ]]; then
@@ -198,13 +222,13 @@ POLICY=$MODEL
 STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
 RELEASE=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)   # stage s deletes s-1's state once it has its own
 if (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS"); else TRAIN=($PY); fi
-GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --prompts_per_stage=$PROMPTS_PER_STAGE --group_size=$GROUP_SIZE
+GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE
                --temperature=$TEMPERATURE --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE
                --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" "${TEMPLATE_ARG[@]}")
 OPTIMIZE_ARGS=(--updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR
                --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
                --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
-               --release_init_state=$RELEASE)
+               --release_init_state=$RELEASE --stage_end="$STAGE_END" $DRIFT_ARGS)
 
 if [[ "$RESIDENT" == true ]]; then
   # the two processes; a failed one stops the other (by the pid it announced), and each also watches the other
@@ -224,6 +248,7 @@ if [[ "$RESIDENT" == true ]]; then
        "0..$((STAGES - 1)): $RUN/logs/engine.log, trainer.log"
   t0=$(date +%s.%N)
   { $PY generate.py --resident=true --stages="$STAGES" --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
+      --prompts_per_stage="$PROMPTS_PER_STAGE" \
       --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" \
       --eval_data_dir="$EVAL_DATA_DIR" --eval_k="$EVAL_K" --eval_temperature="$EVAL_TEMPERATURE" \
       --eval_top_p="$EVAL_TOP_P" --results="$RUN/results.jsonl" --run_start="$START" 2>&1 \
@@ -250,19 +275,32 @@ if [[ "$RESIDENT" == true ]]; then
   STAGES=0          # the loop below has nothing left to do
 fi
 
-for ((s = 0; s < STAGES; s++)); do
+# planned S: the μ of stage S, 0 once the run is over: UPDATES for each of the STAGES stages, or with STAGE_END=drift
+# from the records of the stage before (where and why it ended: stage_<s>/stage_end.json), so a rerun plans the same
+planned() {
+  if [[ "$STAGE_END" == fixed ]]; then echo $(( $1 < STAGES ? UPDATES : 0 )); return; fi
+  $PY -c "import rollouts, sys; print(rollouts.planned_updates(sys.argv[1], int(sys.argv[2]), first=$UPDATES,
+growth=$DRIFT_GROWTH, max_updates=$DRIFT_MAX_UPDATES, total=$TOTAL_UPDATES))" "$RUN" "$1"
+}
+s=0
+MU=$(planned 0)
+while (( MU > 0 )); do
   STAGE_DIR=$RUN/stage_$s
-  phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}"
+  phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}" \
+      --prompts_per_stage=$((MU * PROMPTS_PER_UPDATE))
   phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" "${OPTIMIZE_ARGS[@]}" \
-      "${STATE_ARGS[@]}"
+      --updates_per_stage="$MU" "${STATE_ARGS[@]}"
   POLICY=$STAGE_DIR/policy
   [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
   if (( s > 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes/parameter
     rm -rf "$RUN/stage_$((s - 1))/train_state"                  # stage s carries it on
   fi
-  if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || s == STAGES - 1) )); then
+  NEXT=$(planned $((s + 1)))
+  if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || NEXT == 0) )); then
     phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
   fi
+  s=$((s + 1))
+  MU=$NEXT
 done
 
 $PY plot.py --run_dir="$RUN" --summary=true | tee "$RUN/logs/summary.log"

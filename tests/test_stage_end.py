@@ -1,0 +1,126 @@
+"""Stages that end on drift (optimize.py --stage_end=drift) and the next stage planned from where the last one ended
+(rollouts.planned_updates): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
+import json
+import math
+import shutil
+import sys
+
+import pytest
+
+import rollouts
+from conftest import kill_when, needs_vllm, read_lines, run_script
+
+
+def import_script(monkeypatch, name, *argv):
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    sys.modules.pop(name, None)
+    return __import__(name)
+
+
+def test_the_drift_warning_is_the_moving_average_of_one_minus_e_rho_given_a_negative(monkeypatch):
+    opt = import_script(monkeypatch, "optimize", "--stage_end=drift", "--drift_window=4", "--drift_threshold=0.1",
+                        "--drift_min_updates=5")
+    # the last 4 updates with an A<0 token (None: a minibatch without one; NaN likewise): 1.0, 0.9, 0.8, 0.7 →
+    # mean of 1 − E[ρ | A<0] = (0 + 0.1 + 0.2 + 0.3) / 4 = 0.15 > 0.1
+    history = [0.5, 1.0, 0.9, None, 0.8, math.nan, 0.7]
+    average, warned = opt.drift_warning(history)
+    assert average == pytest.approx(0.15) and warned
+    assert opt.drift_warning([1.0, 0.9, None, 0.8]) == (None, False)          # 3 values: no full window yet
+    assert opt.drift_warning([1.0, 1.0, 0.95, 0.99])[1] is False              # (0 + 0 + 0.05 + 0.01) / 4 = 0.015
+    # the stage ends before update u only from drift_min_updates on, and never with stage_end=fixed
+    assert not opt.stage_ends_before(4, history) and opt.stage_ends_before(5, history)
+    monkeypatch.setattr(opt, "stage_end", "fixed")
+    assert not opt.stage_ends_before(7, history)
+
+
+def write_end(run_dir, s, reason, updates, generated, run_updates, min_updates=16):
+    path = run_dir / f"stage_{s}" / rollouts.STAGE_END
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"reason": reason, "updates": updates, "generated_updates": generated,
+                                "run_updates": run_updates, "drift_min_updates": min_updates}))
+
+
+def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
+    plan = lambda s, **kw: rollouts.planned_updates(tmp_path, s, **{"first": 64, "growth": 1.25,  # noqa: E731
+                                                                     "max_updates": 100, "total": 1000, **kw})
+    assert plan(0) == 64 and plan(0, total=10) == 10
+    with pytest.raises(FileNotFoundError, match="stage_0/stage_end.json is missing"):
+        plan(1)
+    write_end(tmp_path, 0, "drift", 47, 64, 47)
+    assert plan(1) == 59                                  # ceil(1.25 · 47) = ceil(58.75)
+    write_end(tmp_path, 1, "all minibatches", 59, 59, 106)
+    assert plan(2) == 100                                 # 2 · 59 = 118, at most max_updates
+    write_end(tmp_path, 2, "drift", 5, 100, 111, min_updates=16)
+    assert plan(3) == 16                                  # ceil(6.25) = 7, at least μ_min
+    write_end(tmp_path, 3, "drift", 16, 16, 995)
+    assert plan(4) == 5 and plan(4, total=995) == 0       # the run's updates left; none: the run is over
+
+
+def test_a_stages_prompts_follow_the_previous_stages_as_its_plan_records_them(monkeypatch, tmp_path):
+    gen = import_script(monkeypatch, "generate", f"--run_dir={tmp_path}", "--prompts_per_stage=8")
+    assert gen.prompt_offset(0) == 0 and gen.prompt_offset(3) == 24             # no records: s · P
+    (tmp_path / "stage_0" / "rollouts").mkdir(parents=True)
+    (tmp_path / "stage_0" / "rollouts" / rollouts.PLAN).write_text(json.dumps({"prompt_offset": 0, "prompts_per_stage": 20}))
+    assert gen.prompt_offset(1) == 20                     # after stage 0's 20 prompts, whatever this stage's P
+
+
+ALWAYS_WARN = ["--stage_end=drift", "--drift_window=1", "--drift_threshold=-1"]   # 1 − E[ρ | A<0] > −1: always on
+
+
+@pytest.mark.slow
+def test_a_stage_that_ended_on_drift_resumes_to_the_same_end_and_weights(toy, tmp_path):
+    # 4 minibatches of one group; the warning is always on and the stage may end from update 2: it ends before
+    # update 2, the last two groups recorded as unused. Killed after its final train state, before the policy and
+    # the record: the rerun ends at the same update, with the same weights and record
+    from test_optimize import PROBLEMS, _weights, write_stage
+    write_stage(tmp_path / "stage_0", toy / "model", PROBLEMS)
+    args = [f"--stage_dir={tmp_path / 'stage_0'}", "--updates_per_stage=4", "--prompts_per_update=1", "--lr=1e-3",
+            "--checkpoint_every=1", *ALWAYS_WARN, "--drift_min_updates=2"]
+    run_script("optimize.py", *args)
+    end = json.loads((tmp_path / "stage_0" / rollouts.STAGE_END).read_text())
+    assert (end["reason"], end["updates"], end["generated_updates"], end["run_updates"]) == ("drift", 2, 4, 2)
+    assert end["unused_prompts"] == 2 and len(end["unused_groups"]) == 2
+    metrics = read_lines(tmp_path / "stage_0" / "metrics.jsonl")
+    assert [m["update"] for m in metrics] == [0, 1]
+    assert sorted([*(g for m in metrics for g in m["groups"]), *end["unused_groups"]]) == [0, 1, 2, 3]
+    weights = _weights(tmp_path / "stage_0" / "policy")
+    shutil.rmtree(tmp_path / "stage_0" / "policy")
+    (tmp_path / "stage_0" / rollouts.STAGE_END).unlink()
+    run_script("optimize.py", *args)
+    again = _weights(tmp_path / "stage_0" / "policy")
+    assert all(a.equal(again[k]) for k, a in weights.items())
+    assert json.loads((tmp_path / "stage_0" / rollouts.STAGE_END).read_text()) == end
+    assert [m["update"] for m in read_lines(tmp_path / "stage_0" / "metrics.jsonl")] == [0, 1]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_run_of_stages_that_end_on_drift_is_planned_from_its_records_and_resumes_exactly(toy, tmp_path):
+    # UPDATES=4 for the first stage, 7 updates in all; the warning is always on from update 2: stage 0 trains 2 of 4,
+    # stage 1 is planned ceil(1.25 · 2) = 3 and trains 2, stage 2 likewise, stage 3 has 1 update left (fewer than
+    # μ_min: it trains it), and the run ends at 7. Killed while stage 1 trains, the rerun ends where this one does
+    from test_loop import loop_env, run_loop
+    env = lambda run: {**loop_env(toy, run), "STAGE_END": "drift", "UPDATES": "4", "TOTAL_UPDATES": "7",  # noqa: E731
+                       "PROMPTS_PER_UPDATE": "4", "EVAL_EVERY": "2",
+                       "DRIFT_ARGS": " ".join([*ALWAYS_WARN[1:], "--drift_min_updates=2"])}
+    whole = tmp_path / "whole"
+    run_loop(env(whole))
+    ends = [json.loads((whole / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(4)]
+    assert [(e["generated_updates"], e["updates"], e["run_updates"], e["reason"]) for e in ends] == \
+        [(4, 2, 2, "drift"), (3, 2, 4, "drift"), (3, 2, 6, "drift"), (1, 1, 7, "all minibatches")]
+    assert not (whole / "stage_4").exists()
+    plans = [json.loads((whole / f"stage_{s}" / "rollouts" / rollouts.PLAN).read_text()) for s in range(4)]
+    assert [(p["prompt_offset"], p["prompts_per_stage"]) for p in plans] == [(0, 16), (16, 12), (28, 12), (40, 4)]
+    runs = [m["run_update"] for s in range(4) for m in read_lines(whole / f"stage_{s}" / "metrics.jsonl")]
+    assert runs == list(range(7))
+    results = read_lines(whole / "results.jsonl")        # after stage 1 (4 updates) and the last (7), and the start
+    assert sorted({(r["stage"], r["updates"]) for r in results}) == [(-1, 0), (1, 4), (3, 7)]
+    import plot
+    assert sorted(plot.load_run(whole)["stage_ends"]) == [0, 1, 2, 3]
+    killed = tmp_path / "killed"
+    assert kill_when(["bash", "run_stages.sh"], lambda: (killed / "stage_1" / "metrics.jsonl").exists(),
+                     env=env(killed), timeout=600)
+    run_loop(env(killed))
+    from test_loop import assert_same_stages
+    assert_same_stages(whole, killed, stages=(0, 1, 2, 3))
+    assert [json.loads((killed / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(4)] == ends
