@@ -10,13 +10,15 @@ prompt has its own sampling seed). On a multi-GPU box one engine runs per GPU gr
 each on its own shards; --tensor_parallel shards one engine across GPUs for models too big for one.
 
 Resident mode (--resident=true, run_stages.sh RESIDENT=true): the engines are built once and generate every
-stage from --stage to --stages−1, each with the policy the trainer process (optimize.py --resident) hands
-over (handoff.py), loaded in place; between stages they sleep (GPU). Every stage is generated exactly as a
-one-stage run would (the same shards, manifest and seeds), and the policy trained on every --eval_every-th
-stage (and on the last) is evaluated by the same engines, as evaluate.py would.
+stage from --stage on, each with the policy the trainer process (optimize.py --resident) hands over
+(handoff.py), loaded in place; between stages they sleep (GPU). The trainer plans the stages: each policy it
+hands over says how many prompts the stage it generates has (0: it is the run's last policy). Every stage is
+generated exactly as a one-stage run would (the same shards, manifest and seeds), and the policy trained on
+every --eval_every-th stage (and on the last) is evaluated by the same engines, as evaluate.py would.
 """
 import concurrent.futures
 import functools
+import itertools
 import json
 import math
 import os
@@ -38,6 +40,7 @@ data = "data/toy/train.jsonl"   # prepared problems: JSONL with id, problem, ans
 run_dir = "runs/toy"            # stage s writes <run_dir>/stage_<s>/rollouts/
 stage = 0                       # stage index: its prompts follow the previous stage's in the seeded order
 prompts_per_stage = 64          # P (paper: 65,536 = 1024 updates × 64 prompts); may differ from stage to stage
+                                # (resident: the first stage's; the trainer sets the others')
 group_size = 8                  # G responses per prompt
 temperature = 1.0               # sampling temperature (the trainer uses the same one)
 top_p = 1.0                     # must stay 1 and top_k 0: truncated sampling renormalizes the engine's
@@ -56,8 +59,7 @@ gpu_memory_utilization = 0.85   # of each GPU (resident mode on a GPU: leave the
 grader_workers = 0              # reward.grade_batch processes per engine (0: the CPUs left over by the engines)
 grader_timeout_s = 10.0         # per response
 format_bonus = 0.0              # reward for a boxed but wrong answer
-resident = False                # keep the engines for stages --stage..--stages−1 (policies from optimize.py --resident)
-stages = 0                      # resident: the run's stage count
+resident = False                # keep the engines for the stages from --stage on (policies from optimize.py --resident)
 eval_every = 0                  # resident: evaluate the policy trained on every N-th stage and on the last (0: never;
                                 # the initial policy too, as stage −1, unless results has it)
 eval_benchmarks = "test"        # resident evaluation: evaluate.py's --benchmarks, --data_dir, --k, --temperature,
@@ -76,8 +78,6 @@ if top_p < 1.0 or top_k > 0:
     sys.exit(f"--top_p={top_p} --top_k={top_k}: truncated sampling is refused for training rollouts. vLLM's "
              f"log-probs are then renormalized over the kept tokens while optimize.py's full softmax is not, so "
              f"the ratios would start away from 1 (evaluate.py may truncate freely); use top_p=1, top_k=0")
-if resident and stages <= stage:
-    sys.exit(f"--resident=true needs --stages (the run's stage count) above --stage={stage}, got {stages}")
 n_engines = engines or engine.n_engines(gpus, tensor_parallel)
 is_main = worker_rank < 0
 graders = grader_workers or max(1, ((os.cpu_count() or 2) - n_engines) // n_engines)
@@ -87,17 +87,11 @@ def rollouts_dir(s):
     return Path(run_dir) / f"stage_{s}" / "rollouts"
 
 
-def stage_policy(s):
-    """The policy that generates stage s, as the run names it: the initial one for the first stage, else the
-    policy trained on stage s − 1 (run_stages.sh's <run>/stage_<s−1>/policy)."""
-    return str(policy) if s == stage else str(Path(run_dir) / f"stage_{s - 1}" / "policy")
-
-
-def shard_count():
-    """How many shards a stage is cut into: one per shard_prompts prompts, and at least one per engine, so that
-    every engine has work when there are prompts for it (a GRPO μ = 4 stage of 256 prompts on 4 engines: 4
-    shards of 64, not one shard of 256 that one engine generates while three wait)."""
-    return max(math.ceil(prompts_per_stage / shard_prompts), min(n_engines, prompts_per_stage))
+def shard_count(prompts):
+    """How many shards a stage of `prompts` prompts is cut into: one per shard_prompts prompts, and at least one per
+    engine, so that every engine has work when there are prompts for it (a GRPO μ = 4 stage of 256 prompts on 4
+    engines: 4 shards of 64, not one shard of 256 that one engine generates while three wait)."""
+    return max(math.ceil(prompts / shard_prompts), min(n_engines, prompts))
 
 
 def prompt_offset(s):
@@ -111,21 +105,21 @@ def prompt_offset(s):
     return s * prompts_per_stage
 
 
-def plan_of(s, label):
+def plan_of(s, label, prompts):
     return {"policy": label, "data": data, "stage": s, "prompt_offset": prompt_offset(s),
-            "prompts_per_stage": prompts_per_stage, "group_size": group_size,
+            "prompts_per_stage": prompts, "group_size": group_size,
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
             "max_response_tokens": max_response_tokens, "prompt_template": prompt_template,
-            "chat_template": chat_template, "seed": seed, "shard_prompts": shard_prompts, "shards": shard_count(),
+            "chat_template": chat_template, "seed": seed, "shard_prompts": shard_prompts, "shards": shard_count(prompts),
             "normalize_std": normalize_std, "format_bonus": format_bonus}
 
 
-def stage_shards(s, problems):
-    """{shard k: (positions in the stage, problem rows)} of stage s's prompts: shard_count() shards of equal size
-    (the last one smaller). Every prompt has its own sampling seed, so a response is the same whichever engine
-    and shard generate it."""
-    stage_rows = common.shuffled_window(problems, prompt_offset(s), prompts_per_stage, seed)
-    size = math.ceil(len(stage_rows) / shard_count())
+def stage_shards(s, problems, prompts):
+    """{shard k: (positions in the stage, problem rows)} of stage s's `prompts` prompts: shard_count() shards of
+    equal size (the last one smaller). Every prompt has its own sampling seed, so a response is the same whichever
+    engine and shard generate it."""
+    stage_rows = common.shuffled_window(problems, prompt_offset(s), prompts, seed)
+    size = math.ceil(len(stage_rows) / shard_count(prompts))
     return {k: (list(range(i, min(i + size, len(stage_rows)))), stage_rows[i:i + size])
             for k, i in enumerate(range(0, len(stage_rows), size))}
 
@@ -136,12 +130,13 @@ def engine_shards(shards, rank, s):
     return [k for k in shards if k % n_engines == rank and not rollouts.shard_done(rollouts_dir(s), k)]
 
 
-def prepare_stage(s, label):
-    """The main process, before any engine writes stage s: refuse other settings than the stage was started
-    with, remove a killed run's half-written files, check the disk."""
+def prepare_stage(s, label, prompts):
+    """The main process, before it writes stage s's manifest: refuse other settings than the stage was started
+    with, record its plan (the manifest copies it), check the disk. (A killed run's half-written files are removed
+    before any engine starts: remove_temporaries.)"""
     out = rollouts_dir(s)
     out.mkdir(parents=True, exist_ok=True)
-    plan_file, plan = out / rollouts.PLAN, plan_of(s, label)
+    plan_file, plan = out / rollouts.PLAN, plan_of(s, label, prompts)
     if plan_file.exists():
         old = json.loads(plan_file.read_text())
         diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
@@ -150,11 +145,17 @@ def prepare_stage(s, label):
                      f"sets the shard count of a stage smaller than ENGINES × SHARD_PROMPTS) or delete the directory")
     else:
         common.atomic_write_json(plan_file, plan)
-    rollouts.remove_temporaries(out)    # a killed run's; this process is the only writer (its workers start later)
     # what the stage will write, estimated: half the response limit per response at ~40 bytes per token
     # (JSONL ids, log-probs and text, ~30; binary columns, 8)
-    common.require_free_disk(out, prompts_per_stage * group_size * max_response_tokens // 2 * 40,
-                             f"the stage's rollouts ({prompts_per_stage} prompts × G={group_size})")
+    common.require_free_disk(out, prompts * group_size * max_response_tokens // 2 * 40,
+                             f"the stage's rollouts ({prompts} prompts × G={group_size})")
+
+
+def remove_temporaries(first):
+    """Delete a killed run's half-written files in the rollouts of the stages from `first` on that it started,
+    before any engine process starts (this process is then the only writer; run_stages.sh holds the run's lock)."""
+    for s in itertools.takewhile(lambda s: rollouts_dir(s).is_dir(), itertools.count(first)):
+        rollouts.remove_temporaries(rollouts_dir(s))
 
 
 def shard_requests(tokenizer, s, rows, positions):
@@ -277,6 +278,7 @@ def generate_shards(llm, s, label, policy_id, shard_ids, shards):
     written in a background thread (its graders are processes) while the engine goes on."""
     if not shard_ids:
         return
+    rollouts_dir(s).mkdir(parents=True, exist_ok=True)     # an engine may start before its coordinator prepared it
     from tqdm import tqdm
     tokenizer = llm.get_tokenizer()
     core = llm.llm_engine
@@ -341,9 +343,9 @@ def generate_shards(llm, s, label, policy_id, shard_ids, shards):
 
 
 def write_manifest(s, label, shard_ids, policy_id=None):
-    """Stage s's manifest.json, written last once every shard is: sampling parameters, counts and summary
-    statistics of the shards (policy_id: the fingerprint of the policy that generated them, default its
-    directory's). Returns it."""
+    """Stage s's manifest.json, written last once every shard is: sampling parameters, the plan prepare_stage
+    recorded, counts and summary statistics of the shards (policy_id: the fingerprint of the policy that generated
+    them, default its directory's). Returns it."""
     missing = [k for k in shard_ids if not rollouts.shard_done(rollouts_dir(s), k)]
     if missing:
         sys.exit(f"stage {s}: shards {missing} were not produced; rerun to resume")
@@ -352,6 +354,7 @@ def write_manifest(s, label, shard_ids, policy_id=None):
         sys.exit(f"stage {s}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
                  f"(after the template); raise it or shorten --prompt_template")
     total = lambda key: sum(st[key] for st in stats)  # noqa: E731
+    plan = json.loads((rollouts_dir(s) / rollouts.PLAN).read_text())
     responses, groups = total("responses"), total("prompts")
     wall = max(st.get("finished_at", 0.0) for st in stats) - min(st.get("started_at", 0.0) for st in stats)
     reasons, engine_seconds = Counter(), Counter()
@@ -362,7 +365,7 @@ def write_manifest(s, label, shard_ids, policy_id=None):
         "complete": True, "stage": s, "policy": label, "policy_id": policy_id or common.policy_fingerprint(label),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "max_tokens": max_response_tokens, "seed": seed, "logprobs_mode": "processed_logprobs"},
-        "plan": plan_of(s, label), "shards": [rollouts.shard_path(rollouts_dir(s), st["shard"]).name for st in stats],
+        "plan": plan, "shards": [rollouts.shard_path(rollouts_dir(s), st["shard"]).name for st in stats],
         "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
         "mean_reward": total("reward_sum") / max(1, responses),
         "frac_groups_all_correct": total("groups_all_correct") / max(1, groups),
@@ -381,7 +384,7 @@ def write_manifest(s, label, shard_ids, policy_id=None):
         # how full an engine's batch could get: sequences it had at once (two shards queued) over its largest
         # batch; an engine far below 1 runs slower per token than a full one
         "batch_saturation": min(1.0, min(responses / max(1, len(engine_seconds)),
-                                         2 * math.ceil(prompts_per_stage / shard_count()) * group_size)
+                                         2 * math.ceil(plan["prompts_per_stage"] / plan["shards"]) * group_size)
                                 / max(1, max((st.get("max_num_seqs") or 1 for st in stats), default=1))),
         # first request to last shard written (grading and writing included, engine start-up not;
         # on a resumed stage it spans the pause too)
@@ -403,9 +406,10 @@ def one_stage(problems):
     if is_main and (rollouts_dir(s) / rollouts.MANIFEST).exists():
         print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
         return
-    shards = stage_shards(s, problems)
+    shards = stage_shards(s, problems, prompts_per_stage)
     if is_main:
-        prepare_stage(s, label)
+        prepare_stage(s, label, prompts_per_stage)
+        rollouts.remove_temporaries(rollouts_dir(s))    # a killed run's; the engine processes start below
     todo = [k for k in shards if not rollouts.shard_done(rollouts_dir(s), k)]
     if is_main:
         print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
@@ -427,18 +431,18 @@ def one_stage(problems):
 
 
 def first_pending_stage():
-    """The first stage from --stage on without a complete manifest (--stages: every stage is generated)."""
-    return next((s for s in range(stage, stages) if not (rollouts_dir(s) / rollouts.MANIFEST).exists()), stages)
+    """The first stage from --stage on without a complete manifest."""
+    return next(s for s in itertools.count(stage) if not (rollouts_dir(s) / rollouts.MANIFEST).exists())
 
 
-def eval_due(t):
+def eval_due(t, last):
     """Whether the policy trained on stage t (t = stage − 1: the initial policy) is evaluated: as run_stages.sh
-    evaluates, after every eval_every-th stage and after the last, and the initial policy first."""
+    evaluates, after every eval_every-th stage and after the `last`, and the initial policy first."""
     if not eval_every or not results:
         return False
     if t < stage:
         return True
-    return (t + 1) % eval_every == 0 or t == stages - 1
+    return (t + 1) % eval_every == 0 or last
 
 
 def evaluated(t):
@@ -470,9 +474,9 @@ def score_evaluation(ev, t, label, updates, samples, seconds):
 def resident_engine(problems, procs=()):
     """Resident mode, one engine (this process's; rank worker_rank of n_engines) for every stage from the first
     pending one: wait for the policy the trainer hands over, load it in place, evaluate it when due, generate
-    this engine's shards of the stage, sleep. The main process also coordinates: it prepares each stage,
-    writes its manifest once every engine's shards are in, and scores the evaluations; with data-parallel
-    engines in worker processes (procs) it only coordinates.
+    this engine's shards of the stage (as many prompts as the policy's flag says; 0: the run is over), sleep.
+    The main process also coordinates: it prepares each stage, writes its manifest once every engine's shards are
+    in, and scores the evaluations; with data-parallel engines in worker processes (procs) it only coordinates.
 
     Timeline rows: the coordinator's per stage (phase generate: from the policy's arrival to the manifest, and
     the wait for it), every engine's own per stage (phase engine: its reload, sleep and the GPU memory sleep freed),
@@ -486,9 +490,6 @@ def resident_engine(problems, procs=()):
     if ev is not None:
         ev.k = engine.samples_per_problem(ev.sets, eval_k)
     eval_parts = handoff.state_dir(run_dir) / "eval"
-    if coordinate:
-        for s in range(first, stages):
-            prepare_stage(s, stage_policy(s))
 
     def watch_workers():
         for p in procs:
@@ -497,14 +498,14 @@ def resident_engine(problems, procs=()):
 
     t_start = time.time()
     flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
-            "run_updates": common.policy_record(policy).get("run_updates", 0)}
+            "run_updates": common.policy_record(policy).get("run_updates", 0), "next_stage_prompts": prompts_per_stage}
     if first > stage:
         flag, _ = partner.wait_for_policy(first - 1)
     llm = start_engine(flag["path"]) if has_engine else None
     started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
     if coordinate:
         partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
-    for s in range(first, stages + 1):
+    for s in itertools.count(first):
         row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
         mine = {"phase": "engine", "name": f"engine_{rank}_{s}", "stage": s, "engine": rank, "reload_seconds": 0.0,
                 "start_seconds": started if s == first else 0.0}
@@ -513,8 +514,8 @@ def resident_engine(problems, procs=()):
         row["start"] = mine["start"] = time.time()
         if s > first and has_engine:
             mine["reload_seconds"] = engine.load_policy(llm, flag["path"])
-        t = s - 1
-        if eval_due(t) and not (coordinate and evaluated(t)):
+        t, prompts = s - 1, flag["next_stage_prompts"]
+        if eval_due(t, last=prompts == 0) and not (coordinate and evaluated(t)):
             t0 = time.time()
             if has_engine:
                 samples = engine.sample_and_grade(llm, ev, rank, n_engines)
@@ -524,19 +525,22 @@ def resident_engine(problems, procs=()):
             if coordinate:
                 if procs:
                     partner.wait(lambda: all((eval_parts / f"stage_{t}" / f"part_{r}.json").exists()
-                                             for r in range(n_engines)), watch=watch_workers)
+                                             for r in range(n_engines)), watch=watch_workers, partner=False)
                     samples = [x for part in engine.read_parts(eval_parts / f"stage_{t}", n_engines) for x in part]
                 score_evaluation(ev, t, flag["policy"], flag["run_updates"], samples, time.time() - t0)
                 partner.timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
-        if s == stages:
+        if prompts == 0:
             break
-        shards = stage_shards(s, problems)
+        if coordinate:
+            prepare_stage(s, flag["policy"], prompts)
+        shards = stage_shards(s, problems, prompts)
         if has_engine:     # this engine's shards, then asleep before the trainer (told by the manifest) takes memory
             generate_shards(llm, s, flag["policy"], flag["fingerprint"], engine_shards(shards, rank, s), shards)
             mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(llm)
             partner.engine_finished(s, rank, {**mine, "end": time.time()})
         if coordinate:
-            engine_rows = partner.wait(lambda: partner.engines_finished(s, n_engines), watch=watch_workers)[1]
+            engine_rows = partner.wait(lambda: partner.engines_finished(s, n_engines), watch=watch_workers,
+                                       partner=False)[1]
             write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
             for r in [*engine_rows, {**row, "end": time.time()}]:
                 partner.timeline(r)
@@ -548,6 +552,7 @@ def main():
         one_stage(problems)
     elif is_main and n_engines > 1:
         engine.exit_on_sigterm()         # a SIGTERM ends this process through the finally below, workers first
+        remove_temporaries(first_pending_stage())
         procs = engine.start_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
         try:
             resident_engine(problems, procs)
@@ -557,6 +562,8 @@ def main():
         finally:
             engine.stop_engine_workers(procs)
     else:
+        if is_main:
+            remove_temporaries(first_pending_stage())
         resident_engine(problems)
 
 

@@ -153,13 +153,15 @@ class Partner:
         if _start_time(info["pid"]) != info["start"]:
             raise SystemExit(f"the {self.other} process (pid {info['pid']}) has died: see its log; rerun to resume")
 
-    def wait(self, ready, watch=None, poll_s=0.05):
+    def wait(self, ready, watch=None, poll_s=0.05, partner=True):
         """Wait until ready() is true (not None or False), checking the partner (and calling watch(), which raises
         on a failure of the caller's own: its engine processes) at every poll; returns (the seconds waited, what
-        ready() returned)."""
+        ready() returned). partner=False: a wait on the caller's own processes, during which the partner may end
+        normally (the trainer exits after handing over its last policy while the engines still evaluate it)."""
         t0 = time.perf_counter()
         while not (value := ready()):
-            self.check_partner()
+            if partner:
+                self.check_partner()
             if watch is not None:
                 watch()
             time.sleep(poll_s)
@@ -172,11 +174,13 @@ class Partner:
 
     # the trainer → the engine
 
-    def publish_policy(self, stage, path, label, fingerprint, run_updates):
+    def publish_policy(self, stage, path, label, fingerprint, run_updates, next_stage_prompts):
         """The policy trained on `stage` is at `path` (complete); `label` is its run-directory name, run_updates the
-        run's updates it was trained for (its policy_id.json record)."""
+        run's updates it was trained for (its policy_id.json record), next_stage_prompts the prompts of the stage it
+        generates, as the trainer planned it (0: it is the run's last policy)."""
         self._write(f"trained_{stage}.json", {"stage": stage, "path": str(path), "policy": str(label),
-                                              "fingerprint": fingerprint, "run_updates": run_updates})
+                                              "fingerprint": fingerprint, "run_updates": run_updates,
+                                              "next_stage_prompts": next_stage_prompts})
 
     def trained(self, stage):
         """The flag of the policy trained on `stage`, or None."""

@@ -442,14 +442,15 @@ def state_source(state_dir, init_state):
 COUNTS = ("run_updates", "optimizer_updates")
 
 
-def newest_state(run_dir, stages):
-    """(stage, progress.json) of the newest train state in stage_0 .. stage_<stages−1> of a run directory (a
-    resident trainer's resume), or (None, None)."""
-    for s in reversed(range(stages)):
-        path = Path(run_dir) / f"stage_{s}" / "train_state" / "progress.json"
-        if path.exists():
-            return s, json.loads(path.read_text())
-    return None, None
+def newest_state(run_dir):
+    """(stage, progress.json) of the newest train state in a run directory's stage_<s>/ (a resident trainer's
+    resume), or (None, None)."""
+    states = [(int(p.parts[-3].removeprefix("stage_")), p) for p in Path(run_dir).glob("stage_*/train_state/progress.json")
+              if p.parts[-3].removeprefix("stage_").isdigit()]
+    if not states:
+        return None, None
+    s, path = max(states)
+    return s, json.loads(path.read_text())
 
 
 def restore(model, optimizer, source, resume, start_weights, start_policy):

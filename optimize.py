@@ -47,7 +47,8 @@ release_init_state = False      # delete --init_state once this stage's own trai
                                 # over; run_stages.sh: true unless KEEP_TRAIN_STATES), so two states coexist, not three
 
 # the schedule: which rollouts each update trains on
-updates_per_stage = 16          # μ: optimizer updates on this stage's rollouts (paper: 1024; GRPO: 4)
+updates_per_stage = 16          # μ: optimizer updates on this stage's rollouts (paper: 1024; GRPO: 4; resident
+                                # with stage_end=drift: the first stage's)
 prompts_per_update = 8          # whole groups per update (paper: 64 prompts × G=8 = 512 responses)
 skip_zero_variance = False      # True: leave out groups whose rewards are all equal and draw minibatches from
                                 # repeated passes over the rest (responses reused: an ablation, not the paper)
@@ -108,7 +109,10 @@ check_packing = False           # update 0: log check/packed_* (the micro-batch 
 resident = False                # keep the model and AdamW for a run's every stage, handed rollouts and handing policies
                                 # to generate.py --resident (handoff.py; run_stages.sh RESIDENT=true)
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
-stages = 0                      # resident: the run's stage count
+stages = 0                      # resident, stage_end=fixed: the run's stage count, each of updates_per_stage updates
+total_updates = 0               # resident, stage_end=drift: the run's updates (0: stages × updates_per_stage), in stages
+drift_growth = 1.25             # planned from where the last one ended (rollouts.planned_updates; run_stages.sh's
+drift_max_updates = 0           # DRIFT_*), the first of updates_per_stage (0: at most 4 × updates_per_stage)
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
                                 # last (0: the last only); the engine gets every policy through the fast hand-off dir
 # -----------------------------------------------------------------------------
@@ -122,6 +126,8 @@ common.check_choice("attn_implementation", attn_implementation, M.ATTENTION)
 betas = tuple(float(b) for b in adam_betas.split(","))
 if updates_per_stage < 0 or prompts_per_update < 1 or micro_batch_tokens < 1:
     sys.exit("--updates_per_stage must be >= 0, --prompts_per_update and --micro_batch_tokens >= 1")
+total_updates = total_updates or stages * updates_per_stage        # resident drift defaults, resolved
+drift_max_updates = drift_max_updates or 4 * updates_per_stage
 deferred_norm = agg == "token-mean" and token_normalizer == "kept"   # divide by the kept count at the end
 
 # distributed is an if: torchrun sets WORLD_SIZE
@@ -150,6 +156,7 @@ barrier = M.barrier
 class Progress:
     """Where a stage's training starts and where its outputs go."""
     out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go next to it
+    updates: int                # μ: the stage's minibatches (its updates unless it ends on drift)
     start: int = 0              # the first update to run (a resumed stage: its state's)
     before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (model.py's records)
     start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
@@ -184,30 +191,30 @@ def open_stage(directory):
         raise SystemExit(str(e)) from None
 
 
-def minibatch_schedule(stage):
-    """[updates_per_stage, prompts_per_update] group indices: the stage's groups in one seeded order,
-    cut into consecutive minibatches, so update u sees groups it alone sees, u updates stale. A stage
-    with too few groups wraps into a new seeded order (said loudly: responses are then reused)."""
+def minibatch_schedule(stage, updates):
+    """[updates, prompts_per_update] group indices: the stage's groups in one seeded order, cut into
+    consecutive minibatches, so update u sees groups it alone sees, u updates stale. A stage with too few
+    groups wraps into a new seeded order (said loudly: responses are then reused)."""
     candidates = np.arange(len(stage.groups))
     if skip_zero_variance:
         candidates = candidates[~stage.zero_variance]
         log(f"skip_zero_variance: leaving out {int(stage.zero_variance.sum())} of {len(stage.groups)} groups "
             f"with zero reward variance")
-    need = updates_per_stage * prompts_per_update
+    need = updates * prompts_per_update
     if need == 0:
         return np.zeros((0, prompts_per_update), dtype=np.int64)
     if len(candidates) < prompts_per_update:
         raise SystemExit(f"{stage.directory}: {len(candidates)} usable groups, fewer than --prompts_per_update="
                          f"{prompts_per_update}")
     if need > len(candidates):
-        log(f"WARNING: {updates_per_stage} updates × {prompts_per_update} prompts need {need} groups but the stage "
+        log(f"WARNING: {updates} updates × {prompts_per_update} prompts need {need} groups but the stage "
             f"has {len(candidates)} usable: the schedule wraps into {need / len(candidates):.2f} passes, so responses "
             f"are reused and update u is no longer exactly u updates stale")
     elif need < len(candidates):
         log(f"note: {len(candidates) - need} of the stage's {len(candidates)} groups are left unused "
-            f"({updates_per_stage} updates × {prompts_per_update} prompts)")
+            f"({updates} updates × {prompts_per_update} prompts)")
     order = common.shuffled_window(candidates.tolist(), 0, need, seed)
-    return np.asarray(order, dtype=np.int64).reshape(updates_per_stage, prompts_per_update)
+    return np.asarray(order, dtype=np.int64).reshape(updates, prompts_per_update)
 
 
 def drift_warning(neg_ratios):
@@ -502,19 +509,23 @@ def run_update(model, optimizer, stage, batch, temp, loss_kw, columns, measure_m
 # ----------------------------------------------------------------------------- one stage
 
 
-def describe_stage(stage):
-    """Log what the stage trains on and with which loss; returns the log-prob temperature (--temperature, else the
-    sampling temperature)."""
-    temp = temperature or stage.temperature
+def logprob_temperature(stage):
+    """The temperature of the trainer's log-probs: --temperature, else the stage's sampling temperature."""
+    return temperature or stage.temperature
+
+
+def describe_stage(stage, updates):
+    """Log what the stage trains on (`updates` minibatches) and with which loss; returns logprob_temperature."""
+    temp = logprob_temperature(stage)
     if temperature and temperature != stage.temperature:
         log(f"WARNING: --temperature={temperature} differs from the sampling temperature {stage.temperature}: "
             f"the ratios will not start at 1")
     G = stage.group_size
     tokens_per_group = stage.response_len.sum() / max(1, len(stage.groups))
     log(f"stage {stage.index}: {len(stage.groups)} groups × G={G} ({int(stage.zero_variance.sum())} with zero reward "
-        f"variance, kept: zero advantage); {updates_per_stage} updates of {prompts_per_update} prompts")
+        f"variance, kept: zero advantage); {updates} updates of {prompts_per_update} prompts")
     log(f"  minibatch: {prompts_per_update * G} responses, ~{tokens_per_group * prompts_per_update:.0f} response "
-        f"tokens; staleness 0..{max(updates_per_stage - 1, 0)} updates; temperature {temp}")
+        f"tokens; staleness 0..{max(updates - 1, 0)} updates; temperature {temp}")
     log(f"  loss: clip [{clip_low}, {clip_high}], dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, "
         f"M2PO τ={m2po_tau}, TIS cap {tis_cap}, KL β={kl_coef} ({kl_estimator}), {agg} over {token_normalizer} tokens")
     return temp
@@ -544,8 +555,8 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     intermediate policies and resumable states), then the final train state and policy. `columns`: the
     stored per-stage passes computed so far (KL's reference); start_policy: its tokenizer files go with
     every saved policy. Returns its timing."""
-    temp = describe_stage(stage)
-    loss_kw, schedule, start, timing = loss_options(stage), minibatch_schedule(stage), progress.start, {}
+    temp, updates = describe_stage(stage, progress.updates), progress.updates
+    loss_kw, schedule, start, timing = loss_options(stage), minibatch_schedule(stage, updates), progress.start, {}
     if tis_cap is not None:
         columns = {**columns}
         columns["old"], timing["old_pass_seconds"] = logprob_pass(model, stage, temp, "old", progress.start_weights,
@@ -557,7 +568,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         kept = [r for r in rows if r.get("update", 0) < start]
         common.atomic_write_lines(progress.metrics_path, kept)
     neg_ratios = broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal so far
-    if check_packing and start < updates_per_stage:
+    if check_packing and start < updates:
         first = stage.groups[schedule[start]].ravel()
         packed_diff = packing_check(model, stage, temp, micro_batches(
             stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world])[0])
@@ -574,9 +585,9 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
 
     nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
     from tqdm import tqdm
-    bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {stage.index} updates",
-               initial=start, total=updates_per_stage)
-    done = updates_per_stage
+    bar = tqdm(range(start, updates), disable=not is_main, desc=f"stage {stage.index} updates",
+               initial=start, total=updates)
+    done = updates
     for u in bar:
         if stage_ends_before(u, neg_ratios):
             done = u
@@ -603,9 +614,9 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             common.append_jsonl(progress.metrics_path, row)
             bar.set_postfix(loss=f"{m['loss/policy']:.4f}", reward=f"{row['reward/mean']:.2f}",
                             ratio_neg=f"{m['ratio/mean_neg_adv']:.3f}")
-        if save_policy_every and (u + 1) % save_policy_every == 0 and u + 1 < updates_per_stage:
+        if save_policy_every and (u + 1) % save_policy_every == 0 and u + 1 < updates:
             save_policy(progress.out_dir.with_name(f"{progress.out_dir.name}_u{u + 1:05d}"), u + 1)
-        if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates_per_stage:
+        if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates:
             save_state(u + 1)
     bar.close()
     t_save = time.perf_counter()
@@ -631,13 +642,13 @@ def record_stage_end(stage, schedule, done, neg_ratios, progress):
     (rollouts.planned_updates)."""
     average, warned = drift_warning(neg_ratios)
     unused = schedule[done:].ravel().tolist()
-    if done < updates_per_stage:
-        log(f"stage {stage.index} ends on drift after {done} of {updates_per_stage} updates: the average 1 − E[ρ | A<0] "
+    if done < progress.updates:
+        log(f"stage {stage.index} ends on drift after {done} of {progress.updates} updates: the average 1 − E[ρ | A<0] "
             f"of the last {drift_window} updates is {average:.4f} > {drift_threshold}; {len(unused)} prompts unused")
     if is_main:
         common.atomic_write_json(progress.work_dir / rollouts.STAGE_END, {
-            "stage": stage.index, "reason": "drift" if done < updates_per_stage else "all minibatches",
-            "updates": done, "generated_updates": updates_per_stage, "stage_end": stage_end,
+            "stage": stage.index, "reason": "drift" if done < progress.updates else "all minibatches",
+            "updates": done, "generated_updates": progress.updates, "stage_end": stage_end,
             "drift_signal": average, "drift_warning": warned, "drift_window": drift_window,
             "drift_threshold": drift_threshold, "drift_min_updates": drift_min_updates,
             "unused_prompts": len(unused), "unused_groups": [stage.group_keys[g] for g in unused],
@@ -666,7 +677,7 @@ def check_disk(stage, start_policy, progress, passes, saves_state, saves_policy=
     (4 bytes per response token each)."""
     n = M.parameter_count(start_policy)
     state = (4 if lora_rank else 12) * n if saves_state else 0
-    policies = int(saves_policy) + (max(updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
+    policies = int(saves_policy) + (max(progress.updates - 1, 0) // save_policy_every if save_policy_every else 0)
     policy_bytes = policies * n * M.checkpoint_dtype(start_policy).itemsize
     pass_bytes = passes * 4 * int(stage.token_offset[-1])
     common.require_free_disk(progress.work_dir, state + policy_bytes + pass_bytes,
@@ -734,7 +745,7 @@ def kl_reference(start_policy):
 
 def record_settings(progress, stage, start_policy, reference, attention, **more):
     """optimize_config.json with what this stage resolved at run time."""
-    write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": temperature or stage.temperature,
+    write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": logprob_temperature(stage),
                               "attention": attention, "norm_len": loss_options(stage)["norm_len"], **more})
 
 
@@ -745,13 +756,14 @@ def main():
     check_vocabulary(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}")
-    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", save_state=save_train_state)
+    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", updates=updates_per_stage,
+                        save_state=save_train_state)
     reference = kl_reference(start_policy)
     check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
                saves_state=save_train_state or bool(checkpoint_every))
     record_settings(progress, stage, start_policy, reference, attention)
     torch.manual_seed(seed)
-    columns, timing = reference_pass(stage, temperature or stage.temperature, reference, attention, progress)
+    columns, timing = reference_pass(stage, logprob_temperature(stage), reference, attention, progress)
     source = M.state_source(progress.state_dir, init_state)
     model, optimizer = build_trainer(start_policy, attention, weights=source is None)
     progress.start, progress.before, progress.start_weights, said = M.restore(
@@ -791,20 +803,30 @@ def run_stage_dir(s):
     return Path(run_dir) / f"stage_{s}"
 
 
+def stage_updates(s):
+    """μ of stage s in a resident run, 0 once the run is over: updates_per_stage for each of the `stages` stages, or
+    with stage_end=drift planned from where stage s − 1 ended (its stage_end.json), as run_stages.sh plans a run of
+    processes per phase. The trainer plans; each policy it hands over tells the engines the next stage's size."""
+    if stage_end == "fixed":
+        return updates_per_stage if s < stages else 0
+    return rollouts.planned_updates(run_dir, s, first=updates_per_stage, growth=drift_growth,
+                                    max_updates=drift_max_updates, total=total_updates)
+
+
 def resident_main():
-    """Resident mode: the model, AdamW (and KL's reference model) built once and kept for stages from the first
-    untrained one to --stages−1; each stage's rollouts are waited for, trained on (train_stage, as a one-stage
-    run would), and the policy handed to the engine process through the fast hand-off directory. A resumed
-    run starts from the newest train state in the run directory and trains again the stages after it (their
-    rollouts are on disk), which gives the same weights as an unbroken run."""
+    """Resident mode: the model, AdamW (and KL's reference model) built once and kept for the stages from the first
+    untrained one until the run is over (stage_updates); each stage's rollouts are waited for, trained on
+    (train_stage, as a one-stage run would), and the policy handed to the engine process through the fast hand-off
+    directory. A resumed run starts from the newest train state in the run directory and trains again the stages
+    after it (their rollouts are on disk), which gives the same weights as an unbroken run."""
     partner = handoff.Partner(run_dir, "trainer")
     if is_main:
         partner.announce()
-    last, meta = M.newest_state(run_dir, stages)
+    last, meta = M.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     if meta is not None and meta["complete"] and common.policy_record(run_stage_dir(last) / "policy"):
         publish(partner, last, run_stage_dir(last) / "policy")   # the engine resumes from it
-    if first < stages:                    # the engine's first rollouts: it is asleep before this process takes memory
+    if stage_updates(first):              # the engine's first rollouts: it is asleep before this process takes memory
         partner.wait_for_rollouts(first)
     t_start = time.time()
     start_policy = common.local_dir(policy)
@@ -821,13 +843,19 @@ def resident_main():
         publish(partner, last, run_stage_dir(last) / "policy")
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
-    for s in range(first, stages):
-        due = s == stages - 1 or bool(save_every and (s + 1) % save_every == 0)
-        progress = Progress(out_dir=run_stage_dir(s) / "policy", start=start if s == first else 0, before=before,
+    s = first
+    while updates := stage_updates(s):
+        # saved into the run directory: every save_every-th stage, and any stage that may be the last (one that reaches
+        # the run's updates unless it ends on drift)
+        last = s == stages - 1 if stage_end == "fixed" else before["run_updates"] + updates >= total_updates
+        due = last or bool(save_every and (s + 1) % save_every == 0)
+        progress = Progress(out_dir=run_stage_dir(s) / "policy", updates=updates, start=start if s == first else 0,
+                            before=before,
                             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
                             policy_dirs=(trainer.fast / f"policy_{s}", *([run_stage_dir(s) / "policy"] if due else [])))
         resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
+        s += 1
     del trainer
     teardown()
 
@@ -865,7 +893,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     columns, timing = {}, {}
     if trainer.ref_model is not None:
         columns["ref"], timing["ref_pass_seconds"] = logprob_pass(
-            trainer.ref_model, stage, temperature or stage.temperature, "ref",
+            trainer.ref_model, stage, logprob_temperature(stage), "ref",
             common.policy_fingerprint(trainer.reference), progress)
     timing.update(train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
                               trainer.dtype))
@@ -883,11 +911,13 @@ def resident_stage(partner, trainer, s, progress, check_all):
 
 
 def publish(partner, s, directory):
-    """Hand the policy trained on stage s (saved at `directory`) to the engine, with its recorded counts."""
+    """Hand the policy trained on stage s (saved at `directory`) to the engine, with its recorded counts and the
+    size of the stage it generates (0: the run is over)."""
     if is_main:
         record = common.policy_record(directory)
         partner.publish_policy(s, directory, Path(run_dir) / f"stage_{s}" / "policy", record["fingerprint"],
-                               run_updates=record["run_updates"])
+                               run_updates=record["run_updates"],
+                               next_stage_prompts=stage_updates(s + 1) * prompts_per_update)
 
 
 if __name__ == "__main__":

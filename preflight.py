@@ -284,7 +284,7 @@ def run_resident(run_dir, model):
     shutil.rmtree(run_dir, ignore_errors=True)
     handoff.reset(run_dir)
     prompts_per_stage = max(1, prompts // max(1, updates))
-    engine_cmd = [sys.executable, "generate.py", "--resident=true", "--stages=2", "--stage=0", f"--policy={model}",
+    engine_cmd = [sys.executable, "generate.py", "--resident=true", "--stage=0", f"--policy={model}",
                   *engine_args(run_dir, prompts_per_stage), f"--gpu_memory_utilization={resident_gpu_memory}"]
     trainer_cmd = [*trainer_launcher(), "optimize.py", "--resident=true", f"--run_dir={run_dir}", "--stages=2", f"--policy={model}",
                    f"--micro_batch_tokens={micro_batch_tokens}", *optimize_args.split(), "--updates_per_stage=1",

@@ -133,9 +133,6 @@ for v in TOTAL_UPDATES DRIFT_MAX_UPDATES; do
   [[ "${!v}" =~ ^[0-9]+$ ]] && (( ${!v} >= 1 )) || { echo "$v must be a whole number ≥ 1, got '${!v}'" >&2; exit 2; }
 done
 [[ "$DRIFT_GROWTH" =~ ^[0-9]*\.?[0-9]+$ ]] || { echo "DRIFT_GROWTH must be a positive number, got '$DRIFT_GROWTH'" >&2; exit 2; }
-if [[ "$STAGE_END" == drift && "$RESIDENT" == true ]]; then
-  echo "STAGE_END=drift runs in the process-per-phase loop (RESIDENT=false) for now: resident mode plans a fixed STAGES × UPDATES" >&2; exit 2
-fi
 if [[ "$RESIDENT" == true && "$RESET_OPTIMIZER" == true ]]; then
   echo "RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase loop" >&2; exit 2
 fi
@@ -244,10 +241,10 @@ if [[ "$RESIDENT" == true ]]; then
     kill -KILL "$@" 2>/dev/null || true
   }
   $PY -c "import handoff, sys; handoff.reset(sys.argv[1])" "$RUN"
-  echo "[resident] the engine process ($ENGINES engine(s)) and the trainer ($TRAIN_RANKS rank(s)) for stages" \
-       "0..$((STAGES - 1)): $RUN/logs/engine.log, trainer.log"
+  echo "[resident] the engine process ($ENGINES engine(s)) and the trainer ($TRAIN_RANKS rank(s)) for every stage:" \
+       "$RUN/logs/engine.log, trainer.log"
   t0=$(date +%s.%N)
-  { $PY generate.py --resident=true --stages="$STAGES" --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
+  { $PY generate.py --resident=true --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
       --prompts_per_stage="$PROMPTS_PER_STAGE" \
       --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" \
       --eval_data_dir="$EVAL_DATA_DIR" --eval_k="$EVAL_K" --eval_temperature="$EVAL_TEMPERATURE" \
@@ -255,7 +252,8 @@ if [[ "$RESIDENT" == true ]]; then
       | tee -a "$RUN/logs/engine.log" | "${VIEW[@]}"; } 9>&- &
   engine_job=$!
   { "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" --stages="$STAGES" --policy="$MODEL" \
-      "${OPTIMIZE_ARGS[@]}" --save_every="$SAVE_EVERY" 2>&1 | tee -a "$RUN/logs/trainer.log" | "${VIEW[@]}"; } 9>&- &
+      "${OPTIMIZE_ARGS[@]}" --save_every="$SAVE_EVERY" --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" \
+      --drift_max_updates="$DRIFT_MAX_UPDATES" 2>&1 | tee -a "$RUN/logs/trainer.log" | "${VIEW[@]}"; } 9>&- &
   trainer_job=$!
   status=0
   wait -n "$engine_job" "$trainer_job" || status=$?
@@ -271,8 +269,8 @@ if [[ "$RESIDENT" == true ]]; then
   fi
   $PY -c "import handoff, sys; handoff.clear_policies(sys.argv[1])" "$RUN"
   t1=$(date +%s.%N)
-  echo "{\"phase\": \"resident\", \"name\": \"resident\", \"stage\": $((STAGES - 1)), \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
-  STAGES=0          # the loop below has nothing left to do
+  last=$(( $(compgen -G "$RUN/stage_*/stage_end.json" | wc -l) - 1 ))      # the stages trained
+  echo "{\"phase\": \"resident\", \"name\": \"resident\", \"stage\": $last, \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
 fi
 
 # planned S: the μ of stage S, 0 once the run is over: UPDATES for each of the STAGES stages, or with STAGE_END=drift
@@ -283,7 +281,7 @@ planned() {
 growth=$DRIFT_GROWTH, max_updates=$DRIFT_MAX_UPDATES, total=$TOTAL_UPDATES))" "$RUN" "$1"
 }
 s=0
-MU=$(planned 0)
+MU=$([[ "$RESIDENT" == true ]] && echo 0 || planned 0)      # resident: every stage is done above
 while (( MU > 0 )); do
   STAGE_DIR=$RUN/stage_$s
   phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}" \

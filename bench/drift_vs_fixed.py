@@ -9,7 +9,6 @@ and best accuracy, the accuracy at a few update budgets (the last evaluation at 
 collapsed (accuracy below half the initial policy's at any later evaluation), the stages, the
 prompts generated per prompt trained on (what ending early costs in generation), and the wall-clock.
 """
-import json
 import sys
 from pathlib import Path
 

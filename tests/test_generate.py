@@ -263,13 +263,13 @@ def import_generate(monkeypatch, *argv):
     (3, 1024, 4, [1, 1, 1]),         # fewer prompts than engines: one prompt per shard
 ])
 def test_every_engine_gets_a_shard_when_there_are_prompts_for_it(monkeypatch, prompts, shard_prompts, engines, sizes):
-    g = import_generate(monkeypatch, f"--prompts_per_stage={prompts}", f"--shard_prompts={shard_prompts}",
-                        f"--engines={engines}", "--run_dir=/nonexistent")
+    g = import_generate(monkeypatch, f"--shard_prompts={shard_prompts}", f"--engines={engines}",
+                        "--run_dir=/nonexistent")
     problems = [{"id": f"p{i}", "problem": str(i), "answer": str(i)} for i in range(300)]
-    shards = g.stage_shards(0, problems)
+    shards = g.stage_shards(0, problems, prompts)
     assert [len(positions) for positions, _ in shards.values()] == sizes
     assert [p for positions, _ in shards.values() for p in positions] == list(range(prompts))   # each prompt once
-    assert g.plan_of(0, "policy")["shards"] == len(sizes)
+    assert g.plan_of(0, "policy", prompts)["shards"] == len(sizes)
     # shard k goes to engine k mod n: the engines split the shards between them, none twice
     assigned = [g.engine_shards(shards, r, 0) for r in range(engines)]
     assert sorted(k for a in assigned for k in a) == list(shards)

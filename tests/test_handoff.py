@@ -25,6 +25,9 @@ def test_a_partner_that_announced_is_watched_and_a_dead_one_is_named(tmp_path):
     with pytest.raises(SystemExit, match=r"the engine process \(pid \d+\) has died"):
         trainer.wait(lambda: False, poll_s=0.01)
     assert time.monotonic() - t0 < 1.0                         # within one poll, not a timeout
+    # a wait on the caller's own processes goes on after the partner ended (the trainer after its last policy)
+    answers = iter([None, None, "parts"])
+    assert trainer.wait(lambda: next(answers), poll_s=0.01, partner=False)[1] == "parts"
 
 
 def test_a_partner_that_never_starts_is_an_error_after_the_grace(tmp_path, monkeypatch):
@@ -56,9 +59,10 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
     (tmp_path / "shm").mkdir()
     trainer = handoff.Partner(tmp_path / "run", "trainer")
     trainer.announce()
-    trainer.publish_policy(0, "/x/policy_0", "run/stage_0/policy", "abc", run_updates=8)
+    trainer.publish_policy(0, "/x/policy_0", "run/stage_0/policy", "abc", run_updates=8, next_stage_prompts=32)
     flag, waited = handoff.Partner(tmp_path / "run", "engine").wait_for_policy(0)
-    assert flag == {"stage": 0, "path": "/x/policy_0", "policy": "run/stage_0/policy", "fingerprint": "abc", "run_updates": 8}
+    assert flag == {"stage": 0, "path": "/x/policy_0", "policy": "run/stage_0/policy", "fingerprint": "abc", "run_updates": 8,
+                    "next_stage_prompts": 32}
     for d in handoff.policy_locations(tmp_path / "run"):
         (d / "policy_0").mkdir(parents=True)
     handoff.reset(tmp_path / "run")
@@ -71,7 +75,7 @@ def test_clearing_policies_at_the_end_keeps_the_flags_and_the_run_directory(tmp_
     monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir()
     handoff.reset(tmp_path / "run")
-    handoff.Partner(tmp_path / "run", "trainer").publish_policy(1, "/x", "y", "fp", run_updates=4)
+    handoff.Partner(tmp_path / "run", "trainer").publish_policy(1, "/x", "y", "fp", run_updates=4, next_stage_prompts=0)
     for d in handoff.policy_locations(tmp_path / "run"):
         (d / "policy_1").mkdir(parents=True)
     (tmp_path / "run" / "stage_1" / "policy").mkdir(parents=True)
