@@ -354,6 +354,7 @@ def _stats(loss, kept_loss, ratio, log_ratio, advantages, mask, keep, nav_keep, 
         "ratio_min": torch.where(mask, ratio, inf).min() if mask.numel() else inf,
         "ratio_max": torch.where(mask, ratio, -inf).max() if mask.numel() else -inf,
         "log_sq_sum": (log_ratio ** 2 * mask).sum(),
+        "ratio_sum": (ratio * mask).sum(), "ratio_sq_sum": (ratio ** 2 * mask).sum(),     # the weights' ESS
         # KL(behavior ‖ current) from behavior samples, k3 estimator E_b[ρ − 1 − log ρ] (≥ 0)
         "kl_behavior_sum": ((ratio - 1 - log_ratio) * mask).sum(),
         # trainer vs engine log-probs, whatever the ratio's reference (TIS): the mismatch at update 0
@@ -407,6 +408,9 @@ def metrics(stats, extra=None):
         "ratio/min": s["ratio_min"] if s["tokens"] else math.nan,
         "ratio/max": s["ratio_max"] if s["tokens"] else math.nan,
         "ratio/log_sq_mean": frac("log_sq_sum", "tokens"), "ratio/kl": frac("kl_behavior_sum", "tokens"),
+        # Kish's effective sample size of the importance weights ρ over the tokens, as a fraction of them:
+        # (Σ ρ)² / (N Σ ρ²), 1 on policy, 1/N when one token carries all the weight
+        "ratio/ess_frac": s["ratio_sum"] ** 2 / (s["tokens"] * s["ratio_sq_sum"]) if s["ratio_sq_sum"] > 0 else math.nan,
         "mismatch/mean_abs_log_ratio": frac("engine_abs_sum", "tokens"),
         "mismatch/max_abs_log_ratio": s["engine_abs_max"] if s["tokens"] else math.nan,
         "mismatch/kl": frac("engine_kl_sum", "tokens"),

@@ -71,6 +71,20 @@ def phase_summary(run):
     return per_kind, total, generation, training, overhead
 
 
+def time_split(run):
+    """A run's wall-clock in seconds, taken apart: generation (the engines' sampling, manifest generation_seconds),
+    training (the updates, metrics seconds), evaluation, switching (the rest of the phases: process and engine
+    starts, loads, saves, hand-offs, grading tails) and idle (between phases: the wall-clock no phase covers).
+    The five add up to the wall-clock; stages: how many stages paid a switch."""
+    _, total, generation, training, _ = phase_summary(run)
+    evaluation = sum(t["seconds"] for t in run["timeline"] if t["phase"] == "eval")
+    top = [t for t in run["timeline"] if "process" not in t]          # a resident run's one row, or the phases
+    wall = max(t["end"] for t in top) - min(t["start"] for t in top) if top else 0.0
+    return {"wall": wall, "generation": generation, "training": training, "evaluation": evaluation,
+            "switching": total - evaluation - generation - training, "idle": wall - total,
+            "stages": len(run["manifests"])}
+
+
 def resident_parts(run):
     """A resident run's switching costs from its processes' timeline rows, in seconds: start-up (the slowest of
     the processes' starts: the trainer's, the engine process's, each engine's own), weight reloads and engine sleeps (each engine writes its own row per stage; the

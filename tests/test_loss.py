@@ -116,6 +116,14 @@ def test_log_sq_ratio_and_k3_kl_metrics_by_hand():
     assert m["ratio/kl"] == pytest.approx((math.e - 2) / 2)
 
 
+def test_the_importance_weights_effective_sample_size_by_hand():
+    # Kish: (Σ ρ)² / (N Σ ρ²). Ratios 2 and 0 (one token carries all the weight): 4 / (2 · 4) = 1/2; ratios 1, 1: 1
+    _, _, m = _loss_and_grad([[0.0, 0.0]], [[2.0, 1e-9]], [1.0], clip_low=0.0, clip_high=5.0)
+    assert m["ratio/ess_frac"] == pytest.approx(0.5, abs=1e-6)
+    _, _, m = _loss_and_grad([[0.0, 0.0, 0.0]], [[1.0, 1.0, 4.0]], [1.0], clip_low=0.0, clip_high=5.0)
+    assert m["ratio/ess_frac"] == pytest.approx(36 / (3 * 18))      # (1 + 1 + 4)² / (3 · (1 + 1 + 16)) = 2/3
+
+
 def test_mismatch_shares_above_each_level_and_the_p999_bound():
     # |log ratio| of 5 response tokens (one padding token): 0, 5e-3, 0.05, 0.5, 2 → above 1e-4: 4 of 5, above 1e-3:
     # 4, above 0.01: 3, above 0.1: 2, above 1: 1, above 10: 0. p99.9 needs a level at most 0.1 % exceed: 10

@@ -1,0 +1,222 @@
+"""The staleness–speed frontier from its runs' records (frontier.sh runs them; this reads them, no compute): per point
+(loss, NAV δ, μ), over builds and seeds, accuracy against wall-clock and against updates, the time split, per-token
+staleness and the importance weights' health, and the speed-ups against the baseline point: at equal updates, at
+matched accuracy, and re-costed for a per-stage switching cost c.
+
+    python bench/frontier.py --runs_dir=runs/frontier-lab-fork
+
+Reads <runs_dir>/build<b>/seed<s>/<label>-mu<μ>/ (label: the LOSS preset, with -d<δ> for a preset with NAV); writes
+<out>/frontier.md (the table), frontier.json (every number, per run and per point) and plots/frontier_*.png.
+
+Time is the run's wall-clock with its evaluations taken out (points evaluate at different counts: μ = 256 cannot be
+evaluated inside its one stage), split by plot.time_split into generation, training, switching and idle. Re-costing
+replaces each stage's measured switching by c: T(c) = T − switching + c · stages, so T(measured per-stage switching)
+is T itself.
+"""
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+import plot  # noqa: E402
+
+runs_dir = "runs/frontier-lab-fork"   # holds build<b>/seed<s>/<label>-mu<μ>/ run directories
+baseline = "grpo:4"             # label:μ of the point the speed-ups are measured against (the paper's GRPO μ = 4)
+costs = "0,2,20,180"            # per-stage switching costs c of the re-costing, seconds
+out = ""                        # where frontier.md, frontier.json and plots/ go (default: runs_dir)
+common.apply_overrides(globals(), sys.argv[1:])
+costs_s = [float(c) for c in costs.split(",")]
+
+
+def weighted_percentile(values, weights, q):
+    """The smallest value at or below which a fraction q of the total weight lies."""
+    order = np.argsort(values, kind="stable")
+    cumulative = np.cumsum(np.asarray(weights, dtype=float)[order])
+    return float(np.asarray(values)[order][np.searchsorted(cumulative, q * cumulative[-1])])
+
+
+def mean_of(rows, key):
+    """The mean of a metric over the updates that have a finite value of it (None: none has)."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run_dir):
+    """One run's numbers: its accuracy curve [(updates, seconds to it with evaluations taken out, accuracy)], the
+    time split, the staleness of its trained tokens and the mean over updates of the ratio statistics."""
+    run = plot.load_run(run_dir)
+    split = plot.time_split(run)
+    evals = sorted((t for t in run["timeline"] if t["phase"] == "eval"), key=lambda t: t["start"])
+    tops = [t for t in run["timeline"] if "process" not in t]
+    if not run["results"] or not tops or not run["metrics"]:
+        return None
+    start = min(t["start"] for t in tops)
+    at = {}                                      # stage → seconds to its evaluation, earlier evaluations taken out
+    for t in evals:
+        at[t["stage"]] = t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"])
+    curve = [(updates, at.get(s, 0.0 if s < 0 else None), acc) for s, updates, _, acc in plot.accuracy_by_stage(run)]
+    m = run["metrics"]
+    stale, tokens = [r["staleness"] for r in m], [r["loss/tokens"] for r in m]
+    return {"run": str(run_dir), "curve": curve, "final": curve[-1][2], "initial": curve[0][2],
+            "updates": len(m), "seconds": split["wall"] - split["evaluation"], "split": split,
+            "staleness": {q: weighted_percentile(stale, tokens, f) for q, f in (("p50", 0.5), ("p95", 0.95))}
+            | {"max": max(stale)},
+            "ess_frac": mean_of(m, "ratio/ess_frac"), "kl_behavior": mean_of(m, "ratio/kl"),
+            "ratio_neg_adv": mean_of(m, "ratio/mean_neg_adv"), "vetoed_frac": mean_of(m, "nav/vetoed_frac") or 0.0,
+            "clipped_frac": mean_of([{"c": r["clip/upper_frac"] + r["clip/lower_frac"]} for r in m], "c")}
+
+
+def recost(r, c):
+    """The run's time with each stage's switching replaced by c seconds."""
+    return r["seconds"] - r["split"]["switching"] + c * r["split"]["stages"]
+
+
+def time_to(r, target):
+    """Seconds (evaluations taken out) to the run's first evaluation after training at or above target; None: never."""
+    return next((t for updates, t, acc in r["curve"] if updates > 0 and acc >= target and t is not None), None)
+
+
+def spread(values):
+    values = [v for v in values if v is not None]
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)} if values else None
+
+
+def collect():
+    """{point (label, μ): {(build, seed): summary}}"""
+    points = {}
+    for run_dir in sorted(p for p in Path(runs_dir).glob("build*/seed*/*-mu*") if p.is_dir()):
+        label, mu = run_dir.name.rsplit("-mu", 1)
+        r = summarize(run_dir)
+        if r is not None:
+            points.setdefault((label, int(mu)), {})[(run_dir.parents[1].name, run_dir.parent.name)] = r
+    return points
+
+
+def speedups(points, base_key):
+    """Per point, over the (build, seed) pairs it shares with the baseline: the baseline's time over the point's at
+    equal updates, at matched accuracy (the time each first reaches the bottom of the baseline's final accuracies
+    on that build), and re-costed at each c."""
+    base = points.get(base_key, {})
+    targets = {}
+    for (build, _), r in base.items():
+        targets[build] = min(targets.get(build, math.inf), r["final"])
+    table = {}
+    for key, runs in points.items():
+        pairs = [(runs[k], base[k], targets[k[0]]) for k in runs if k in base]
+        matched = [(time_to(b, target), time_to(r, target)) for r, b, target in pairs]
+        table[key] = {
+            "equal_updates": spread([b["seconds"] / r["seconds"] for r, b, _ in pairs]),
+            "matched_accuracy": spread([tb / tp for tb, tp in matched if tb and tp]),
+            "never": sum(tp is None for _, tp in matched), "pairs": len(pairs),
+            "recost": {c: spread([recost(b, c) / recost(r, c) for r, b, _ in pairs]) for c in costs_s}}
+    return table
+
+
+def fmt(s, digits=2):
+    return "—" if s is None else f"{s['mean']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def point_rows(points, speed):
+    """Per point, the mean over its runs of each measured number, with the speed-ups."""
+    rows = []
+    for (label, mu), runs in sorted(points.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        rs = list(runs.values())
+        mean = lambda f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
+        opt = lambda key: spread([r[key] for r in rs])  # noqa: E731
+        wall = mean(lambda r: r["split"]["wall"])
+        rows.append({"label": label, "mu": mu, "runs": len(rs), "final": spread([r["final"] for r in rs]),
+                     "minutes": mean(lambda r: r["seconds"]) / 60,
+                     "split": {k: mean(lambda r: r["split"][k]) / max(wall, 1e-9)
+                               for k in ("generation", "training", "switching", "evaluation", "idle")},
+                     "stages": mean(lambda r: r["split"]["stages"]),
+                     "staleness": {q: mean(lambda r: r["staleness"][q]) for q in ("p50", "p95", "max")},
+                     "ess_frac": opt("ess_frac"), "kl_behavior": opt("kl_behavior"),
+                     "ratio_neg_adv": opt("ratio_neg_adv"), "vetoed_frac": opt("vetoed_frac"),
+                     "clipped_frac": opt("clipped_frac"), "speedup": speed[(label, mu)]})
+    return rows
+
+
+def markdown(rows):
+    cs = " | ".join(f"c = {c:g} s" for c in costs_s)
+    lines = [f"| point | runs | final accuracy | minutes | gen / train / switch / eval / idle % | staleness p50 / p95 / "
+             f"max | ESS | KL(behaviour ‖ π) | E[ρ \\| A<0] | vetoed | clipped | speed-up, equal updates | at matched accuracy "
+             f"| {cs} |", "|" + "---|" * (13 + len(costs_s))]
+    for p in rows:
+        sp = p["speedup"]
+        split = " / ".join(f"{round(100 * p['split'][k]):d}" for k in ("generation", "training", "switching", "evaluation",
+                                                                   "idle"))
+        matched = fmt(sp["matched_accuracy"]) if sp["matched_accuracy"] else ""
+        matched += f"{', ' if matched else ''}never in {sp['never']} of {sp['pairs']}" if sp["never"] else ""
+        lines.append(
+            f"| {p['label']} μ = {p['mu']} | {p['runs']} | {fmt(p['final'], 3)} | {p['minutes']:.1f} | {split} | "
+            f"{p['staleness']['p50']:.0f} / {p['staleness']['p95']:.0f} / {p['staleness']['max']:.0f} | "
+            f"{fmt(p['ess_frac'])} | {fmt(p['kl_behavior'], 4)} | {fmt(p['ratio_neg_adv'], 3)} | "
+            f"{fmt(p['vetoed_frac'], 3)} | {fmt(p['clipped_frac'], 3)} | {fmt(sp['equal_updates'])} | "
+            f"{matched or '—'} | " + " | ".join(fmt(sp["recost"][c]) for c in costs_s) + " |")
+    return "\n".join(lines)
+
+
+def figures(points, speed, where):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    where.mkdir(parents=True, exist_ok=True)
+    fig, (ax_t, ax_u) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (label, mu), runs in sorted(points.items()):
+        curves = [r["curve"] for r in runs.values()]
+        n = min(len(c) for c in curves)          # the evaluations every run of the point has
+        acc = [np.mean([c[i][2] for c in curves]) for i in range(n)]
+        minutes = [np.mean([(c[i][1] or 0.0) / 60 for c in curves]) for i in range(n)]
+        ax_t.plot(minutes, acc, marker="o", ms=3, label=f"{label} μ={mu}")
+        ax_u.plot([curves[0][i][0] for i in range(n)], acc, marker="o", ms=3, label=f"{label} μ={mu}")
+    ax_t.set(xlabel="minutes (evaluations taken out)", ylabel="test accuracy (mean over runs)",
+             title="accuracy against wall-clock")
+    ax_u.set(xlabel="updates", ylabel="test accuracy (mean over runs)", title="accuracy against updates")
+    ax_u.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(where / "frontier_accuracy.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = [max(c, 0.1) for c in costs_s]           # c = 0 drawn at 0.1 s on the log axis
+    for (label, mu), sp in sorted(speed.items()):
+        if all(sp["recost"][c] for c in costs_s):
+            ax.plot(x, [sp["recost"][c]["mean"] for c in costs_s], marker="o", label=f"{label} μ={mu}")
+    ax.set_xscale("log")
+    ax.set(xlabel="switching cost per stage c, seconds (0 at 0.1)", ylabel=f"speed-up over {baseline} at equal updates",
+           title="the algorithm apart from the system")
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(where / "frontier_recost.png", dpi=120)
+    plt.close(fig)
+
+
+def main():
+    points = collect()
+    if not points:
+        sys.exit(f"{runs_dir}: no finished run under build*/seed*/*-mu*: run frontier.sh first")
+    label, mu = baseline.rsplit(":", 1)
+    if (label, int(mu)) not in points:
+        sys.exit(f"--baseline={baseline}: no runs of it in {runs_dir} (points: "
+                 f"{', '.join(f'{k[0]}:{k[1]}' for k in sorted(points))})")
+    speed = speedups(points, (label, int(mu)))
+    rows = point_rows(points, speed)
+    where = Path(out or runs_dir)
+    table = markdown(rows)
+    common.atomic_write_json(where / "frontier.json", {
+        "baseline": baseline, "costs": costs_s, "points": rows,
+        "runs": {f"{k[0]}:{k[1]}": {f"{b}/{s}": r for (b, s), r in runs.items()} for k, runs in points.items()}})
+    common.atomic_write(where / "frontier.md", table + "\n")
+    figures(points, speed, where / "plots")
+    print(table)
+    print(f"\nspeed-ups against {baseline} over the (build, seed) pairs both ran: mean (min–max); matched accuracy: "
+          f"each run's first evaluation at or above the lowest final accuracy of {baseline}'s seeds on that build; "
+          f"c: each stage's switching re-costed at c seconds. → {where}/frontier.md, frontier.json, plots/")
+
+
+if __name__ == "__main__":
+    main()

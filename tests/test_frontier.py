@@ -1,0 +1,67 @@
+"""frontier.sh and bench/frontier.py: a reduced frontier on the toy (two points, one in each mode), killed and
+resumed, whose table's numbers are the runs' own records."""
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT, kill_when, needs_vllm, read_lines
+
+
+def frontier_env(toy, out):
+    from test_loop import loop_env
+    return {**loop_env(toy, out / "unused"), "PRESET": "toy", "OUT": str(out), "MUS": "2 4", "TOTAL_UPDATES": "4",
+            "EVAL_UPDATES": "2", "LOSSES": "grpo", "SEEDS": "0", "BUILDS": "0", "RESIDENT_MAX_MU": "2",
+            "PROMPTS_PER_UPDATE": "8", "COSTS": "0,20"}
+
+
+def run_frontier(env):
+    import os
+    proc = subprocess.run(["bash", "frontier.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_path):
+    out = tmp_path / "frontier"
+    env = frontier_env(toy, out)
+    first, second = out / "build0" / "seed0" / "grpo-mu2", out / "build0" / "seed0" / "grpo-mu4"
+    # killed while the second point (μ = 4, processes per phase) trains its first stage
+    assert kill_when(["bash", "frontier.sh"], lambda: (second / "stage_0" / "metrics.jsonl").exists(), env=env,
+                     timeout=600)
+    finished = (first / "results.jsonl").read_text()
+    run_frontier(env)
+    assert (first / "results.jsonl").read_text() == finished             # the finished point was not run again
+    assert "is complete; nothing to do" in (out / "build0" / "seed0" / "grpo-mu2.log").read_text()
+    report = json.loads((out / "frontier.json").read_text())
+    runs = {k: v["build0/seed0"] for k, v in report["runs"].items()}
+    assert set(runs) == {"grpo:2", "grpo:4"}
+    for key, run_dir in (("grpo:2", first), ("grpo:4", second)):
+        r, results = runs[key], read_lines(run_dir / "results.jsonl")
+        last = max(results, key=lambda x: x["stage"])
+        assert r["final"] == last["avg_at_k"] and r["curve"][-1][0] == last["updates"] == 4 == r["updates"]
+        # evaluated every EVAL_UPDATES = 2 updates, or after every stage when μ is larger
+        assert [u for u, _, _ in r["curve"]] == ([0, 2, 4] if key == "grpo:2" else [0, 4])
+        split, timeline = r["split"], read_lines(run_dir / "timeline.jsonl")
+        assert split["evaluation"] == pytest.approx(sum(t["seconds"] for t in timeline if t["phase"] == "eval"))
+        manifests = [json.loads((run_dir / f"stage_{s}" / "rollouts" / "manifest.json").read_text())
+                     for s in range(4 // int(key[-1]))]
+        assert split["generation"] == pytest.approx(sum(m["generation_seconds"] for m in manifests))
+        assert split["stages"] == len(manifests)
+        parts = sum(split[k] for k in ("generation", "training", "switching", "evaluation", "idle"))
+        assert parts == pytest.approx(split["wall"]) and r["seconds"] == pytest.approx(split["wall"] - split["evaluation"])
+        # re-costed at the measured switching per stage, a point takes its measured time
+        assert r["seconds"] - split["switching"] + split["switching"] / split["stages"] * split["stages"] == \
+            pytest.approx(r["seconds"])
+        metrics = [m for s in range(len(manifests)) for m in read_lines(run_dir / f"stage_{s}" / "metrics.jsonl")]
+        assert r["staleness"]["max"] == int(key[-1]) - 1 == max(m["staleness"] for m in metrics)
+    rows = {f"{p['label']}:{p['mu']}": p for p in report["points"]}
+    base = rows["grpo:2"]["speedup"]
+    assert base["equal_updates"]["mean"] == 1.0 and all(base["recost"][c]["mean"] == 1.0 for c in ("0.0", "20.0"))
+    other = rows["grpo:4"]["speedup"]["equal_updates"]["mean"]
+    assert other == pytest.approx(runs["grpo:2"]["seconds"] / runs["grpo:4"]["seconds"])
+    assert "| grpo μ = 4 | 1 |" in (out / "frontier.md").read_text()
+    assert {p.name for p in (out / "plots").iterdir()} == {"frontier_accuracy.png", "frontier_recost.png"}
