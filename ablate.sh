@@ -13,9 +13,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 # ------------------------------------------------------------------------------ hyperparameters
 LAB=${LAB:-lab}                 # the task: lab (data/lab.py: arithmetic chains that slip) | lab-fork (data/lab_fork.py:
                                 # a low-probability fork before a long doomed detour)
-OUT=${OUT:-runs/$LAB-ablation}  # everything goes here
-LAB_DIR=${LAB_DIR:-data/${LAB/-/_}}   # the task's data and policy (built by its builder if missing; LAB_ARGS go to it)
-LAB_ARGS=${LAB_ARGS:-}
+BUILD=${BUILD:-0}               # the builder's --seed: which task and warm-started policy (a finding holds only if it
+                                # holds on every build tried; frontier.sh's BUILDS name the same builds)
+SUFFIX=$( [[ "$BUILD" == 0 ]] || echo "_build$BUILD")
+OUT=${OUT:-runs/$LAB-ablation${SUFFIX/_/-}}  # everything goes here
+LAB_DIR=${LAB_DIR:-data/${LAB/-/_}$SUFFIX}   # the task's data and policy (built by its builder if missing, with
+LAB_ARGS=${LAB_ARGS:-}          # --seed=BUILD and LAB_ARGS)
 VARIANTS=${VARIANTS:-grpo relaxed-no-nav nav-T mu-grpo nav-S nav-seq m2po}   # LOSS presets (losses.sh)
 SEEDS=${SEEDS:-0 1 2}           # one replay per seed: the order in which the stage's groups become minibatches
 UPDATES=${UPDATES:-256}         # μ of the replays: the last update trains on data UPDATES-1 updates stale
@@ -35,7 +38,7 @@ JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS 
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh)
 source losses.sh
-for v in UPDATES PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS; do
+for v in BUILD UPDATES PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
 for v in UPDATES PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS; do
@@ -55,7 +58,7 @@ exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
 THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 T0=$(date +%s)
-echo "ablation $OUT on $LAB: variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES updates of $PROMPTS_PER_UPDATE prompts" \
+echo "ablation $OUT on $LAB (build $BUILD): variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES updates of $PROMPTS_PER_UPDATE prompts" \
      "× G=$GROUP_SIZE at lr $LR, NAV δ = $NAV_DELTA, a policy every $SAVE_EVERY updates; on-policy references" \
      "[$ONPOLICY_LOSSES] μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time"
 
@@ -69,7 +72,7 @@ step() {
   touch "$OUT/.done/$name"
 }
 
-[[ -f "$LAB_DIR/model/config.json" ]] || step lab $PY "$BUILDER" --out_dir="$LAB_DIR" $LAB_ARGS
+[[ -f "$LAB_DIR/model/config.json" ]] || step lab $PY "$BUILDER" --out_dir="$LAB_DIR" --seed="$BUILD" $LAB_ARGS
 MODEL=$LAB_DIR/model
 SAMPLING=(--max_prompt_tokens=64 --max_response_tokens="$MAX_RESPONSE" --prompt_template="{problem}")
 

@@ -186,12 +186,16 @@ def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_
     out, lab_dir = tmp_path / "ablation", tmp_path / "lab"
     env = {"LAB": "lab-fork", "OUT": str(out), "LAB_DIR": str(lab_dir), "VARIANTS": "grpo mu-grpo", "SEEDS": "0",
            "UPDATES": "4", "PROMPTS_PER_UPDATE": "2", "SAVE_EVERY": "2", "ONPOLICY_UPDATES": "2", "ONPOLICY_SEEDS": "0",
-           "MAX_RESPONSE": "48", "NAV_DELTA": "0.5",
+           "MAX_RESPONSE": "48", "NAV_DELTA": "0.5", "BUILD": "1",
            "LAB_ARGS": "--train_problems=48 --test_per_length=3 --max_steps=4 --hidden_size=64 --layers=2 "
                        "--sft_steps=40"}
     proc = subprocess.run(["bash", "ablate.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # BUILD=1 is the builder's seed: the task's problems are lab.problems' for seed 1, not for the default 0
+    written = [json.loads(line)["problem"] for line in open(lab_dir / "train.jsonl")]
+    assert written == [p["problem"] for p in lab.problems(48, 3, 3, 4, 1)[0]]
+    assert written != [p["problem"] for p in lab.problems(48, 3, 3, 4, 0)[0]]
     ablation, initial = plot.load_ablation(out)
     assert set(ablation) == {"grpo", "mu-grpo", "onpolicy-grpo"}
     for variant in ("grpo", "mu-grpo"):   # the initial policy, the policy saved at update 2, the final one
