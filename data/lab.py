@@ -136,6 +136,7 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max
 
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
+    toy.portable_kernels()      # the same task and policy on any x86-64 machine (before torch is imported)
     path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length, min_steps=min_steps,
                  max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
                  sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_slip=p_slip, p_no_box=p_no_box)

@@ -117,6 +117,7 @@ def build(out_dir, *, train_problems=4096, test_per_length=50, min_steps=3, max_
 
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
+    toy.portable_kernels()      # the same task and policy on any x86-64 machine (before torch is imported)
     common.check_choice("fork", fork, FORKS)
     common.check_choice("detour", detour, DETOURS)
     path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length, min_steps=min_steps,

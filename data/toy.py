@@ -147,6 +147,21 @@ def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=12
     return save_model(model, tokenizer, out / "model")
 
 
+def portable_kernels():
+    """Make this process's torch compute the same on any x86-64 CPU: ATen's generic kernels, not the AVX2 or AVX512
+    ones its dispatch picks by CPU, which sum in other orders (the same lab build gave three different policies here
+    under the three; with the generic ones it is the same under MKL's AVX2 and AVX512 paths and on 1 or 2 threads).
+    torch reads ATEN_CPU_CAPABILITY when it starts, so this runs before torch is imported (a lab builder's main);
+    the cost of the build is the same within the noise. Returns the capability torch then uses."""
+    os.environ["ATEN_CPU_CAPABILITY"] = "default"
+    import torch
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "DEFAULT":
+        raise SystemExit(f"torch was imported before portable_kernels() and uses its {capability} kernels: the "
+                         f"build would differ from other machines'")
+    return capability
+
+
 def save_model(model, tokenizer, final):
     """The policy as an HF directory (sampling defaults: temperature 1, untruncated), written whole or not at all."""
     import shutil

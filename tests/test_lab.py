@@ -235,3 +235,20 @@ def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_
     reloaded = [r["response"] for r in read_lines(tmp_path / "list" / "model" / "test.jsonl")]
     other = [r["response"] for r in read_lines(tmp_path / "list" / "perturbed" / "test.jsonl")]
     assert reloaded == fresh and other != fresh
+
+
+@pytest.mark.slow
+def test_the_lab_build_is_the_same_whichever_kernels_the_cpu_would_pick(tmp_path):
+    # torch picks AVX512, AVX2 or generic kernels by CPU; they sum in other orders, so the same build gave other
+    # policies on other machines. The builder pins the generic ones: under either ISA's kernels, the same files
+    import hashlib
+    tiny = ["--train_problems=48", "--test_per_length=3", "--max_steps=4", "--hidden_size=64", "--layers=2",
+            "--sft_steps=10"]
+    digests = []
+    for capability in ("avx2", "avx512"):
+        out = tmp_path / capability
+        subprocess.run([sys.executable, "data/lab.py", f"--out_dir={out}", *tiny], cwd=ROOT, check=True,
+                       capture_output=True, env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
+        digests.append([hashlib.sha256((out / name).read_bytes()).hexdigest()
+                        for name in ("model/model.safetensors", "model/tokenizer.json", "train.jsonl", "test.jsonl")])
+    assert digests[0] == digests[1]
