@@ -437,7 +437,7 @@ def first_pending_stage():
 
 def eval_due(t, last):
     """Whether the policy trained on stage t (t = stage − 1: the initial policy) is evaluated: as run_stages.sh
-    evaluates, after every eval_every-th stage and after the `last`, and the initial policy first."""
+    evaluates, after every eval_every-th stage and after the run's last (`last`), and the initial policy first."""
     if not eval_every or not results:
         return False
     if t < stage:

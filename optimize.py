@@ -109,10 +109,10 @@ check_packing = False           # update 0: log check/packed_* (the micro-batch 
 resident = False                # keep the model and AdamW for a run's every stage, handed rollouts and handing policies
                                 # to generate.py --resident (handoff.py; run_stages.sh RESIDENT=true)
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
-stages = 0                      # resident, stage_end=fixed: the run's stage count, each of updates_per_stage updates
-total_updates = 0               # resident, stage_end=drift: the run's updates (0: stages × updates_per_stage), in stages
-drift_growth = 1.25             # planned from where the last one ended (rollouts.planned_updates; run_stages.sh's
-drift_max_updates = 0           # DRIFT_*), the first of updates_per_stage (0: at most 4 × updates_per_stage)
+stages = 0                      # resident, stage_end=fixed: the run's stages, each of updates_per_stage updates
+total_updates = 0               # resident, stage_end=drift: the run's updates (0: stages × updates_per_stage) in stages
+drift_growth = 1.25             # planned as run_stages.sh plans them (rollouts.planned_updates with its DRIFT_GROWTH
+drift_max_updates = 0           # and DRIFT_MAX_UPDATES; 0: 4 × updates_per_stage)
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
                                 # last (0: the last only); the engine gets every policy through the fast hand-off dir
 # -----------------------------------------------------------------------------
@@ -847,8 +847,8 @@ def resident_main():
     while updates := stage_updates(s):
         # saved into the run directory: every save_every-th stage, and any stage that may be the last (one that reaches
         # the run's updates unless it ends on drift)
-        last = s == stages - 1 if stage_end == "fixed" else before["run_updates"] + updates >= total_updates
-        due = last or bool(save_every and (s + 1) % save_every == 0)
+        may_end_run = s == stages - 1 if stage_end == "fixed" else before["run_updates"] + updates >= total_updates
+        due = may_end_run or bool(save_every and (s + 1) % save_every == 0)
         progress = Progress(out_dir=run_stage_dir(s) / "policy", updates=updates, start=start if s == first else 0,
                             before=before,
                             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
