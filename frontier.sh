@@ -16,7 +16,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 # ------------------------------------------------------------------------------ hyperparameters
 PRESET=${PRESET:-lab-fork}      # lab | lab-fork (the CPU lab tasks) | paper (a GPU box) | toy (the tests)
 OUT=${OUT:-runs/frontier-$PRESET}  # build<b>/seed<s>/<label>-mu<μ>/ per run; frontier.md, frontier.json, plots/
-case "$PRESET" in               # the points' μ, their equal updates, and how often they are evaluated (updates)
+case "$PRESET" in               # the points' μ ("drift": the drift rule), their equal updates, how often they are evaluated (updates)
   paper) : "${MUS:=4 16 64 256 1024}" "${TOTAL_UPDATES:=4096}" "${EVAL_UPDATES:=256}" ;;
   lab|lab-fork) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=32}" ;;
   toy) : "${MUS:=2 4}" "${TOTAL_UPDATES:=8}" "${EVAL_UPDATES:=4}" ;;
@@ -29,6 +29,8 @@ BUILDS=${BUILDS:-$([[ $PRESET == lab* ]] && echo "0 1" || echo 0)}   # lab tasks
                                 # its warm-started policy; 0 is data/<task>/, b > 0 data/<task>_build<b>/); else 0
 BASELINE=${BASELINE:-grpo:$(set -- $MUS; echo "$1")}  # label:μ the speed-ups are against (label: the LOSS, -d<δ> with NAV)
 RESIDENT_MAX_MU=${RESIDENT_MAX_MU:-64}   # μ up to this run resident (RESIDENT=true)
+DRIFT_FIRST=${DRIFT_FIRST:-64}  # "drift" in MUS: stages that end on drift (STAGE_END=drift), the first of this μ, the
+                                # next planned from where each ended, up to TOTAL_UPDATES; evaluated after every stage
 COSTS=${COSTS:-0,2,20,180}      # per-stage switching costs (seconds) the points are re-costed at
 POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024" (default: all)
 # ------------------------------------------------------------------------------
@@ -37,12 +39,12 @@ export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}
 bash setup.sh >&2
 PY=$MU_GRPO_VENV/bin/python
 source losses.sh
-for v in TOTAL_UPDATES EVAL_UPDATES RESIDENT_MAX_MU; do
+for v in TOTAL_UPDATES EVAL_UPDATES RESIDENT_MAX_MU DRIFT_FIRST; do
   [[ "${!v}" =~ ^[0-9]+$ ]] && (( ${!v} >= 1 )) || { echo "$v must be a whole number >= 1, got '${!v}'" >&2; exit 2; }
 done
 for mu in $MUS; do
-  [[ "$mu" =~ ^[0-9]+$ ]] && (( mu >= 1 && TOTAL_UPDATES % mu == 0 )) \
-    || { echo "MUS: each μ must divide TOTAL_UPDATES=$TOTAL_UPDATES, got '$mu'" >&2; exit 2; }
+  [[ "$mu" == drift ]] || { [[ "$mu" =~ ^[0-9]+$ ]] && (( mu >= 1 && TOTAL_UPDATES % mu == 0 )); } \
+    || { echo "MUS: each μ must divide TOTAL_UPDATES=$TOTAL_UPDATES (or be 'drift'), got '$mu'" >&2; exit 2; }
 done
 for x in $SEEDS $BUILDS; do
   [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS and BUILDS must be whole numbers, got '$x'" >&2; exit 2; }
@@ -84,9 +86,15 @@ for build in $BUILDS; do
       mkdir -p "$(dirname "$run")"
       n=$((n + 1))
       echo "[$n/$(( ${#SELECTED[@]} * $(wc -w <<< "$BUILDS") * $(wc -w <<< "$SEEDS") ))] $run ($(( ($(date +%s) - T0) / 60 )) min)"
-      env "${BUILD_ENV[@]}" PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
-          STAGES=$((TOTAL_UPDATES / mu)) UPDATES="$mu" EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 )) \
-          RESIDENT=$( (( mu <= RESIDENT_MAX_MU )) && echo true || echo false) STAGE_END=fixed \
+      if [[ "$mu" == drift ]]; then
+        STAGE_ENV=(STAGE_END=drift UPDATES="$DRIFT_FIRST" TOTAL_UPDATES="$TOTAL_UPDATES" DRIFT_MAX_UPDATES="$TOTAL_UPDATES"
+                   EVAL_EVERY=1 RESIDENT=$( (( DRIFT_FIRST <= RESIDENT_MAX_MU )) && echo true || echo false))
+      else
+        STAGE_ENV=(STAGE_END=fixed STAGES=$((TOTAL_UPDATES / mu)) UPDATES="$mu"
+                   EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 ))
+                   RESIDENT=$( (( mu <= RESIDENT_MAX_MU )) && echo true || echo false))
+      fi
+      env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
           bash run_stages.sh > "$run.log" 2>&1 9>&- \
         || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; exit 1; }
     done

@@ -92,7 +92,7 @@ def collect():
         label, mu = run_dir.name.rsplit("-mu", 1)
         r = summarize(run_dir)
         if r is not None:
-            points.setdefault((label, int(mu)), {})[(run_dir.parents[1].name, run_dir.parent.name)] = r
+            points.setdefault((label, int(mu) if mu.isdigit() else mu), {})[(run_dir.parents[1].name, run_dir.parent.name)] = r
     return points
 
 
@@ -120,10 +120,16 @@ def fmt(s, digits=2):
     return "—" if s is None else f"{s['mean']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
 
 
+def order(key):
+    """Points by label, then μ, the drift rule ("drift") after the fixed μ."""
+    label, mu = key
+    return label, mu if isinstance(mu, int) else math.inf
+
+
 def point_rows(points, speed):
     """Per point, the mean over its runs of each measured number, with the speed-ups."""
     rows = []
-    for (label, mu), runs in sorted(points.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (label, mu), runs in sorted(points.items(), key=lambda kv: order(kv[0])):
         rs = list(runs.values())
         mean = lambda f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
         opt = lambda key: spread([r[key] for r in rs])  # noqa: E731
@@ -166,7 +172,7 @@ def figures(points, speed, where):
     import matplotlib.pyplot as plt
     where.mkdir(parents=True, exist_ok=True)
     fig, (ax_t, ax_u) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (label, mu), runs in sorted(points.items()):
+    for (label, mu), runs in sorted(points.items(), key=lambda kv: order(kv[0])):
         curves = [r["curve"] for r in runs.values()]
         n = min(len(c) for c in curves)          # the evaluations every run of the point has
         acc = [np.mean([c[i][2] for c in curves]) for i in range(n)]
@@ -182,7 +188,7 @@ def figures(points, speed, where):
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [max(c, 0.1) for c in costs_s]           # c = 0 drawn at 0.1 s on the log axis
-    for (label, mu), sp in sorted(speed.items()):
+    for (label, mu), sp in sorted(speed.items(), key=lambda kv: order(kv[0])):
         if all(sp["recost"][c] for c in costs_s):
             ax.plot(x, [sp["recost"][c]["mean"] for c in costs_s], marker="o", label=f"{label} μ={mu}")
     ax.set_xscale("log")
@@ -200,10 +206,11 @@ def main():
     if not points:
         sys.exit(f"{runs_dir}: no finished run under build*/seed*/*-mu*: run frontier.sh first")
     label, mu = baseline.rsplit(":", 1)
-    if (label, int(mu)) not in points:
+    key = (label, int(mu) if mu.isdigit() else mu)
+    if key not in points:
         sys.exit(f"--baseline={baseline}: no runs of it in {runs_dir} (points: "
                  f"{', '.join(f'{k[0]}:{k[1]}' for k in sorted(points))})")
-    speed = speedups(points, (label, int(mu)))
+    speed = speedups(points, key)
     rows = point_rows(points, speed)
     where = Path(out or runs_dir)
     table = markdown(rows)

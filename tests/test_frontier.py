@@ -1,5 +1,5 @@
-"""frontier.sh and bench/frontier.py: a reduced frontier on the toy (two points, one in each mode), killed and
-resumed, whose table's numbers are the runs' own records."""
+"""frontier.sh and bench/frontier.py: a reduced frontier on the toy (μ = 2 resident, μ = 4 processes per phase, and
+the drift rule), killed and resumed, whose table's numbers are the runs' own records."""
 import json
 import subprocess
 
@@ -10,9 +10,9 @@ from conftest import ROOT, kill_when, needs_vllm, read_lines
 
 def frontier_env(toy, out):
     from test_loop import loop_env
-    return {**loop_env(toy, out / "unused"), "PRESET": "toy", "OUT": str(out), "MUS": "2 4", "TOTAL_UPDATES": "4",
+    return {**loop_env(toy, out / "unused"), "PRESET": "toy", "OUT": str(out), "MUS": "2 4 drift", "TOTAL_UPDATES": "4",
             "EVAL_UPDATES": "2", "LOSSES": "grpo", "SEEDS": "0", "BUILDS": "0", "RESIDENT_MAX_MU": "2",
-            "PROMPTS_PER_UPDATE": "8", "COSTS": "0,20"}
+            "PROMPTS_PER_UPDATE": "8", "COSTS": "0,20", "DRIFT_FIRST": "2"}
 
 
 def run_frontier(env):
@@ -38,7 +38,13 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     assert "is complete; nothing to do" in (out / "build0" / "seed0" / "grpo-mu2.log").read_text()
     report = json.loads((out / "frontier.json").read_text())
     runs = {k: v["build0/seed0"] for k, v in report["runs"].items()}
-    assert set(runs) == {"grpo:2", "grpo:4"}
+    assert set(runs) == {"grpo:2", "grpo:4", "grpo:drift"}
+    # the drift point: its first stage of 2 updates ends without a warning (a 16-update window), the next is planned
+    # at 2 · 2 = 4, cut to the 2 updates left
+    drift = out / "build0" / "seed0" / "grpo-mudrift"
+    ends = [json.loads((drift / f"stage_{s}" / "stage_end.json").read_text()) for s in (0, 1)]
+    assert [(e["generated_updates"], e["reason"]) for e in ends] == [(2, "all minibatches"), (2, "all minibatches")]
+    assert runs["grpo:drift"]["updates"] == 4 and runs["grpo:drift"]["split"]["stages"] == 2
     for key, run_dir in (("grpo:2", first), ("grpo:4", second)):
         r, results = runs[key], read_lines(run_dir / "results.jsonl")
         last = max(results, key=lambda x: x["stage"])
