@@ -33,6 +33,8 @@ DRIFT_FIRST=${DRIFT_FIRST:-64}  # "drift" in MUS: stages that end on drift (STAG
                                 # next planned from where each ended, up to TOTAL_UPDATES; evaluated after every stage
 COSTS=${COSTS:-0,2,20,180}      # per-stage switching costs (seconds) the points are re-costed at
 POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024" (default: all)
+ESTIMATE=${ESTIMATE:-$([[ $PRESET == paper ]] && echo true || echo false)}  # first run the preflight alone and print
+                                # every point's estimated hours from its throughputs (the paper preset: days)
 # ------------------------------------------------------------------------------
 
 export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}
@@ -69,6 +71,15 @@ flock -n 9 || { echo "another frontier.sh is running on $OUT (it holds $OUT/.loc
 T0=$(date +%s)
 echo "frontier $OUT on $PRESET: ${#SELECTED[@]} point(s) [${SELECTED[*]}] × builds [$BUILDS] × seeds [$SEEDS]," \
      "$TOTAL_UPDATES updates each, evaluated every $EVAL_UPDATES; resident up to μ = $RESIDENT_MAX_MU; baseline $BASELINE"
+
+if [[ "$ESTIMATE" == true ]]; then     # the preflight at the first point's settings, then the estimate table
+  first=${SELECTED[0]}; label=${first%:*}; mu=${first##*:}; [[ "$mu" == drift ]] && mu=$DRIFT_FIRST
+  env PRESET="$PRESET" LOSS="${label%-d*}" RUN="$OUT/preflight" STAGES=1 UPDATES="$mu" PREFLIGHT=1 PREFLIGHT_ONLY=true \
+      bash run_stages.sh > "$OUT/preflight.log" 2>&1 9>&- \
+    || { echo "the preflight failed; see $OUT/preflight.log:" >&2; tail -20 "$OUT/preflight.log" >&2; exit 1; }
+  $PY bench/frontier.py --estimate_from="$OUT/preflight/preflight.json" --estimate_points="${SELECTED[*]}" \
+      --total_updates="$TOTAL_UPDATES" --preflight_updates="$mu" --costs="$COSTS" 9>&- | tee "$OUT/estimate.md"
+fi
 
 n=0
 for build in $BUILDS; do

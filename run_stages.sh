@@ -28,6 +28,7 @@ SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the m
 PREFLIGHT=${PREFLIGHT:-auto}    # preflight.py first, at the run's settings (cached once passed): auto (the paper
                                 # preset only) | 1 (any preset) | 0 (never) | force (and start after a FAIL)
 PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more preflight.py flags, e.g. its miniature's size: "--prompts=8 --updates=2"
+PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-false}  # true: stop after the preflight (its throughputs: frontier.sh's estimate)
 RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage, handing
                                 # rollouts and policies over through files (handoff.py): small-μ runs without a
                                 # process start, model load and engine start per stage
@@ -122,7 +123,7 @@ done
 : "${SAVE_EVERY:=$EVAL_EVERY}"
 [[ "$SAVE_EVERY" =~ ^[0-9]+$ ]] || { echo "SAVE_EVERY must be a whole number, got '$SAVE_EVERY'" >&2; exit 2; }
 [[ "$RESIDENT_GPU_MEMORY" =~ ^0?\.[0-9]+$|^1(\.0*)?$ ]] || { echo "RESIDENT_GPU_MEMORY must be a fraction in (0, 1], got '$RESIDENT_GPU_MEMORY'" >&2; exit 2; }
-for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT; do
+for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT PREFLIGHT_ONLY; do
   [[ "${!v}" == true || "${!v}" == false ]] || { echo "$v must be true or false, got '${!v}'" >&2; exit 2; }
 done
 [[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
@@ -211,6 +212,10 @@ if [[ "$PREFLIGHT" != 0 ]]; then
       --temperature="$TEMPERATURE" --group_size="$GROUP_SIZE" --force=$([[ $PREFLIGHT == force ]] && echo true || echo false) \
       --estimate_stage_prompts="$PROMPTS_PER_STAGE" --resident="$RESIDENT" --resident_gpu_memory="$RESIDENT_GPU_MEMORY" \
       "${TEMPLATE_ARG[@]}" $PREFLIGHT_ARGS 9>&-
+fi
+if [[ "$PREFLIGHT_ONLY" == true ]]; then
+  [[ -f "$RUN/preflight.json" ]] || { echo "PREFLIGHT_ONLY=true with PREFLIGHT=0: nothing ran" >&2; exit 2; }
+  echo "preflight only: $RUN/preflight.json"; exit 0
 fi
 (( EVAL_EVERY == 0 )) || [[ "$RESIDENT" == true ]] \
   || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 "${EVAL_ARGS[@]}"

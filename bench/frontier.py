@@ -13,6 +13,7 @@ evaluated inside its one stage), split by plot.time_split into generation, train
 replaces each stage's measured switching by c: T(c) = T − switching + c · stages, so T(measured per-stage switching)
 is T itself.
 """
+import json
 import math
 import sys
 from pathlib import Path
@@ -28,6 +29,10 @@ runs_dir = "runs/frontier-lab-fork"   # holds build<b>/seed<s>/<label>-mu<μ>/ r
 baseline = "grpo:4"             # label:μ of the point the speed-ups are measured against (the paper's GRPO μ = 4)
 costs = "0,2,20,180"            # per-stage switching costs c of the re-costing, seconds
 out = ""                        # where frontier.md, frontier.json and plots/ go (default: runs_dir)
+estimate_from = ""              # a preflight.json: print each point's estimated hours instead (no runs needed)
+estimate_points = ""            # its points, label:μ space-separated (frontier.sh passes them)
+total_updates = 0               # its updates per point, and the preflight's stage's (the μ it was run at)
+preflight_updates = 0
 common.apply_overrides(globals(), sys.argv[1:])
 costs_s = [float(c) for c in costs.split(",")]
 
@@ -201,7 +206,36 @@ def figures(points, speed, where):
     plt.close(fig)
 
 
+def estimate(figures, stage_updates, mus):
+    """{μ: {c: hours}}: every point generates and trains on the same prompts, so its compute is the preflight's
+    hours per stage of stage_updates updates (generation and optimization; grading overlaps generation) scaled to
+    total_updates; each of its total_updates / μ stages adds a switching cost c. The drift rule's stage count is not
+    known in advance (None)."""
+    hours = figures["estimated_hours_per_stage"]
+    compute = (hours["generate"] + hours["optimize"]) * total_updates / stage_updates
+    return {mu: {c: compute + total_updates // mu * c / 3600 if isinstance(mu, int) else None for c in costs_s}
+            for mu in mus}
+
+
+def print_estimate():
+    report = json.loads(Path(estimate_from).read_text())
+    keys = [(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]) if p.rsplit(":", 1)[1].isdigit() else p.rsplit(":", 1)[1])
+            for p in estimate_points.split()]
+    hours = estimate(report["figures"], preflight_updates, {mu for _, mu in keys})
+    print(f"ESTIMATE from the preflight's throughputs ({estimate_from}), hours per run: compute, plus a switching cost "
+          f"c per stage (resident stages cost seconds, processes per phase minutes). It scales one stage's measured "
+          f"throughput: smaller stages fill the engines' batches less (their generation is slower), larger ones more")
+    print("| point | stages | " + " | ".join(f"c = {c:g} s" for c in costs_s) + " |")
+    print("|" + "---|" * (2 + len(costs_s)))
+    for label, mu in sorted(keys, key=order):
+        stages = total_updates // mu if isinstance(mu, int) else "?"
+        print(f"| {label}:{mu} | {stages} | " + " | ".join("—" if hours[mu][c] is None else f"{hours[mu][c]:.2f}"
+                                                         for c in costs_s) + " |")
+
+
 def main():
+    if estimate_from:
+        return print_estimate()
     points = collect()
     if not points:
         sys.exit(f"{runs_dir}: no finished run under build*/seed*/*-mu*: run frontier.sh first")

@@ -2,6 +2,7 @@
 the drift rule), killed and resumed, whose table's numbers are the runs' own records."""
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +72,17 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     assert other == pytest.approx(runs["grpo:2"]["seconds"] / runs["grpo:4"]["seconds"])
     assert "| grpo μ = 4 | 1 |" in (out / "frontier.md").read_text()
     assert {p.name for p in (out / "plots").iterdir()} == {"frontier_accuracy.png", "frontier_recost.png"}
+
+
+def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_switch_per_stage(monkeypatch):
+    # the preflight's stage of 1024 updates: generation 1.0 h, optimization 0.5 h. 4096 updates: 4 such stages of
+    # compute (6 h) at any μ; μ = 4 adds 1024 switches, μ = 1024 four: at 180 s each 51.2 h and 0.2 h
+    monkeypatch.setattr(sys, "argv", ["frontier.py", "--total_updates=4096", "--costs=0,180"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.modules.pop("frontier", None)
+    import frontier
+    hours = frontier.estimate({"estimated_hours_per_stage": {"generate": 1.0, "optimize": 0.5, "grade": 0.3}}, 1024,
+                              [4, 1024, "drift"])
+    assert hours[4] == {0.0: 6.0, 180.0: pytest.approx(6.0 + 51.2)}
+    assert hours[1024] == {0.0: 6.0, 180.0: pytest.approx(6.2)}
+    assert hours["drift"] == {0.0: None, 180.0: None}
