@@ -13,7 +13,8 @@ def frontier_env(toy, out):
     from test_loop import loop_env
     return {**loop_env(toy, out / "unused"), "PRESET": "toy", "OUT": str(out), "MUS": "2 4 drift", "TOTAL_UPDATES": "4",
             "EVAL_UPDATES": "2", "LOSSES": "grpo", "SEEDS": "0", "BUILDS": "0", "RESIDENT_MAX_MU": "2",
-            "PROMPTS_PER_UPDATE": "8", "COSTS": "0,20", "DRIFT_FIRST": "2"}
+            "PROMPTS_PER_UPDATE": "8", "COSTS": "0,20", "DRIFT_FIRST": "2",
+            "ESTIMATE": "true", "PREFLIGHT_ARGS": "--prompts=8 --group_size=4 --updates=2"}
 
 
 def run_frontier(env):
@@ -72,6 +73,10 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     assert other == pytest.approx(runs["grpo:2"]["seconds"] / runs["grpo:4"]["seconds"])
     assert "| grpo μ = 4 | 1 |" in (out / "frontier.md").read_text()
     assert {p.name for p in (out / "plots").iterdir()} == {"frontier_accuracy.png", "frontier_recost.png"}
+    # the estimate came first, from the preflight alone at the first point's settings (μ = 2: 2 and 1 stages)
+    estimate = (out / "estimate.md").read_text()
+    assert "| grpo:2 | 2 |" in estimate and "| grpo:4 | 1 |" in estimate and "| grpo:drift | ? | — | — |" in estimate
+    assert json.loads((out / "preflight" / "preflight.json").read_text())["passed"]
 
 
 def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_switch_per_stage(monkeypatch):
