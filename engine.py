@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import threading
@@ -235,6 +236,16 @@ def avg_and_pass_at_k(correct):
     return avg, passed
 
 
+def avg_at_k_stderr(correct):
+    """correct: per problem, a list of k 0/1 rewards → the standard error of avg@k: the spread of the problems'
+    mean rewards over √(problems), sampling noise and problem-to-problem differences both in it (None below two)."""
+    means = [sum(c) / len(c) for c in correct]
+    if len(means) < 2:
+        return None
+    mean = sum(means) / len(means)
+    return math.sqrt(sum((m - mean) ** 2 for m in means) / (len(means) - 1) / len(means))
+
+
 def sample_and_grade(llm, ev, rank=0, n=1):
     """Every benchmark's prompts at positions ≡ rank (mod n) (the share of one data-parallel engine), sampled in
     one generate call, then graded: [(benchmark, problem index, sample index, text, reward, info)]."""
@@ -265,8 +276,10 @@ def score(samples, ev, labels, sample_dir=None):
     rows = []
     for name, problems in ev.sets.items():
         done = sorted(j for b, j in by_problem if b == name)
-        avg, passed = avg_and_pass_at_k([[r for _, _, r, _ in sorted(by_problem[name, j])] for j in done])
-        rows.append({**labels, "benchmark": name, "k": ev.k[name], "avg_at_k": avg, "pass_at_k": passed,
+        correct = [[r for _, _, r, _ in sorted(by_problem[name, j])] for j in done]
+        avg, passed = avg_and_pass_at_k(correct)
+        rows.append({**labels, "benchmark": name, "k": ev.k[name], "avg_at_k": avg,
+                     "avg_at_k_stderr": avg_at_k_stderr(correct), "pass_at_k": passed,
                      "problems": len(done), "skipped_long_prompts": len(problems) - len(done),
                      "temperature": ev.temperature, "top_p": ev.top_p, "time": time.time()})
         if sample_dir:

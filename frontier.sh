@@ -16,10 +16,14 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 # ------------------------------------------------------------------------------ hyperparameters
 PRESET=${PRESET:-lab-fork}      # lab | lab-fork (the CPU lab tasks) | paper (a GPU box) | toy (the tests)
 OUT=${OUT:-runs/frontier-$PRESET}  # build<b>/seed<s>/<label>-mu<μ>/ per run; frontier.md, frontier.json, plots/
-case "$PRESET" in               # the points' μ ("drift": the drift rule), their equal updates, how often they are evaluated (updates)
-  paper) : "${MUS:=4 16 64 256 1024}" "${TOTAL_UPDATES:=4096}" "${EVAL_UPDATES:=256}" ;;
-  lab|lab-fork) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=32}" ;;
-  toy) : "${MUS:=2 4}" "${TOTAL_UPDATES:=8}" "${EVAL_UPDATES:=4}" ;;
+case "$PRESET" in               # the points' μ ("drift": the drift rule), their equal updates, how often they are
+                                # evaluated (updates), and with how many samples per test problem (EVAL_K; the lab
+                                # tasks: 2,400 graded samples per evaluation, a standard error ≤ 0.01 at any accuracy
+                                # where problems are alike; empty: run_stages.sh's preset)
+  paper) : "${MUS:=4 16 64 256 1024}" "${TOTAL_UPDATES:=4096}" "${EVAL_UPDATES:=256}" "${EVAL_K:=}" ;;
+  lab) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=64}" "${EVAL_K:=4}" ;;       # 600 problems
+  lab-fork) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=64}" "${EVAL_K:=12}" ;; # 200 problems
+  toy) : "${MUS:=2 4}" "${TOTAL_UPDATES:=8}" "${EVAL_UPDATES:=4}" "${EVAL_K:=}" ;;
   *) echo "PRESET must be lab, lab-fork, paper or toy, got '$PRESET'" >&2; exit 2 ;;
 esac
 LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (losses.sh)
@@ -105,7 +109,7 @@ for build in $BUILDS; do
                    EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 ))
                    RESIDENT=$( (( mu <= RESIDENT_MAX_MU )) && echo true || echo false))
       fi
-      env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
+      env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
           bash run_stages.sh > "$run.log" 2>&1 9>&- \
         || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; exit 1; }
     done

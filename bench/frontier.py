@@ -64,10 +64,13 @@ def summarize(run_dir):
     for t in evals:
         at[t["stage"]] = t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"])
     curve = [(updates, at.get(s, 0.0 if s < 0 else None), acc) for s, updates, _, acc in plot.accuracy_by_stage(run)]
+    last = [r for r in run["results"] if r["stage"] == max(x["stage"] for x in run["results"])]
+    errors = [r.get("avg_at_k_stderr") for r in last]   # the final accuracy's test-set standard error (None: unknown)
+    final_stderr = math.sqrt(sum(e * e for e in errors)) / len(errors) if None not in errors else None
     m = run["metrics"]
     stale, tokens = [r["staleness"] for r in m], [r["loss/tokens"] for r in m]
-    return {"run": str(run_dir), "curve": curve, "final": curve[-1][2], "initial": curve[0][2],
-            "updates": len(m), "seconds": split["wall"] - split["evaluation"], "split": split,
+    return {"run": str(run_dir), "curve": curve, "final": curve[-1][2], "final_stderr": final_stderr,
+            "initial": curve[0][2], "updates": len(m), "seconds": split["wall"] - split["evaluation"], "split": split,
             "staleness": {q: weighted_percentile(stale, tokens, f) for q, f in (("p50", 0.5), ("p95", 0.95))}
             | {"max": max(stale)},
             "ess_frac": mean_of(m, "ratio/ess_frac"), "kl_behavior": mean_of(m, "ratio/kl"),
@@ -139,7 +142,9 @@ def point_rows(points, speed):
         mean = lambda f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
         opt = lambda key: spread([r[key] for r in rs])  # noqa: E731
         wall = mean(lambda r: r["split"]["wall"])
+        errors = [r["final_stderr"] for r in rs]       # the mean's test-set error: the runs' in quadrature, over n
         rows.append({"label": label, "mu": mu, "runs": len(rs), "final": spread([r["final"] for r in rs]),
+                     "final_stderr": math.sqrt(sum(e * e for e in errors)) / len(rs) if None not in errors else None,
                      "minutes": mean(lambda r: r["seconds"]) / 60,
                      "split": {k: mean(lambda r: r["split"][k]) / max(wall, 1e-9)
                                for k in ("generation", "training", "switching", "evaluation", "idle")},
@@ -153,17 +158,18 @@ def point_rows(points, speed):
 
 def markdown(rows):
     cs = " | ".join(f"c = {c:g} s" for c in costs_s)
-    lines = [f"| point | runs | final accuracy | minutes | gen / train / switch / eval / idle % | staleness p50 / p95 / "
+    lines = [f"| point | runs | final accuracy | ± SE | minutes | gen / train / switch / eval / idle % | staleness p50 / p95 / "
              f"max | ESS | KL(behaviour ‖ π) | E[ρ \\| A<0] | vetoed | clipped | speed-up, equal updates | at matched accuracy "
-             f"| {cs} |", "|" + "---|" * (13 + len(costs_s))]
+             f"| {cs} |", "|" + "---|" * (14 + len(costs_s))]
     for p in rows:
         sp = p["speedup"]
         split = " / ".join(f"{round(100 * p['split'][k]):d}" for k in ("generation", "training", "switching", "evaluation",
                                                                    "idle"))
+        se = "—" if p["final_stderr"] is None else f"{p['final_stderr']:.3f}"
         matched = fmt(sp["matched_accuracy"]) if sp["matched_accuracy"] else ""
         matched += f"{', ' if matched else ''}never in {sp['never']} of {sp['pairs']}" if sp["never"] else ""
         lines.append(
-            f"| {p['label']} μ = {p['mu']} | {p['runs']} | {fmt(p['final'], 3)} | {p['minutes']:.1f} | {split} | "
+            f"| {p['label']} μ = {p['mu']} | {p['runs']} | {fmt(p['final'], 3)} | {se} | {p['minutes']:.1f} | {split} | "
             f"{p['staleness']['p50']:.0f} / {p['staleness']['p95']:.0f} / {p['staleness']['max']:.0f} | "
             f"{fmt(p['ess_frac'])} | {fmt(p['kl_behavior'], 4)} | {fmt(p['ratio_neg_adv'], 3)} | "
             f"{fmt(p['vetoed_frac'], 3)} | {fmt(p['clipped_frac'], 3)} | {fmt(sp['equal_updates'])} | "
@@ -254,7 +260,9 @@ def main():
     common.atomic_write(where / "frontier.md", table + "\n")
     figures(points, speed, where / "plots")
     print(table)
-    print(f"\nspeed-ups against {baseline} over the (build, seed) pairs both ran: mean (min–max); matched accuracy: "
+    print(f"\n± SE: the final accuracy's test-set standard error (each run's avg@k over its problems, in quadrature "
+          f"over the point's runs); min–max: over builds and seeds.")
+    print(f"speed-ups against {baseline} over the (build, seed) pairs both ran: mean (min–max); matched accuracy: "
           f"each run's first evaluation at or above the lowest final accuracy of {baseline}'s seeds on that build; "
           f"c: each stage's switching re-costed at c seconds. → {where}/frontier.md, frontier.json, plots/")
 

@@ -25,6 +25,13 @@ def test_avg_at_k_is_the_mean_share_right_and_pass_at_k_the_share_with_one_right
     assert passed == pytest.approx(2 / 3)
 
 
+def test_the_standard_error_of_avg_at_k_is_the_spread_of_the_problems_means():
+    # problem means 1/4, 0, 1 (mean 5/12): squared deviations 1/36, 25/144, 49/144 sum to 13/24; over n − 1 = 2
+    # and n = 3 problems: 13/144, whose root is √13 / 12 = 0.30046
+    assert engine.avg_at_k_stderr([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]) == pytest.approx(13 ** 0.5 / 12)
+    assert engine.avg_at_k_stderr([[1, 0]]) is None       # one problem: no spread to measure
+
+
 def evaluation(sets, k):
     return engine.Evaluation(sets=sets, k=k, temperature=1.0, top_p=0.7, max_prompt_tokens=64, max_response_tokens=8,
                              prompt_template="{problem}", chat_template=False, seed=0, grader_workers=1,
@@ -43,6 +50,8 @@ def test_a_policys_samples_give_one_row_per_benchmark_with_avg_and_pass_at_k(tmp
                         tmp_path / "samples")
     got = {r["benchmark"]: (r["avg_at_k"], r["pass_at_k"], r["problems"], r["skipped_long_prompts"]) for r in rows}
     assert got == {"a": (0.25, 0.5, 2, 0), "b": (1.0, 1.0, 1, 1)}
+    # a's problem means 1/2 and 0: deviations ±1/4, (1/16 + 1/16) / 1 / 2 = 1/16 → 1/4; b has one problem
+    assert {r["benchmark"]: r["avg_at_k_stderr"] for r in rows} == {"a": 0.25, "b": None}
     assert all(r["stage"] == 3 and r["updates"] == 12 and r["k"] == 2 and r["top_p"] == 0.7 for r in rows)
     written = common.read_jsonl(tmp_path / "samples" / "a.jsonl")          # in problem, then sample order
     assert [(s["id"], s["sample_idx"], s["reward"]) for s in written] == [("a0", 0, 1.0), ("a0", 1, 0.0),

@@ -51,6 +51,7 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
         r, results = runs[key], read_lines(run_dir / "results.jsonl")
         last = max(results, key=lambda x: x["stage"])
         assert r["final"] == last["avg_at_k"] and r["curve"][-1][0] == last["updates"] == 4 == r["updates"]
+        assert r["final_stderr"] == last["avg_at_k_stderr"] > 0     # one benchmark: its row's standard error
         # evaluated every EVAL_UPDATES = 2 updates, or after every stage when μ is larger
         assert [u for u, _, _ in r["curve"]] == ([0, 2, 4] if key == "grpo:2" else [0, 4])
         split, timeline = r["split"], read_lines(run_dir / "timeline.jsonl")
@@ -71,7 +72,8 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     assert base["equal_updates"]["mean"] == 1.0 and all(base["recost"][c]["mean"] == 1.0 for c in ("0.0", "20.0"))
     other = rows["grpo:4"]["speedup"]["equal_updates"]["mean"]
     assert other == pytest.approx(runs["grpo:2"]["seconds"] / runs["grpo:4"]["seconds"])
-    assert "| grpo μ = 4 | 1 |" in (out / "frontier.md").read_text()
+    assert rows["grpo:4"]["final_stderr"] == runs["grpo:4"]["final_stderr"]    # one run: its own error
+    assert f"| grpo μ = 4 | 1 | {runs['grpo:4']['final']:.3f} " in (out / "frontier.md").read_text()
     assert {p.name for p in (out / "plots").iterdir()} == {"frontier_accuracy.png", "frontier_recost.png"}
     # the estimate came first, from the preflight alone at the first point's settings (μ = 2: 2 and 1 stages)
     estimate = (out / "estimate.md").read_text()
