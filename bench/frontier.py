@@ -94,14 +94,18 @@ def spread(values):
 
 
 def collect():
-    """{point (label, μ): {(build, seed): summary}}"""
-    points = {}
+    """{point (label, μ): {(build, seed): summary}} of the finished runs (run_stages.sh's .done/all), and the
+    unfinished run directories (a killed or running frontier: their last evaluation is not the point's final)."""
+    points, unfinished = {}, []
     for run_dir in sorted(p for p in Path(runs_dir).glob("build*/seed*/*-mu*") if p.is_dir()):
+        if not (run_dir / ".done" / "all").exists():
+            unfinished.append(run_dir)
+            continue
         label, mu = run_dir.name.rsplit("-mu", 1)
         r = summarize(run_dir)
         if r is not None:
             points.setdefault((label, int(mu) if mu.isdigit() else mu), {})[(run_dir.parents[1].name, run_dir.parent.name)] = r
-    return points
+    return points, unfinished
 
 
 def speedups(points, base_key):
@@ -242,7 +246,9 @@ def print_estimate():
 def main():
     if estimate_from:
         return print_estimate()
-    points = collect()
+    points, unfinished = collect()
+    if unfinished:
+        print(f"left out, not finished: {', '.join(str(p.relative_to(runs_dir)) for p in unfinished)}\n")
     if not points:
         sys.exit(f"{runs_dir}: no finished run under build*/seed*/*-mu*: run frontier.sh first")
     label, mu = baseline.rsplit(":", 1)
@@ -253,6 +259,7 @@ def main():
     speed = speedups(points, key)
     rows = point_rows(points, speed)
     where = Path(out or runs_dir)
+    where.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     common.atomic_write_json(where / "frontier.json", {
         "baseline": baseline, "costs": costs_s, "points": rows,

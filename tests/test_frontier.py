@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, kill_when, needs_vllm, read_lines
+from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
 
 
 def frontier_env(toy, out):
@@ -35,6 +35,10 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     assert kill_when(["bash", "frontier.sh"], lambda: (second / "stage_0" / "metrics.jsonl").exists(), env=env,
                      timeout=600)
     finished = (first / "results.jsonl").read_text()
+    # the table of a killed frontier leaves the unfinished run out (its last evaluation is not its final accuracy)
+    partial = run_script("bench/frontier.py", f"--runs_dir={out}", "--baseline=grpo:2", f"--out={tmp_path / 'partial'}")
+    assert "left out, not finished: build0/seed0/grpo-mu4" in partial.stdout
+    assert set(json.loads((tmp_path / "partial" / "frontier.json").read_text())["runs"]) == {"grpo:2"}
     run_frontier(env)
     assert (first / "results.jsonl").read_text() == finished             # the finished point was not run again
     assert "is complete; nothing to do" in (out / "build0" / "seed0" / "grpo-mu2.log").read_text()
