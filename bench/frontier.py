@@ -186,14 +186,20 @@ def figures(points, speed, where):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     where.mkdir(parents=True, exist_ok=True)
+    labels = sorted({label for label, _ in points})
+    mus = sorted({mu for _, mu in points}, key=lambda mu: order(("", mu)))
+
+    def style(label, mu):                        # a colour per μ, a line style per loss
+        return dict(color=f"C{mus.index(mu) % 10}", ls=("-", "--", ":", "-.")[labels.index(label) % 4])
     fig, (ax_t, ax_u) = plt.subplots(1, 2, figsize=(12, 4.5))
     for (label, mu), runs in sorted(points.items(), key=lambda kv: order(kv[0])):
         curves = [r["curve"] for r in runs.values()]
         n = min(len(c) for c in curves)          # the evaluations every run of the point has
         acc = [np.mean([c[i][2] for c in curves]) for i in range(n)]
         minutes = [np.mean([(c[i][1] or 0.0) / 60 for c in curves]) for i in range(n)]
-        ax_t.plot(minutes, acc, marker="o", ms=3, label=f"{label} μ={mu}")
-        ax_u.plot([curves[0][i][0] for i in range(n)], acc, marker="o", ms=3, label=f"{label} μ={mu}")
+        ax_t.plot(minutes, acc, marker="o", ms=3, label=f"{label} μ={mu}", **style(label, mu))
+        ax_u.plot([curves[0][i][0] for i in range(n)], acc, marker="o", ms=3, label=f"{label} μ={mu}",
+                  **style(label, mu))
     ax_t.set(xlabel="minutes (evaluations taken out)", ylabel="test accuracy (mean over runs)",
              title="accuracy against wall-clock")
     ax_u.set(xlabel="updates", ylabel="test accuracy (mean over runs)", title="accuracy against updates")
@@ -205,7 +211,8 @@ def figures(points, speed, where):
     x = [max(c, 0.1) for c in costs_s]           # c = 0 drawn at 0.1 s on the log axis
     for (label, mu), sp in sorted(speed.items(), key=lambda kv: order(kv[0])):
         if all(sp["recost"][c] for c in costs_s):
-            ax.plot(x, [sp["recost"][c]["mean"] for c in costs_s], marker="o", label=f"{label} μ={mu}")
+            ax.plot(x, [sp["recost"][c]["mean"] for c in costs_s], marker="o", label=f"{label} μ={mu}",
+                    **style(label, mu))
     ax.set_xscale("log")
     ax.set(xlabel="switching cost per stage c, seconds (0 at 0.1)", ylabel=f"speed-up over {baseline} at equal updates",
            title="the algorithm apart from the system")
