@@ -50,6 +50,12 @@ def mean_of(rows, key):
     return sum(values) / len(values) if values else None
 
 
+def mean_stderr(errors):
+    """The standard error of the mean of independent estimates with these errors: in quadrature, over their number
+    (None when one is unknown)."""
+    return None if None in errors else math.sqrt(sum(e * e for e in errors)) / len(errors)
+
+
 def summarize(run_dir):
     """One run's numbers: its accuracy curve [(updates, seconds to it with evaluations taken out, accuracy)], the
     time split, the staleness of its trained tokens and the mean over updates of the ratio statistics."""
@@ -65,11 +71,9 @@ def summarize(run_dir):
         at[t["stage"]] = t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"])
     curve = [(updates, at.get(s, 0.0 if s < 0 else None), acc) for s, updates, _, acc in plot.accuracy_by_stage(run)]
     last = [r for r in run["results"] if r["stage"] == max(x["stage"] for x in run["results"])]
-    errors = [r.get("avg_at_k_stderr") for r in last]   # the final accuracy's test-set standard error (None: unknown)
-    final_stderr = math.sqrt(sum(e * e for e in errors)) / len(errors) if None not in errors else None
     m = run["metrics"]
     stale, tokens = [r["staleness"] for r in m], [r["loss/tokens"] for r in m]
-    return {"run": str(run_dir), "curve": curve, "final": curve[-1][2], "final_stderr": final_stderr,
+    return {"run": str(run_dir), "curve": curve, "final": curve[-1][2], "final_stderr": mean_stderr([r.get("avg_at_k_stderr") for r in last]),
             "initial": curve[0][2], "updates": len(m), "seconds": split["wall"] - split["evaluation"], "split": split,
             "staleness": {q: weighted_percentile(stale, tokens, f) for q, f in (("p50", 0.5), ("p95", 0.95))}
             | {"max": max(stale)},
@@ -146,9 +150,8 @@ def point_rows(points, speed):
         mean = lambda f: sum(f(r) for r in rs) / len(rs)  # noqa: E731
         opt = lambda key: spread([r[key] for r in rs])  # noqa: E731
         wall = mean(lambda r: r["split"]["wall"])
-        errors = [r["final_stderr"] for r in rs]       # the mean's test-set error: the runs' in quadrature, over n
         rows.append({"label": label, "mu": mu, "runs": len(rs), "final": spread([r["final"] for r in rs]),
-                     "final_stderr": math.sqrt(sum(e * e for e in errors)) / len(rs) if None not in errors else None,
+                     "final_stderr": mean_stderr([r["final_stderr"] for r in rs]),
                      "minutes": mean(lambda r: r["seconds"]) / 60,
                      "split": {k: mean(lambda r: r["split"][k]) / max(wall, 1e-9)
                                for k in ("generation", "training", "switching", "evaluation", "idle")},
