@@ -17,15 +17,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 PRESET=${PRESET:-lab-fork}      # lab | lab-fork (the CPU lab tasks) | paper (a GPU box) | toy (the tests)
 OUT=${OUT:-runs/frontier-$PRESET}  # build<b>/seed<s>/<label>-mu<μ>/ per run; frontier.md, frontier.json, plots/
 case "$PRESET" in               # the points' μ ("drift": the drift rule), their equal updates, how often they are
-                                # evaluated (updates), and with how many samples per test problem (EVAL_K; the lab
-                                # tasks: 2,400 graded samples per evaluation; empty: run_stages.sh's preset). Measured
-                                # on lab-fork: the standard error is 0.0035 at the start (0.025) but 0.015–0.019 after
-                                # training (0.13–0.17), when problems differ more than samples do: only more problems
-                                # bring it under 0.01
-  paper) : "${MUS:=4 16 64 256 1024}" "${TOTAL_UPDATES:=4096}" "${EVAL_UPDATES:=256}" "${EVAL_K:=}" ;;
-  lab) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=64}" "${EVAL_K:=4}" ;;       # 600 problems
-  lab-fork) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=64}" "${EVAL_K:=12}" ;; # 200 problems
-  toy) : "${MUS:=2 4}" "${TOTAL_UPDATES:=8}" "${EVAL_UPDATES:=4}" "${EVAL_K:=}" ;;
+                                # evaluated (updates), on which of the task's benchmarks (empty: run_stages.sh's
+                                # preset) with how many samples per problem (EVAL_K; empty: the preset's). The lab
+                                # tasks: their held-out sets (2,500 problems of the builder's, none trained or
+                                # warm-started on), one sample each: avg@1's standard error ≤ 0.5/√2500 = 0.01 at any
+                                # accuracy (with 200 test problems it was 0.015–0.019 after training, measured on
+                                # lab-fork with 12 samples each: problems differ more than samples do)
+  paper) : "${MUS:=4 16 64 256 1024}" "${TOTAL_UPDATES:=4096}" "${EVAL_UPDATES:=256}" "${BENCHMARKS:=}" "${EVAL_K:=}" ;;
+  lab|lab-fork) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=64}" "${BENCHMARKS:=heldout}" "${EVAL_K:=1}" ;;
+  toy) : "${MUS:=2 4}" "${TOTAL_UPDATES:=8}" "${EVAL_UPDATES:=4}" "${BENCHMARKS:=}" "${EVAL_K:=}" ;;
   *) echo "PRESET must be lab, lab-fork, paper or toy, got '$PRESET'" >&2; exit 2 ;;
 esac
 LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (losses.sh)
@@ -92,7 +92,9 @@ for build in $BUILDS; do
   BUILD_ENV=()
   if [[ $PRESET == lab* ]]; then       # the task of this build: built once, by its builder with --seed=<build>
     LAB_DIR=data/${PRESET/-/_}$( (( build == 0 )) || echo "_build$build")
-    [[ -f "$LAB_DIR/model/config.json" ]] || $PY "data/${PRESET/-/_}.py" --out_dir="$LAB_DIR" --seed="$build" >&2
+    [[ -f "$LAB_DIR/model/config.json" && -f "$LAB_DIR/heldout.jsonl" ]] \
+      || $PY "data/${PRESET/-/_}.py" --out_dir="$LAB_DIR" --seed="$build" >&2    # (the same task again if only
+                                                                              # heldout.jsonl is missing: older builds)
     BUILD_ENV=(MODEL="$LAB_DIR/model" TRAIN_DATA="$LAB_DIR/train.jsonl" EVAL_DATA_DIR="$LAB_DIR")
   fi
   for seed in $SEEDS; do
@@ -111,7 +113,8 @@ for build in $BUILDS; do
                    EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 ))
                    RESIDENT=$( (( mu <= RESIDENT_MAX_MU )) && echo true || echo false))
       fi
-      env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
+      env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} \
+          PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
           bash run_stages.sh > "$run.log" 2>&1 9>&- \
         || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; exit 1; }
     done

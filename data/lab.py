@@ -1,6 +1,6 @@
 """The lab task: chained arithmetic written out step by step, for the CPU ablations (ablate.sh).
 
-    python data/lab.py --out_dir=data/lab            # writes train.jsonl, test.jsonl and model/
+    python data/lab.py --out_dir=data/lab            # writes train.jsonl, test.jsonl, heldout.jsonl and model/
 
 A problem is a start value and 3–8 additions or subtractions of 1–9 that keep every value in 0..19:
 
@@ -33,6 +33,8 @@ import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the 
 out_dir = "data/lab"        # where train.jsonl, test.jsonl and model/ go
 train_problems = 4096
 test_per_length = 100       # test problems per chain length (× the max_steps − min_steps + 1 lengths: printed)
+heldout_per_length = 420    # held-out problems per chain length (× 6 = 2,520; never trained or warm-started on): one
+                            # sample each has avg@1's standard error ≤ 0.5/√2520 < 0.01 at any accuracy (frontier.sh)
 min_steps = 3               # chain lengths: min_steps..max_steps operations
 max_steps = 8
 seed = 0
@@ -68,23 +70,41 @@ def problem_row(start, ops):
             "answer": str(answer), "source": "lab", "steps": len(ops)}
 
 
+def by_length(rng, per_length, min_steps, max_steps, seen):
+    """per_length new problems of each chain length min_steps..max_steps, none of them in seen (problem texts;
+    the ones drawn are added to it)."""
+    rows = []
+    for n in range(min_steps, max_steps + 1):
+        count = 0
+        while count < per_length:
+            row = problem_row(*chain(rng, n))
+            if row["problem"] not in seen:
+                seen.add(row["problem"])
+                rows.append(row)
+                count += 1
+    return rows
+
+
 def problems(train_problems, test_per_length, min_steps, max_steps, seed):
     """Disjoint train and test sets; the test set has test_per_length problems of each chain length."""
     rng = random.Random(seed)
-    test, seen = [], set()
-    for n in range(min_steps, max_steps + 1):
-        while sum(r["steps"] == n for r in test) < test_per_length:
-            row = problem_row(*chain(rng, n))
-            if row["id"] not in seen:
-                seen.add(row["id"])
-                test.append(row)
+    seen = set()
+    test = by_length(rng, test_per_length, min_steps, max_steps, seen)
     train = []
     while len(train) < train_problems:
         row = problem_row(*chain(rng, rng.randint(min_steps, max_steps)))
-        if row["id"] not in seen:
-            seen.add(row["id"])
+        if row["problem"] not in seen:
+            seen.add(row["problem"])
             train.append(row)
     return train, test
+
+
+def heldout(train, test, warm_start_problems, per_length, min_steps, max_steps, seed):
+    """A larger held-out set: per_length problems of each chain length that are neither train nor test problems
+    nor ever a warm-start example, drawn from their own stream (seed + 2), so the task and its policy are the same
+    with or without it."""
+    seen = {r["problem"] for r in train + test} | set(warm_start_problems)
+    return by_length(random.Random(seed + 2), per_length, min_steps, max_steps, seen)
 
 
 def demonstration(row, rng, p_slip, p_no_box):
@@ -103,10 +123,10 @@ def demonstration(row, rng, p_slip, p_no_box):
     return " " + "\n".join(lines + [final])
 
 
-def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max_steps=8, seed=0,
-          hidden_size=128, layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_slip=0.05,
+def build(out_dir, *, train_problems=4096, test_per_length=100, heldout_per_length=420, min_steps=3, max_steps=8,
+          seed=0, hidden_size=128, layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_slip=0.05,
           p_no_box=0.2):
-    """Write the lab's train/test sets and its warm-started policy (HF directory) under out_dir."""
+    """Write the lab's train/test/held-out sets and its warm-started policy (HF directory) under out_dir."""
     import torch
     torch.set_num_threads(common.usable_cores())
     out = Path(out_dir)
@@ -129,6 +149,10 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max
             if row["id"] not in test_ids:
                 rows.append((row["problem"], demonstration(row, rng, p_slip, p_no_box)))
         return rows
+    warm_problems = toy.warm_start_problems(examples, sft_steps, sft_batch, seed)
+    held = heldout(train, test, warm_problems, heldout_per_length, min_steps, max_steps, seed)
+    toy.write_jsonl(out / "heldout.jsonl", held)
+    print(f"{len(held)} held-out problems ({heldout_per_length} per chain length; none trained or warm-started on)")
     if sft_steps:
         toy.warm_start(model, tokenizer, examples, sft_steps, sft_batch, sft_lr, seed)
     return toy.save_model(model, tokenizer, out / "model")
@@ -137,7 +161,8 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, min_steps=3, max
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
     toy.portable_kernels()      # the same task and policy on any x86-64 machine (before torch is imported)
-    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length, min_steps=min_steps,
+    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length,
+                 heldout_per_length=heldout_per_length, min_steps=min_steps,
                  max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
                  sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_slip=p_slip, p_no_box=p_no_box)
-    print(f"lab task and policy written: {out_dir}/train.jsonl, {out_dir}/test.jsonl, {path}")
+    print(f"lab task and policy written: {out_dir}/train.jsonl, test.jsonl, heldout.jsonl, {path}")

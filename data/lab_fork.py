@@ -2,7 +2,7 @@
 long suffix that is doomed once taken, as in the paper, where a trigger token marks a choice and everything
 after it lives in contexts the current policy no longer produces.
 
-    python data/lab_fork.py --out_dir=data/lab_fork      # writes train.jsonl, test.jsonl and model/
+    python data/lab_fork.py --out_dir=data/lab_fork      # writes train.jsonl, test.jsonl, heldout.jsonl and model/
 
 The problems are the lab's (data/lab.py: 3–8 additions or subtractions of 1–9, every value in 0..19). The
 demonstrations the policy is warm-started on take the detour with probability `p_detour` at the fork, the
@@ -32,6 +32,8 @@ import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the 
 out_dir = "data/lab_fork"   # where train.jsonl, test.jsonl and model/ go
 train_problems = 4096
 test_per_length = 50        # test problems per chain length (× the max_steps − min_steps + 1 lengths: printed)
+heldout_per_length = 625    # held-out problems per chain length (× 4 = 2,500; never trained or warm-started on): one
+                            # sample each has avg@1's standard error ≤ 0.5/√2500 = 0.01 at any accuracy (frontier.sh)
 min_steps = 3               # chain lengths: min_steps..max_steps operations
 max_steps = 6
 seed = 0
@@ -83,10 +85,10 @@ def demonstration(row, rng, *, p_detour, fork, detour, p_slip):
     return " " + "\n".join(solution + ["Check:"] + detour_lines(lines, detour) + [f"Answer: {value}"])
 
 
-def build(out_dir, *, train_problems=4096, test_per_length=50, min_steps=3, max_steps=6, seed=0, hidden_size=128,
-          layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_detour=0.8, fork="start",
-          detour="restate", p_slip=0.01):
-    """Write the task's train/test sets and its warm-started policy (HF directory) under out_dir."""
+def build(out_dir, *, train_problems=4096, test_per_length=50, heldout_per_length=625, min_steps=3, max_steps=6, seed=0,
+          hidden_size=128, layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_detour=0.8,
+          fork="start", detour="restate", p_slip=0.01):
+    """Write the task's train/test/held-out sets and its warm-started policy (HF directory) under out_dir."""
     import torch
     torch.set_num_threads(common.usable_cores())
     out = Path(out_dir)
@@ -110,6 +112,10 @@ def build(out_dir, *, train_problems=4096, test_per_length=50, min_steps=3, max_
             if row["id"] not in test_ids:
                 rows.append((row["problem"], demonstration(row, rng, **options)))
         return rows
+    warm_problems = toy.warm_start_problems(examples, sft_steps, sft_batch, seed)
+    held = lab.heldout(train, test, warm_problems, heldout_per_length, min_steps, max_steps, seed)
+    toy.write_jsonl(out / "heldout.jsonl", held)
+    print(f"{len(held)} held-out problems ({heldout_per_length} per chain length; none trained or warm-started on)")
     if sft_steps:
         toy.warm_start(model, tokenizer, examples, sft_steps, sft_batch, sft_lr, seed)
     return toy.save_model(model, tokenizer, out / "model")
@@ -120,8 +126,9 @@ if __name__ == "__main__":
     toy.portable_kernels()      # the same task and policy on any x86-64 machine (before torch is imported)
     common.check_choice("fork", fork, FORKS)
     common.check_choice("detour", detour, DETOURS)
-    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length, min_steps=min_steps,
+    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length,
+                 heldout_per_length=heldout_per_length, min_steps=min_steps,
                  max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
                  sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_detour=p_detour, fork=fork, detour=detour,
                  p_slip=p_slip)
-    print(f"lab-fork task and policy written: {out_dir}/train.jsonl, {out_dir}/test.jsonl, {path}")
+    print(f"lab-fork task and policy written: {out_dir}/train.jsonl, test.jsonl, heldout.jsonl, {path}")

@@ -114,6 +114,13 @@ def warm_start(model, tokenizer, examples, steps, batch, lr, seed):
     return model
 
 
+def warm_start_problems(examples, steps, batch, seed):
+    """The problem texts warm_start(..., examples, steps, batch, ..., seed) trains on, without training: its
+    example stream replayed from the same seed."""
+    rng = random.Random(seed)      # as warm_start's
+    return {problem for _ in range(steps) for problem, _ in examples(rng, batch)}
+
+
 def write_jsonl(path, rows):
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:

@@ -66,8 +66,8 @@ def test_lab_fork_demonstrations_by_hand(fork, detour, detour_text):
 @pytest.fixture(scope="session")
 def small_lab(tmp_path_factory):
     out = tmp_path_factory.mktemp("small_lab")
-    lab.build(out, train_problems=16, test_per_length=2, max_steps=4, hidden_size=64, layers=1, sft_steps=2,
-              sft_batch=4)
+    lab.build(out, train_problems=16, test_per_length=2, heldout_per_length=3, max_steps=4, hidden_size=64, layers=1,
+              sft_steps=2, sft_batch=4)
     return out
 
 
@@ -75,6 +75,35 @@ def test_the_lab_builder_writes_a_policy_that_loads(small_lab):
     from transformers import AutoModelForCausalLM
     assert len(read_lines(small_lab / "test.jsonl")) == 4
     AutoModelForCausalLM.from_pretrained(small_lab / "model")
+
+
+def test_the_warm_start_problems_are_replayed_without_training(small_lab):
+    # toy.warm_start_problems must list exactly the problems toy.warm_start trains on (the held-out set excludes them)
+    from transformers import AutoTokenizer
+    import toy
+    tokenizer = AutoTokenizer.from_pretrained(small_lab / "model")
+    drawn = []
+
+    def examples(rng, batch):
+        rows = [lab.problem_row(*lab.chain(rng, rng.randint(3, 5))) for _ in range(batch)]
+        pairs = [(r["problem"], lab.demonstration(r, rng, 0.05, 0.2)) for r in rows]
+        drawn.extend(p for p, _ in pairs)
+        return pairs
+    toy.warm_start(toy.build_model(tokenizer, 64, 1, 0), tokenizer, examples, 3, 4, 1e-3, seed=7)
+    assert len(drawn) == 12
+    assert toy.warm_start_problems(examples, 3, 4, seed=7) == set(drawn[:12])
+    assert toy.warm_start_problems(examples, 3, 4, seed=8) != set(drawn[:12])
+
+
+def test_the_held_out_set_is_new_problems_of_every_length(small_lab):
+    train, test = (read_lines(small_lab / f) for f in ("train.jsonl", "test.jsonl"))
+    held = read_lines(small_lab / "heldout.jsonl")
+    assert [sum(r["steps"] == n for r in held) for n in (3, 4)] == [3, 3]
+    assert len({r["problem"] for r in held}) == 6
+    assert not {r["problem"] for r in held} & {r["problem"] for r in train + test}
+    # and never a warm-start example: a problem the warm start saw is skipped and the next one of its length drawn
+    redrawn = lab.heldout(train, test, {held[0]["problem"]}, 3, 3, 4, seed=0)
+    assert held[0] not in redrawn and redrawn[:2] == held[1:3] and len(redrawn) == 6
 
 
 def test_kappa_ratio_and_net_push_around_the_first_wrong_token_by_hand(small_lab, monkeypatch):
