@@ -10,6 +10,7 @@ import os
 import random
 import re
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -101,6 +102,21 @@ def atomic_write(path, text):
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def wait_visible(paths, timeout_s=120.0):
+    """Wait until files that another node wrote (and said so) are visible here: an NFS client caches a directory's
+    listing and a file's absence for up to a minute (acdirmax). Exits naming the first file still missing after
+    timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    for p in map(Path, paths):
+        while not p.exists():
+            if time.monotonic() > deadline:
+                sys.exit(f"{p}: written on another node but not visible on this one after {timeout_s:.0f} s; the run "
+                         f"directory must be on a filesystem every node sees")
+            with contextlib.suppress(OSError):
+                os.listdir(p.parent)             # a fresh listing of the directory
+            time.sleep(0.2)
 
 
 def atomic_write_json(path, obj):

@@ -40,6 +40,19 @@ def n_engines(gpus, tensor_parallel):
     return max(1, gpus // tensor_parallel)
 
 
+# torchrun's variables: vLLM reads LOCAL_RANK (vllm/envs.py) and, when torch.distributed is already initialised,
+# builds its world on that default group (vllm/distributed/parallel_state.py, init_distributed_environment)
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def engine_environment():
+    """This process's environment without torchrun's variables: what an engine process starts with (run_stages.sh's
+    MASTER_ADDR and MASTER_PORT on several nodes are for the trainer's rendezvous, not for vLLM)."""
+    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+
+
 def start_engine_workers(script, argv, n, tensor_parallel):
     """Start `script argv --worker_rank=r --engines=n` for r < n, each on its GPU group and leading its own
     process group (its vLLM engine core, GPU workers and grader pool are in it), and each ended by a SIGTERM
@@ -49,7 +62,7 @@ def start_engine_workers(script, argv, n, tensor_parallel):
     import subprocess
     procs = []
     for r, group in enumerate(engine_gpu_groups(n, tensor_parallel)):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=group)
+        env = dict(engine_environment(), CUDA_VISIBLE_DEVICES=group)
         procs.append(subprocess.Popen([sys.executable, script, *argv, f"--worker_rank={r}", f"--engines={n}"],
                                       env=env, start_new_session=True,
                                       preexec_fn=functools.partial(_terminate_with_parent, os.getpid())))

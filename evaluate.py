@@ -13,9 +13,13 @@ avg@k is the mean accuracy over k samples per problem; pass@k the share of probl
 correct sample among the k. All benchmarks go to the engines in one call, one data-parallel engine per
 GPU. One row per benchmark is written to the results table (replacing the row of the same stage and
 benchmark, so a rerun after a crash does not duplicate it), and the graded samples go to
-<samples_dir>/<benchmark>.jsonl. Benchmarks missing from data_dir are fetched with data/prepare.py.
+<samples_dir>/<benchmark>.jsonl. Benchmarks missing from data_dir are fetched with data/prepare.py. On several
+nodes (run_stages.sh NNODES > 1) every node runs this script for its engines, each sampling the prompts of its
+engines' indices counted over all nodes; node 0 scores them all and writes the rows.
 """
+import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -51,6 +55,9 @@ grader_timeout_s = 10.0
 worker_rank = -1                # internal: set for the per-GPU engine subprocesses
 engines = 0                     # data-parallel engines (0: gpus // tensor_parallel; 1 on CPU)
 parts_dir = ""                  # internal: where the subprocesses leave their graded samples
+nnodes = 1                      # nodes evaluating side by side (run_stages.sh NNODES), this one's rank, and node 0's
+node_rank = 0                   # store ("addr:port", nodes.py); their graded samples meet beside the results table
+coordinator = ""
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 
@@ -88,17 +95,39 @@ def main():
                  f"weights of one architecture; evaluate them separately")
     names = [b.strip() for b in benchmarks.split(",") if b.strip()]
     ev = evaluation(engine.benchmark_sets(names, data_dir, max_problems))
-    n = engines or engine.n_engines(gpus, tensor_parallel)
+    n = engines or engine.n_engines(gpus, tensor_parallel)          # this node's engines
+    first, total = node_rank * n, nnodes * n                        # their index among every node's
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
-        common.atomic_write_json(Path(parts_dir) / f"part_{worker_rank}.json", sample_and_grade(policies, ev, worker_rank, n))
+        common.atomic_write_json(Path(parts_dir) / f"part_{first + worker_rank}.json",
+                                 sample_and_grade(policies, ev, first + worker_rank, total))
         return
+    import nodes
+    cluster = nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator))
+    if cluster is not None and not results:
+        sys.exit("--nnodes > 1 needs --results: the nodes' samples meet beside it")
     t0 = time.perf_counter()
-    if n > 1:
-        with tempfile.TemporaryDirectory() as tmp:
-            codes = engine.run_engine_workers(__file__, [*sys.argv[1:], f"--parts_dir={tmp}"], n, tensor_parallel)
-            if any(codes):
-                sys.exit(f"evaluation engines failed with exit codes {codes}")
-            per_rank = engine.read_parts(tmp, n)
+    if total > 1:
+        shared = Path(results).parent / ".nodes" / f"eval_stage_{stage}" if cluster is not None else None
+        if cluster is not None:          # a killed evaluation's samples are not read: node 0 clears them first
+            if node_rank == 0:
+                shutil.rmtree(shared, ignore_errors=True)
+            cluster.barrier(f"eval_{stage}/cleared")
+        with tempfile.TemporaryDirectory() if shared is None else contextlib.nullcontext(shared) as tmp:
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+            if n > 1:
+                codes = engine.run_engine_workers(__file__, [*sys.argv[1:], f"--parts_dir={tmp}"], n, tensor_parallel)
+                if any(codes):
+                    sys.exit(f"evaluation engines failed with exit codes {codes}")
+            else:
+                common.atomic_write_json(Path(tmp) / f"part_{first}.json", sample_and_grade(policies, ev, first, total))
+            if cluster is not None:
+                cluster.barrier(f"eval_{stage}/sampled")
+                if node_rank > 0:                    # node 0 scores every node's samples
+                    cluster.barrier(f"eval_{stage}/scored")
+                    print(f"node {node_rank}: its {n} engine(s)' samples handed to node 0")
+                    return
+                common.wait_visible([Path(tmp) / f"part_{r}.json" for r in range(total)])
+            per_rank = engine.read_parts(tmp, total)
             parts = [[x for part in per_rank for x in part[i]] for i in range(len(policies))]
     else:
         parts = sample_and_grade(policies, ev, 0, 1)
@@ -112,7 +141,7 @@ def main():
             sample_dir = (Path(samples_dir) if samples_dir else Path(path).parent / "eval_samples") / Path(path).name
         labels = {"stage": stage, "updates": common.policy_record(path).get("run_updates", 0),
                   "hours": (time.time() - run_start) / 3600 if run_start else 0.0, "policy": str(path),
-                  "seconds": seconds, "engines": n}
+                  "seconds": seconds, "engines": total}
         rows = engine.score(samples, ev, labels, sample_dir)
         for r in rows:
             label = f"{path} {r['benchmark']}" if len(policies) > 1 else r["benchmark"]
@@ -122,7 +151,10 @@ def main():
     if results:       # rows are keyed on (stage, benchmark, policy): a rerun on a subset keeps the others
         engine.update_results(results, out_rows)
     mean = sum(r["avg_at_k"] for r in out_rows) / max(1, len(out_rows))
-    print(f"average avg@k over {len(out_rows)} rows: {mean:.4f} ({n} engine(s), {seconds:.1f} s per policy)")
+    print(f"average avg@k over {len(out_rows)} rows: {mean:.4f} ({total} engine(s), {seconds:.1f} s per policy)")
+    if cluster is not None:
+        shutil.rmtree(shared)
+        cluster.barrier(f"eval_{stage}/scored")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ Output (docs/design.md §3): <run_dir>/stage_<s>/rollouts/shard_<k>.jsonl, one l
 shard written atomically; manifest.json last (its presence means the stage is complete). Rerunning
 the same command after a crash keeps the finished shards and produces the rest, identically (every
 prompt has its own sampling seed). On a multi-GPU box one engine runs per GPU group (data parallel),
-each on its own shards; --tensor_parallel shards one engine across GPUs for models too big for one.
+each on its own shards; --tensor_parallel shards one engine across GPUs for models too big for one. On several
+nodes (run_stages.sh NNODES > 1) every node runs this script for its engines: shard k goes to engine k mod (nodes ×
+engines) counted over all of them, node 0 writes the plan and, once every node's shards are in, the manifest.
 
 Resident mode (--resident=true, run_stages.sh RESIDENT=true): the engines are built once and generate every
 stage from --stage on, each with the policy the trainer process (optimize.py --resident) hands over
@@ -69,6 +71,9 @@ eval_temperature = 1.0
 eval_top_p = 1.0
 results = ""
 run_start = 0.0
+nnodes = 1                      # nodes generating this stage side by side (run_stages.sh NNODES), each with its
+node_rank = 0                   # engines; this one's rank, and node 0's store ("addr:port", nodes.py) where they
+coordinator = ""                # meet
 worker_rank = -1                # internal: set for the per-GPU engine subprocesses
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
@@ -78,9 +83,18 @@ if top_p < 1.0 or top_k > 0:
     sys.exit(f"--top_p={top_p} --top_k={top_k}: truncated sampling is refused for training rollouts. vLLM's "
              f"log-probs are then renormalized over the kept tokens while optimize.py's full softmax is not, so "
              f"the ratios would start away from 1 (evaluate.py may truncate freely); use top_p=1, top_k=0")
-n_engines = engines or engine.n_engines(gpus, tensor_parallel)
+if resident and nnodes > 1:
+    sys.exit("--resident=true runs on one node (its hand-off goes through one machine's /dev/shm); on several nodes "
+             "run the process-per-phase loop (run_stages.sh RESIDENT=false)")
+n_engines = engines or engine.n_engines(gpus, tensor_parallel)     # this node's
+all_engines = nnodes * n_engines                                    # every node's (the same count on each: nodes.py join)
 is_main = worker_rank < 0
 graders = grader_workers or max(1, ((os.cpu_count() or 2) - n_engines) // n_engines)
+
+
+def engine_index():
+    """This process's engine among every node's (its shards' stats record it)."""
+    return node_rank * n_engines + max(worker_rank, 0)
 
 
 def rollouts_dir(s):
@@ -91,7 +105,7 @@ def shard_count(prompts):
     """How many shards a stage of `prompts` prompts is cut into: one per shard_prompts prompts, and at least one per
     engine, so that every engine has work when there are prompts for it (a GRPO μ = 4 stage of 256 prompts on 4
     engines: 4 shards of 64, not one shard of 256 that one engine generates while three wait)."""
-    return max(math.ceil(prompts / shard_prompts), min(n_engines, prompts))
+    return max(math.ceil(prompts / shard_prompts), min(all_engines, prompts))
 
 
 def prompt_offset(s):
@@ -125,9 +139,11 @@ def stage_shards(s, problems, prompts):
 
 
 def engine_shards(shards, rank, s):
-    """The shards of stage s that engine `rank` generates and has not yet written: shard k goes to engine
-    k mod n_engines (a rule every engine process applies alone to the same stage, so no two take one shard)."""
-    return [k for k in shards if k % n_engines == rank and not rollouts.shard_done(rollouts_dir(s), k)]
+    """The shards of stage s that this node's engine `rank` generates and has not yet written: shard k goes to
+    engine k mod all_engines, counting this node's engines from node_rank × n_engines (a rule every engine process
+    applies alone to the same stage, so no two take one shard)."""
+    return [k for k in shards if k % all_engines == node_rank * n_engines + rank
+            and not rollouts.shard_done(rollouts_dir(s), k)]
 
 
 def prepare_stage(s, label, prompts):
@@ -228,7 +244,7 @@ def grade_and_write(s, label, k, kept, outputs, skipped, gen_seconds, started_at
              "response_tokens": sum(lengths), "max_response_tokens": max(lengths, default=0),
              "truncated": sum(x["finish_reason"] == "length" for x in lines),
              "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
-             "generation_seconds": gen_seconds, "started_at": started_at, "engine": max(worker_rank, 0),
+             "generation_seconds": gen_seconds, "started_at": started_at, "engine": engine_index(),
              "max_num_seqs": max_num_seqs}
     rollouts.write_shard(rollouts.shard_path(rollouts_dir(s), k), lines)          # JSONL and its columns
     stats["finished_at"] = time.time()
@@ -314,7 +330,7 @@ def generate_shards(llm, s, label, policy_id, shard_ids, shards):
 
     def report(future):
         st = future.result()
-        print(f"[engine {max(worker_rank, 0)}] stage {s} shard {st['shard']}: {st['responses']} responses, mean reward "
+        print(f"[engine {engine_index()}] stage {s} shard {st['shard']}: {st['responses']} responses, mean reward "
               f"{st['reward_sum'] / max(1, st['responses']):.3f}, "
               f"{st['response_tokens'] / max(st['generation_seconds'], 1e-9):.0f} tokens/s", flush=True)
 
@@ -400,31 +416,52 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     return manifest
 
 
-def one_stage(problems):
-    """The process-per-phase run: stage --stage with --policy, on one engine here or one per GPU group."""
+def one_stage(problems, cluster=None):
+    """The process-per-phase run: stage --stage with --policy, on one engine here or one per GPU group, beside the
+    other nodes' (cluster: nodes.Nodes, None on one node; node 0 decides what the filesystem says and writes the
+    plan and the manifest, the others wait for it at barriers)."""
     s, label = stage, str(policy)
-    if is_main and (rollouts_dir(s) / rollouts.MANIFEST).exists():
+    node0 = node_rank == 0
+    complete = (rollouts_dir(s) / rollouts.MANIFEST).exists()
+    if cluster is not None:
+        complete = cluster.share(f"generate_{s}/complete", complete) == "True"
+    if complete:
         print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
         return
     shards = stage_shards(s, problems, prompts_per_stage)
-    if is_main:
+    if node0:
         prepare_stage(s, label, prompts_per_stage)
-        rollouts.remove_temporaries(rollouts_dir(s))    # a killed run's; the engine processes start below
-    todo = [k for k in shards if not rollouts.shard_done(rollouts_dir(s), k)]
-    if is_main:
+        rollouts.remove_temporaries(rollouts_dir(s))    # a killed run's; no engine process has started yet
+    if cluster is not None:
+        cluster.barrier(f"generate_{s}/prepared")
+    todo = [k for r in range(n_engines) for k in engine_shards(shards, r, s)]
+    if node0:
         print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
-              f"in {len(shards)} shards ({len(shards) - len(todo)} already done); {n_engines} engine(s) × "
-              f"TP {tensor_parallel}; temperature {temperature}, max {max_response_tokens} tokens")
-    if is_main and len({k % n_engines for k in todo}) > 1:      # more than one engine has shards to generate
+              f"in {len(shards)} shards; {nnodes} node(s) × {n_engines} engine(s) × TP {tensor_parallel}; "
+              f"temperature {temperature}, max {max_response_tokens} tokens")
+    print(f"stage {s}, node {node_rank}: {len(todo)} shard(s) to generate here", flush=True)
+    if len({k % all_engines for k in todo}) > 1:      # more than one of this node's engines has shards
         codes = engine.run_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
         if any(codes):
             sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
-    else:
-        mine = todo if is_main else engine_shards(shards, worker_rank, s)
-        if mine:
-            generate_shards(start_engine(policy), s, label, common.policy_fingerprint(policy), mine, shards)
-    if is_main:
+    elif todo:
+        generate_shards(start_engine(policy), s, label, common.policy_fingerprint(policy), todo, shards)
+    if cluster is not None:
+        cluster.barrier(f"generate_{s}/generated")
+    if node0:
+        common.wait_visible([rollouts.stats_path(rollouts_dir(s), k) for k in shards])   # the other nodes' too
         write_manifest(s, label, list(shards))
+    if cluster is not None:
+        cluster.barrier(f"generate_{s}/written")
+        common.wait_visible([rollouts_dir(s) / rollouts.MANIFEST])
+
+
+def engine_worker():
+    """A per-GPU engine subprocess of one_stage: this engine's shards of the stage."""
+    shards = stage_shards(stage, common.load_problems(data), prompts_per_stage)
+    mine = engine_shards(shards, worker_rank, stage)
+    if mine:
+        generate_shards(start_engine(policy), stage, str(policy), common.policy_fingerprint(policy), mine, shards)
 
 
 # ----------------------------------------------------------------------------- resident mode
@@ -547,9 +584,12 @@ def resident_engine(problems, procs=()):
 
 
 def main():
+    if not resident and not is_main:
+        return engine_worker()
     problems = common.load_problems(data)
     if not resident:
-        one_stage(problems)
+        import nodes
+        one_stage(problems, nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator)))
     elif is_main and n_engines > 1:
         engine.exit_on_sigterm()         # a SIGTERM ends this process through the finally below, workers first
         remove_temporaries(first_pending_stage())

@@ -186,7 +186,7 @@ class Progress:
 
 def open_stage(directory):
     try:
-        return rollouts.open_stage(Path(directory) / "rollouts", rank, world, barrier)
+        return rollouts.open_stage(Path(directory) / "rollouts", rank, world, barrier, decide=broadcast)
     except rollouts.RolloutError as e:
         raise SystemExit(str(e)) from None
 
@@ -312,34 +312,50 @@ def logprob_pass(model, stage, temp, name, key, progress, may_compute=True):
     root = stage_path / "logprobs" if os.access(stage_path, os.W_OK) else progress.work_dir / "logprobs"
     path = root / f"{name}-{key}-T{temp}.f32"
     n_tokens = int(stage.token_offset[-1])
-    if is_main:
-        rollouts.TokenColumn(path, n_tokens, create=True)
-    barrier()
-    column = rollouts.TokenColumn(path, n_tokens, create=False)
-    if column.complete:
+    column = None
+    if is_main:          # rank 0 alone writes the column: a killed pass's parts first
+        column = rollouts.TokenColumn(path, n_tokens, create=True)
+        if not column.complete and (parts := column.parts()):
+            log(f"{name} log-probs: {column.merge_parts(stage, parts)} responses from a killed pass kept")
+    complete, missing = broadcast((column.complete, column.missing(stage)) if is_main else None)
+    if complete:
         log(f"{name} log-probs: stored in {path}")
-        return column, 0.0
+        return stored_column(path, n_tokens), 0.0
     if not may_compute:
         raise SystemExit(f"{path} is incomplete but training already started: the stage policy's log-probs cannot "
                          f"be recomputed from moved weights; delete {progress.state_dir} to restart the stage")
     t0 = time.perf_counter()
     mine = np.arange(rank, stage.n, world)
-    todo = mine[column.missing(stage)[mine]]
+    todo = mine[missing[mine]]
     log(f"{name} log-probs: one pass over {stage.n} responses ({len(todo)} still to do on rank 0) → {path}")
     from tqdm import tqdm
+    written, indices, values = [], [], []
     with torch.no_grad():
         for k, mb in enumerate(tqdm(micro_batches(stage, todo), disable=not is_main, desc=f"{name} pass")):
             x = forward(model, stage, mb, temp)
             for j, i in enumerate(mb or []):
-                column.put(stage, i, x["lp"][j, :stage.response_len[i]].cpu().numpy())
-            if k % 64 == 63:
-                column.flush()
-    column.flush()
-    barrier()
+                indices.append(i)
+                values.append(x["lp"][j, :stage.response_len[i]].cpu().numpy())
+            if k % 64 == 63:                     # a killed pass keeps what its parts hold
+                written.append(rollouts.write_column_part(path, rank, len(written), indices, values))
+                indices, values = [], []
+    if indices:
+        written.append(rollouts.write_column_part(path, rank, len(written), indices, values))
+    everyone = gather_lists([str(p) for p in written])
     if is_main:
+        common.wait_visible(everyone)           # other nodes' parts
+        column.merge_parts(stage, [Path(p) for p in everyone])
+        if (left := int(column.missing(stage).sum())):
+            raise SystemExit(f"{path}: {left} responses have no {name} log-probs after the pass (a rank's part lost?)")
         column.mark_complete({"model": key, "temperature": temp, "responses": stage.n})
     barrier()
-    return rollouts.TokenColumn(path, n_tokens, create=False), time.perf_counter() - t0
+    return stored_column(path, n_tokens), time.perf_counter() - t0
+
+
+def stored_column(path, n_tokens):
+    """A complete column, read-only (rank 0 wrote it; on other nodes, once visible)."""
+    common.wait_visible([Path(str(path) + ".complete")])
+    return rollouts.TokenColumn(path, n_tokens, create=False, readonly=True)
 
 
 # ----------------------------------------------------------------------------- one update
@@ -378,6 +394,15 @@ def gather_values(values):
     parts = [torch.zeros(longest, device=device) for _ in range(world)]
     dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
     return torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
+
+
+def gather_lists(items):
+    """Every rank's list of picklable items, concatenated in rank order."""
+    if not distributed:
+        return list(items)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, list(items))
+    return [x for part in everyone for x in part]
 
 
 def broadcast(obj):
@@ -764,7 +789,7 @@ def main():
     record_settings(progress, stage, start_policy, reference, attention)
     torch.manual_seed(seed)
     columns, timing = reference_pass(stage, logprob_temperature(stage), reference, attention, progress)
-    source = M.state_source(progress.state_dir, init_state)
+    source = broadcast(M.state_source(progress.state_dir, init_state) if is_main else None)   # resume? rank 0 decides
     model, optimizer = build_trainer(start_policy, attention, weights=source is None)
     progress.start, progress.before, progress.start_weights, said = M.restore(
         model, optimizer, source, resume=source == progress.state_dir, start_weights=common.policy_fingerprint(start_policy),

@@ -367,14 +367,17 @@ class Stage:
                     for s in self.shards), default=0)
 
 
-def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
+def open_stage(directory, rank=0, world=1, barrier=None, workers=None, decide=None):
     """The validated, memory-mapped rollouts of a complete stage (manifest.json present).
 
     Shards without fresh columns are built from their JSONL first: under torchrun each rank builds its
-    share (shard k on rank k % world) in `workers` processes, then `barrier()` lines the ranks up.
+    share (shard k on rank k % world) in `workers` processes, then `barrier()` lines the ranks up. Which
+    columns are fresh is what rank 0 sees, `decide(value)` returning rank 0's value on every rank (on several
+    nodes another node's NFS cache may still show a column as missing or stale).
     Raises RolloutError naming the file and line of the first bad response.
     """
     directory = Path(directory)
+    decide = decide or (lambda value: value)
     manifest_file = directory / MANIFEST
     if not manifest_file.exists():
         shards = sorted(directory.glob("shard_*.jsonl"))
@@ -385,7 +388,8 @@ def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
     for p in paths:
         if not p.exists():
             raise RolloutError(f"{p}: listed in the manifest but missing")
-    todo = [p for k, p in enumerate(paths) if k % world == rank and not columns_fresh(p)]
+    fresh = decide([columns_fresh(p) for p in paths] if rank == 0 else None)
+    todo = [p for k, p in enumerate(paths) if k % world == rank and not fresh[k]]
     workers = min(len(todo), workers or max(1, (os.cpu_count() or 1) // world))
     if workers > 1:
         import concurrent.futures
@@ -397,7 +401,9 @@ def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
             build_columns(p)
     if barrier is not None:
         barrier()
-    stale = [p for p in paths if not columns_fresh(p)]
+    if world > 1:           # the columns other ranks (perhaps on other nodes) built
+        common.wait_visible([columns_dir(p) / "columns.json" for p in paths])
+    stale = decide([str(p) for p in paths if not columns_fresh(p)] if rank == 0 else None)
     if stale:
         raise RolloutError(f"{stale[0]}: its columns were not built (another rank failed?)")
     return Stage(directory, manifest, [Shard(p) for p in paths])
@@ -407,20 +413,36 @@ def open_stage(directory, rank=0, world=1, barrier=None, workers=None):
 # Per-token log-prob columns computed by the trainer (TIS's old log-probs, KL's reference log-probs)
 
 
-class TokenColumn:
-    """float32 values per response token of a stage (the Stage.token_offset layout), in one file that
-    every rank memory-maps and writes its own responses into. NaN marks a response not yet computed,
-    so a killed pass resumes where it stopped, whatever the number of ranks; `complete` is written
-    (atomically, by rank 0) once every response is in."""
+def write_column_part(column_path, rank, seq, indices, values):
+    """Rank `rank`'s seq-th part of a TokenColumn pass: the responses `indices` it computed and their per-token
+    `values` (arrays, in order), one file written whole beside the column. Returns its path."""
+    path = Path(column_path).with_name(f"{Path(column_path).name}.part-r{rank}-{seq:05d}.npz")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.savez(f, indices=np.asarray(indices, dtype=np.int64),
+                 values=np.concatenate(values).astype("<f4") if values else np.zeros(0, "<f4"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
 
-    def __init__(self, path, n_tokens, create):
+
+class TokenColumn:
+    """float32 values per response token of a stage (the Stage.token_offset layout), in one file that rank 0
+    alone writes: the ranks compute their responses into parts (write_column_part), rank 0 merges them, so no
+    two processes write one memory-mapped file (from several NFS clients, each writes back whole pages and can
+    overwrite a neighbour's rows). NaN marks a response not yet computed, so a killed pass resumes where it stopped,
+    whatever the number of ranks; `complete` is written (atomically, by rank 0) once every response is in."""
+
+    def __init__(self, path, n_tokens, create, readonly=False):
         self.path, self.done_file = Path(path), Path(str(path) + ".complete")
         if create and not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
             np.full(n_tokens, np.nan, dtype="<f4").tofile(tmp)
             os.replace(tmp, self.path)
-        self.values = np.memmap(self.path, dtype="<f4", mode="r+" if not self.complete else "r", shape=(n_tokens,))
+        mode = "r" if readonly or self.complete else "r+"
+        self.values = np.memmap(self.path, dtype="<f4", mode=mode, shape=(n_tokens,))
 
     @property
     def complete(self):
@@ -445,3 +467,24 @@ class TokenColumn:
     def mark_complete(self, summary):
         self.flush()
         common.atomic_write_json(self.done_file, summary)
+
+    def parts(self):
+        """The parts a killed pass left (merged before the next pass starts)."""
+        return sorted(self.path.parent.glob(f"{self.path.name}.part-r*.npz"))
+
+    def merge_parts(self, stage, paths):
+        """Rank 0: the parts' values into the column, then the parts deleted. Returns how many responses."""
+        merged = 0
+        for path in paths:
+            with np.load(path) as part:
+                indices, values = part["indices"], part["values"]
+            lengths = stage.token_offset[indices + 1] - stage.token_offset[indices]
+            if int(lengths.sum()) != len(values):
+                raise RolloutError(f"{path}: {len(values)} values for responses of {int(lengths.sum())} tokens")
+            for i, start in zip(indices, np.concatenate([[0], np.cumsum(lengths)[:-1]])):
+                self.put(stage, i, values[start:start + stage.response_len[i]])
+            merged += len(indices)
+        self.flush()
+        for path in paths:
+            path.unlink()
+        return merged

@@ -36,6 +36,15 @@ SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy and train state into stage_<s
                                 # (default EVAL_EVERY; 0: at the end only)
 RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-0.5}  # resident, GPU: each engine's share of its GPU (the trainer keeps
                                 # its weights, gradients and AdamW there while the engine is awake)
+NNODES=${NNODES:-1}             # nodes running this script together, each with the same settings and RUN, MODEL and
+                                # the data on a filesystem they all see: generate.py and evaluate.py use every node's
+                                # engines, optimize.py runs under torchrun across them, node 0 keeps the run-level files
+                                # (done markers, timeline, results, plots) and the others follow it (nodes.py)
+NODE_RANK=${NODE_RANK:-0}       # this node: 0..NNODES-1
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}  # node 0's address as the other nodes reach it
+MASTER_PORT=${MASTER_PORT:-29500}  # node 0's ports: this one for the nodes' store, the next for torchrun's rendezvous
+JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}  # seconds the nodes wait for each other to start
+DEAD_AFTER=${DEAD_AFTER:-10}    # seconds without a node's heartbeat before the others stop (naming it)
 # the rest is set per preset below, unless given in the environment:
 #   MODEL            initial policy (HF name or directory)
 #   TRAIN_DATA       prepared training problems (JSONL)
@@ -58,6 +67,10 @@ RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-0.5}  # resident, GPU: each engine's 
 #   NAV_DELTA        NAV trigger threshold δ of the LOSS presets with NAV     (paper 1e-4; losses.sh)
 # ------------------------------------------------------------------------------
 
+# torchrun's variables are for optimize.py's ranks, which torchrun sets itself: the engines must not see them (vLLM
+# reads LOCAL_RANK, engine.py TORCHRUN_VARIABLES); MASTER_ADDR and MASTER_PORT stay this script's own
+export -n MASTER_ADDR MASTER_PORT
+unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE ROLE_RANK ROLE_WORLD_SIZE
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh); tests point MU_GRPO_VENV at theirs
 # the GPUs this process can use (torch: CUDA_VISIBLE_DEVICES honoured, MIG instances as CUDA sees them), not every
@@ -105,10 +118,11 @@ loss_args "$LOSS" || exit 2
 [[ "$GPUS" =~ ^[0-9]+$ ]] || { echo "GPUS must be a whole number, got '$GPUS'" >&2; exit 2; }
 : "${ENGINES:=$(( GPUS > 0 ? GPUS : 1 ))}" "${TRAIN_RANKS:=$(( GPUS > 0 ? GPUS : 1 ))}"
 for v in STAGES UPDATES PROMPTS_PER_UPDATE GROUP_SIZE MAX_PROMPT MAX_RESPONSE EVAL_K GPUS SHARD_PROMPTS \
-         MICRO_BATCH_TOKENS EVAL_EVERY WARMUP SEED ENGINES TRAIN_RANKS; do
+         MICRO_BATCH_TOKENS EVAL_EVERY WARMUP SEED ENGINES TRAIN_RANKS NNODES NODE_RANK MASTER_PORT JOIN_TIMEOUT \
+         DEAD_AFTER; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
-for v in STAGES UPDATES PROMPTS_PER_UPDATE MICRO_BATCH_TOKENS SHARD_PROMPTS ENGINES TRAIN_RANKS; do
+for v in STAGES UPDATES PROMPTS_PER_UPDATE MICRO_BATCH_TOKENS SHARD_PROMPTS ENGINES TRAIN_RANKS NNODES; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
 if (( GPUS > 0 )); then
@@ -134,15 +148,37 @@ for v in TOTAL_UPDATES DRIFT_MAX_UPDATES; do
   [[ "${!v}" =~ ^[0-9]+$ ]] && (( ${!v} >= 1 )) || { echo "$v must be a whole number ≥ 1, got '${!v}'" >&2; exit 2; }
 done
 [[ "$DRIFT_GROWTH" =~ ^[0-9]*\.?[0-9]+$ ]] || { echo "DRIFT_GROWTH must be a positive number, got '$DRIFT_GROWTH'" >&2; exit 2; }
+(( NODE_RANK < NNODES )) || { echo "NODE_RANK must be in 0..$((NNODES - 1)) (NNODES=$NNODES), got $NODE_RANK" >&2; exit 2; }
+if [[ "$RESIDENT" == true ]] && (( NNODES > 1 )); then
+  echo "RESIDENT=true runs on one node (its hand-off goes through one machine's /dev/shm); use RESIDENT=false on $NNODES nodes" >&2; exit 2
+fi
 if [[ "$RESIDENT" == true && "$RESET_OPTIMIZER" == true ]]; then
   echo "RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase loop" >&2; exit 2
 fi
 RUN=${RUN:-runs/$PRESET-$LOSS}
 PROMPTS_PER_STAGE=$((UPDATES * PROMPTS_PER_UPDATE))
 TEMPLATE_ARG=(); [[ "$TEMPLATE" == plain ]] && TEMPLATE_ARG=("--prompt_template={problem}")  # plain: the problem alone
-mkdir -p "$RUN/logs" "$RUN/.done"
-exec 9>"$RUN/.lock"    # one run_stages.sh per run directory: a second one would race on the same files
-flock -n 9 || { echo "another run_stages.sh is running on $RUN (it holds $RUN/.lock); wait for it or choose another RUN" >&2; exit 1; }
+LOGS=$RUN/logs$( (( NODE_RANK == 0 )) || echo "/node$NODE_RANK")     # node 0's phase logs, and each other node's
+mkdir -p "$LOGS" "$RUN/.done"
+LOCK=$RUN/.lock$( (( NODE_RANK == 0 )) || echo ".node$NODE_RANK")
+exec 9>"$LOCK"         # one run_stages.sh per run directory (and node): a second one would race on the same files
+flock -n 9 || { echo "another run_stages.sh is running on $RUN (it holds $LOCK); wait for it or choose another RUN" >&2; exit 1; }
+# several nodes: each one's watch process (node 0's serves the nodes' store) beats every second and stops this
+# script (and everything it started) within seconds once another node fails or stops answering; a successful end
+# tells it so (SIGUSR1), and node 0's serves the store until every node has ended
+NODE_ARGS=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --coordinator="$MASTER_ADDR:$MASTER_PORT")
+WATCH=
+if (( NNODES > 1 )); then
+  $PY nodes.py --command=watch "${NODE_ARGS[@]}" --pid=$$ --join_timeout_s="$JOIN_TIMEOUT" --dead_after_s="$DEAD_AFTER" 9>&- &
+  WATCH=$!
+  trap 'st=$?; if (( st == 0 )) && [[ -n "$WATCH" ]]; then kill -USR1 "$WATCH"; wait "$WATCH" || st=$?; fi; exit $st' EXIT
+fi
+# share KEY VALUE: node 0's VALUE on every node (a decision node 0 takes from the filesystem, which another node's
+# NFS cache may not show yet); on one node, VALUE
+share() {
+  if (( NNODES == 1 )); then echo "$2"; return; fi
+  $PY nodes.py --command=share "${NODE_ARGS[@]}" --key="$1" --value="$2" 9>&-
+}
 if [[ "$STAGE_END" == drift ]]; then
   echo "run $RUN: $PRESET preset, loss $LOSS; stages that end on drift, the first of $UPDATES updates, until" \
        "$TOTAL_UPDATES updates of $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE; model $MODEL; GPUs $GPUS"
@@ -151,18 +187,38 @@ else
        "($PROMPTS_PER_STAGE prompts per stage); model $MODEL; GPUs $GPUS"
 fi
 
-# the toy task and its warm-started policy are built locally; the paper's data comes from the hub
-if [[ "$PRESET" == toy && "$MODEL" == data/toy/model && ! -f data/toy/model/config.json ]]; then
-  $PY data/toy.py --out_dir=data/toy
+# the toy task and its warm-started policy are built locally; the paper's data comes from the hub (on several nodes
+# node 0 makes them, the others check they see them: nodes.py join)
+MODEL_NAME=$MODEL
+if (( NODE_RANK == 0 )); then
+  if [[ "$PRESET" == toy && "$MODEL" == data/toy/model && ! -f data/toy/model/config.json ]]; then
+    $PY data/toy.py --out_dir=data/toy
+  fi
+  if [[ "$PRESET" == lab* && "$MODEL" == "$LAB_DIR/model" && ! -f "$LAB_DIR/model/config.json" ]]; then
+    $PY "$LAB_DIR.py" --out_dir="$LAB_DIR"
+  fi
+  if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then
+    $PY data/prepare.py --name=deepscaler --out="$TRAIN_DATA"
+  fi
+  if (( NNODES > 1 )); then    # the benchmarks evaluate.py would fetch on every node at once
+    $PY -c "import engine, sys; engine.benchmark_sets(sys.argv[1].split(','), sys.argv[2])" "$BENCHMARKS" "$EVAL_DATA_DIR"
+  fi
 fi
-if [[ "$PRESET" == lab* && "$MODEL" == "$LAB_DIR/model" && ! -f "$LAB_DIR/model/config.json" ]]; then
-  $PY "$LAB_DIR.py" --out_dir="$LAB_DIR"
-fi
-if [[ "$PRESET" == paper && ! -f "$TRAIN_DATA" ]]; then
-  $PY data/prepare.py --name=deepscaler --out="$TRAIN_DATA"
-fi
-if [[ ! -d "$MODEL" ]]; then  # a hub name: download once, then every phase reads the local copy
+if [[ ! -d "$MODEL" ]]; then  # a hub name: download once (on each node), then every phase reads the local copy
   MODEL=$($PY -c "import common, sys; print(common.local_dir(sys.argv[1]))" "$MODEL")
+fi
+if (( NNODES > 1 )); then     # before any compute: all nodes here, with the same settings, model and data
+  SETTINGS=""
+  for v in PRESET LOSS LOSS_ARGS RUN MODEL_NAME TRAIN_DATA EVAL_DATA_DIR BENCHMARKS STAGES UPDATES PROMPTS_PER_UPDATE \
+           GROUP_SIZE LR MAX_PROMPT MAX_RESPONSE TEMPERATURE EVAL_K EVAL_TEMPERATURE EVAL_TOP_P EVAL_EVERY SAVE_EVERY \
+           GPUS ENGINES TRAIN_RANKS SHARD_PROMPTS MICRO_BATCH_TOKENS GRAD_CKPT WARMUP SEED TEMPLATE STAGE_END \
+           TOTAL_UPDATES DRIFT_GROWTH DRIFT_MAX_UPDATES DRIFT_ARGS RESET_OPTIMIZER KL_COEF KEEP_TRAIN_STATES PREFLIGHT \
+           NNODES MASTER_PORT; do
+    SETTINGS+="$v=${!v}"$'\n'
+  done
+  $PY nodes.py --command=join "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" --run_dir="$RUN" --model="$MODEL" \
+      --data="$TRAIN_DATA$(for b in ${BENCHMARKS//,/ }; do printf ',%s' "$EVAL_DATA_DIR/$b.jsonl"; done)" \
+      --settings="$SETTINGS" 9>&-
 fi
 $PY -c "import common, sys; rows = common.load_problems(sys.argv[1]); assert rows, sys.argv[1] + ': no problems'" "$TRAIN_DATA" \
   || { echo "TRAIN_DATA=$TRAIN_DATA is not a prepared problem file (see data/prepare.py)" >&2; exit 2; }
@@ -170,41 +226,47 @@ if [[ "$RESIDENT" == true ]] && (( GPUS > 0 )); then   # the engines' share must
   $PY -c "import handoff, sys; handoff.check_engine_share(*sys.argv[1:])" "$MODEL" "$TRAIN_RANKS" "$RESIDENT_GPU_MEMORY" \
       "$KL_COEF" || exit 2
 fi
-[[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
-START=$(cat "$RUN/.done/start")
+(( NODE_RANK > 0 )) || [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
+START=$(share start "$( (( NODE_RANK > 0 )) || cat "$RUN/.done/start")")
 
 # phase NAME STAGE CMD...: skipped when done; its whole output in $RUN/logs/NAME.log, the terminal shows it without
 # the libraries' chatter (progress bars, summaries and errors stay); timed into timeline.jsonl; marked done only
 # after the command succeeded (so its outputs are complete)
+# (several nodes: every node runs it, node 0 decides whether it is done and alone keeps the timeline and markers)
 phase() {
   local name=$1 stage=$2; shift 2
-  if [[ -f "$RUN/.done/$name" ]]; then echo "[$name] done already"; return; fi
+  local done
+  done=$(share "done/$name" "$([[ -f "$RUN/.done/$name" ]] && echo 1 || echo 0)")
+  if [[ "$done" == 1 ]]; then echo "[$name] done already"; return; fi
   echo "[$name] $*"
   local t0 t1; t0=$(date +%s.%N)
-  if ! { "$@" 2>&1 | tee "$RUN/logs/$name.log" | "${VIEW[@]}"; } 9>&-; then
-    echo "[$name] failed; its whole output is in $RUN/logs/$name.log" >&2   # the lock stays with this script, not its children
+  if ! { "$@" 2>&1 | tee "$LOGS/$name.log" | "${VIEW[@]}"; } 9>&-; then
+    echo "[$name] failed; its whole output is in $LOGS/$name.log" >&2   # the lock stays with this script, not its children
     exit 1
   fi
   t1=$(date +%s.%N)
+  (( NODE_RANK == 0 )) || return 0
   echo "{\"phase\": \"${name%_*}\", \"name\": \"$name\", \"stage\": $stage, \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
   touch "$RUN/.done/$name"
 }
 
-if [[ -f "$RUN/.done/all" ]]; then
+DONE=$(share done/all "$([[ -f "$RUN/.done/all" ]] && echo 1 || echo 0)")
+if [[ "$DONE" == 1 ]]; then
   echo "run $RUN is complete; nothing to do (delete $RUN/.done/all to re-summarize, or the run directory to start over)"
   exit 0
 fi
 
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
-           --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}")
+           --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"
+           "${NODE_ARGS[@]}")
 VIEW=($PY -u -c "import common, sys; common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)")
 
 KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
 [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
 # minutes of checks before days of run, at the run's settings, before anything else (the initial evaluation of a 7B
-# model alone takes ~10 minutes)
-if [[ "$PREFLIGHT" != 0 ]]; then
+# model alone takes ~10 minutes); on several nodes, node 0's (the others wait for it)
+if [[ "$PREFLIGHT" != 0 ]] && (( NODE_RANK == 0 )); then
   $PY preflight.py --policy="$MODEL" --data="$TRAIN_DATA" --out="$RUN/preflight.json" --gpus="$GPUS" \
       --engines="$ENGINES" --train_ranks="$TRAIN_RANKS" --run_dir="$RUN" --stages="$STAGES" \
       --micro_batch_tokens="$MICRO_BATCH_TOKENS" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE" \
@@ -214,6 +276,7 @@ if [[ "$PREFLIGHT" != 0 ]]; then
       "${TEMPLATE_ARG[@]}" $PREFLIGHT_ARGS 9>&-
 fi
 if [[ "$PREFLIGHT_ONLY" == true ]]; then
+  (( NODE_RANK == 0 )) || exit 0
   [[ -f "$RUN/preflight.json" ]] || { echo "PREFLIGHT_ONLY=true with PREFLIGHT=0: nothing ran" >&2; exit 2; }
   echo "preflight only: $RUN/preflight.json"; exit 0
 fi
@@ -223,10 +286,15 @@ fi
 POLICY=$MODEL
 STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments and update count
 RELEASE=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)   # stage s deletes s-1's state once it has its own
-if (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS"); else TRAIN=($PY); fi
+if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0 on node 0 (static rendezvous)
+  TRAIN=($PY -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$TRAIN_RANKS"
+         --master_addr="$MASTER_ADDR" --master_port=$((MASTER_PORT + 1)))
+elif (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS")
+else TRAIN=($PY); fi
 GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE
                --temperature=$TEMPERATURE --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE
-               --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" "${TEMPLATE_ARG[@]}")
+               --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" "${TEMPLATE_ARG[@]}"
+               "${NODE_ARGS[@]}")
 OPTIMIZE_ARGS=(--updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR
                --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
                --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
@@ -295,10 +363,11 @@ while (( MU > 0 )); do
       --updates_per_stage="$MU" "${STATE_ARGS[@]}"
   POLICY=$STAGE_DIR/policy
   [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
-  if (( s > 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes/parameter
-    rm -rf "$RUN/stage_$((s - 1))/train_state"                  # stage s carries it on
+  if (( s > 0 && NODE_RANK == 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes
+    rm -rf "$RUN/stage_$((s - 1))/train_state"                  # per parameter; stage s carries it on
   fi
-  NEXT=$(planned $((s + 1)))
+  NEXT=$( (( NODE_RANK > 0 )) || planned $((s + 1)) )        # several nodes: node 0's plan, from its records
+  NEXT=$(share "planned/$((s + 1))" "$NEXT")
   if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || NEXT == 0) )); then
     phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
   fi
@@ -306,5 +375,6 @@ while (( MU > 0 )); do
   MU=$NEXT
 done
 
+if (( NODE_RANK > 0 )); then echo "node $NODE_RANK: run $RUN done (node 0 summarizes it)"; exit 0; fi
 $PY plot.py --run_dir="$RUN" --summary=true | tee "$RUN/logs/summary.log"
 touch "$RUN/.done/all"

@@ -152,6 +152,89 @@ def test_box_shape_killed_in_each_phase_ends_where_one_engine_and_one_rank_do(to
     assert report["time"] < eval_init["start"]
 
 
+# ----------------------------------------------------------------------------- several nodes, on localhost
+
+
+def free_port_pair():
+    """A port whose next one is free too (the nodes' store, torchrun's rendezvous)."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    raise AssertionError("no two free ports in a row")
+
+
+def start_node(env, rank):
+    return subprocess.Popen(["bash", "run_stages.sh"], cwd=ROOT, env={**os.environ, **env, "NODE_RANK": str(rank)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def two_nodes_env(toy, run_dir):
+    return {**loop_env(toy, run_dir), "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())}
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_two_localhost_nodes_end_where_one_node_does_and_a_dead_node_stops_the_other(toy, box_run, tmp_path):
+    # two run_stages.sh "nodes" (NNODES=2), one engine and one trainer rank each, against box_run: one node with two
+    # engines and two ranks (the same shards to the same engine indices, the same ranks' minibatches)
+    run_dir = tmp_path / "run"
+    env = two_nodes_env(toy, run_dir)
+    node0, node1 = start_node(env, 0), start_node(env, 1)
+    deadline = time.time() + 600             # node 1 dies, all of it, as the trainers start: node 0 then waits for it
+    while not (run_dir / ".done" / "generate_0").exists() and time.time() < deadline and node0.poll() is None:
+        time.sleep(0.05)
+    os.killpg(node1.pid, signal.SIGKILL)
+    t0 = time.time()
+    _, err = node0.communicate(timeout=300)
+    took = time.time() - t0
+    node1.communicate(timeout=60)
+    assert node0.returncode != 0 and "[node 0] node 1 stopped answering" in err, err[-3000:]
+    assert took < 10 + 5 + 15              # DEAD_AFTER, the grace before SIGKILL, a few beats and exits under load
+    assert not (run_dir / ".done" / "optimize_0").exists()
+    assert_none_left(run_dir)
+    node0, node1 = start_node(env, 0), start_node(env, 1)   # both rerun: the run resumes
+    outs = [node0.communicate(timeout=900), node1.communicate(timeout=900)]
+    assert [node0.returncode, node1.returncode] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert "2 nodes joined" in outs[0][0] and "[generate_0] done already" in outs[1][0]
+    text = lambda run, s: "".join(p.read_text() for p in sorted((run / f"stage_{s}" / "rollouts").glob(  # noqa: E731
+        "shard_*.jsonl"))).replace(str(run), "RUN")
+    for s in (0, 1):
+        assert text(run_dir, s) == text(box_run, s)
+        manifest = json.loads((run_dir / f"stage_{s}" / "rollouts" / "manifest.json").read_text())
+        assert manifest["engines_ran"] == 2 and manifest["plan"]["shards"] == 2
+        assert json.loads((run_dir / f"stage_{s}" / "optimize_timing.json").read_text())["world"] == 2
+    from test_optimize import assert_same_weights
+    assert_same_weights(toy / "model", box_run / "stage_1" / "policy", run_dir / "stage_1" / "policy")
+    rows = {r["stage"]: (r["avg_at_k"], r["engines"]) for r in read_lines(run_dir / "results.jsonl")}
+    assert rows == {r["stage"]: (r["avg_at_k"], 2) for r in read_lines(box_run / "results.jsonl")}
+    # node 0 alone keeps the run-level records; node 1's phase logs are its own
+    assert [t["name"] for t in read_lines(run_dir / "timeline.jsonl")] == [
+        "eval_init", "generate_0", "optimize_0", "eval_0", "generate_1", "optimize_1", "eval_1"]
+    assert (run_dir / "logs" / "node1" / "generate_1.log").exists() and (run_dir / ".done" / "all").exists()
+
+
+@pytest.mark.slow
+def test_a_node_pointed_at_a_run_directory_the_other_cannot_see_is_refused_before_any_compute(toy, tmp_path):
+    env = two_nodes_env(toy, tmp_path / "run")
+    node0 = start_node(env, 0)
+    node1 = start_node({**env, "RUN": str(tmp_path / "elsewhere")}, 1)
+    outs = [node0.communicate(timeout=300), node1.communicate(timeout=300)]
+    assert node0.returncode != 0 and node1.returncode != 0
+    for _, err in outs:
+        assert ("refused before any compute: node 1 (" in err and
+                f"the run directory {tmp_path / 'elsewhere'} is not the one node 0 writes to" in err), err[-3000:]
+    for run in (tmp_path / "run", tmp_path / "elsewhere"):
+        assert not list(run.glob("stage_*")) and not (run / "results.jsonl").exists()
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_plot_renders_every_figure(finished_run, tmp_path):

@@ -1,0 +1,312 @@
+"""Several nodes, one run (run_stages.sh with NNODES > 1): the same script on every node, node 0 owning the
+run-level state, the others following it. The nodes meet in a key-value store (torch's TCPStore: no process group,
+since vLLM reuses an initialised default group, vllm/distributed/parallel_state.py init_distributed_environment)
+that node 0's `watch` process serves at --coordinator (MASTER_ADDR:MASTER_PORT) for as long as its run_stages.sh
+runs:
+
+    python nodes.py --command=watch ...   every node, beside its run_stages.sh: a heartbeat every second; a node that fails or
+                                 stops answering for dead_after_s stops every other node's run within seconds, with a
+                                 line naming it (no hang in a collective until a timeout of hours)
+    python nodes.py --command=join  ...   every node, before any compute, one line per failed check: every node joined within
+                                 join_timeout_s; they agree on the settings; the run directory is one every node sees
+                                 (a file node 0 writes, read by all); the model and data are the same bytes everywhere
+    python nodes.py --command=share --key=K --value=V   prints node 0's V on every node: a decision node 0 takes from the
+                                 filesystem (a phase done, the next stage's μ), which another node's NFS cache may
+                                 not show yet
+
+generate.py and evaluate.py meet at barriers in the same store (Nodes.barrier); optimize.py's ranks meet in
+torchrun's own rendezvous at MASTER_PORT + 1. Keys live as long as node 0's watch process: one run_stages.sh
+invocation.
+"""
+import datetime
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import common
+
+# ----------------------------------------------------------------------------- hyperparameters
+command = ""                    # watch | join | share (see above)
+nnodes = 1                      # nodes in the run (run_stages.sh NNODES)
+node_rank = 0                   # this node's rank, 0..nnodes-1 (NODE_RANK); node 0 serves the store
+coordinator = "127.0.0.1:29500"  # node 0's address as every node reaches it, and the store's port there
+                                # (run_stages.sh MASTER_ADDR:MASTER_PORT; torchrun's rendezvous uses the next port)
+join_timeout_s = 600.0          # how long the nodes wait for each other at the start (a slower node's set-up)
+dead_after_s = 10.0             # seconds without a node's heartbeat before it counts as gone
+beat_s = 1.0                    # heartbeat period
+pid = 0                         # watch: the run_stages.sh process to stop (with its children) when a node is gone
+run_dir = ""                    # join: the run directory, model and data that must be shared
+model = ""
+data = ""                       # comma list of files or directories
+settings = ""                   # join: the run's settings, "KEY=value" lines; every node's must be node 0's
+key = ""                        # share: the decision's name (unique within the run_stages.sh invocation)
+value = ""                      # share: node 0's value (ignored on the others)
+# -----------------------------------------------------------------------------
+BARRIER_TIMEOUT_S = 7 * 24 * 3600   # barriers wait for slow phases; a dead node is the watch process's to detect
+
+
+class Nodes:
+    """This node's connection to the run's store (node 0's watch process serves it)."""
+
+    def __init__(self, nnodes, node_rank, coordinator, timeout_s=600.0, serve=False):
+        from torch.distributed import TCPStore
+        addr, port = coordinator.rsplit(":", 1)
+        port = int(port)
+        self.n, self.rank, self.where = nnodes, node_rank, coordinator
+        try:      # a client retries until the server is up or timeout_s has passed
+            self.store = TCPStore(addr, port, is_master=serve, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise SystemExit(f"node {node_rank}: " + (
+                f"cannot serve the nodes' store on port {port} ({first_line(e)}); is MASTER_PORT free?" if serve else
+                f"no node 0 answered at {self.where} within {timeout_s:.0f} s ({first_line(e)}): is node 0's "
+                f"run_stages.sh started, MASTER_ADDR its address from this node, the port open?")) from None
+
+    def barrier(self, name, timeout_s=BARRIER_TIMEOUT_S):
+        """Wait until every node has reached `name`."""
+        self.store.set(f"{name}/{self.rank}", "1")
+        self.store.wait([f"{name}/{r}" for r in range(self.n)], datetime.timedelta(seconds=timeout_s))
+
+    def gather(self, name, text, timeout_s=BARRIER_TIMEOUT_S):
+        """Every node's `text` for `name`, in node order (a barrier too)."""
+        self.store.set(f"{name}/{self.rank}", text)
+        keys = [f"{name}/{r}" for r in range(self.n)]
+        self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        return [self.store.get(k).decode() for k in keys]
+
+    def share(self, name, text=None, timeout_s=BARRIER_TIMEOUT_S):
+        """Node 0's `text` for `name`, on every node."""
+        if self.rank == 0:
+            self.store.set(f"share/{name}", str(text))
+        self.store.wait([f"share/{name}"], datetime.timedelta(seconds=timeout_s))
+        return self.store.get(f"share/{name}").decode()
+
+
+def first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def from_args(args, timeout_s=600.0):
+    """The Nodes of a phase script whose flags carry nnodes, node_rank and coordinator ("addr:port"), or None
+    on one node."""
+    if args.get("nnodes", 1) <= 1:
+        return None
+    return Nodes(args["nnodes"], args["node_rank"], args["coordinator"], timeout_s=timeout_s)
+
+
+# ----------------------------------------------------------------------------- watch
+
+
+def descendants(root):
+    """Every process below `root` (by parent pid, read from /proc), children before grandchildren."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue          # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def stop_run(root, grace_s=5.0):
+    """SIGTERM to run_stages.sh and every process below it (engine workers in their own sessions included, taken
+    before their parents die and they move to init), SIGKILL to any left grace_s later."""
+    procs = [p for p in descendants(root) if p != os.getpid()] + [root]
+    for p in procs:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in procs):
+        time.sleep(0.1)
+    for p in procs:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def alive(p):
+    try:
+        os.kill(p, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{p}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def watch():
+    """Serve (node 0) or join the store, then beat every beat_s until run_stages.sh says it is done (SIGUSR1) or
+    dies. Stops the run when another node fails or stops answering."""
+    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s, serve=node_rank == 0)
+    store, parent, finishing = nodes.store, os.getppid(), []
+    signal.signal(signal.SIGUSR1, lambda *_: finishing.append(True))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # run_stages.sh's own exit path
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C stops run_stages.sh; this process then says so
+    seen = {r: (-1, time.monotonic()) for r in range(nnodes) if r != node_rank}
+    left = set()
+
+    def stop(why):
+        print(f"[node {node_rank}] {why}: stopping this node's run (rerun run_stages.sh on every node to resume)",
+              file=sys.stderr, flush=True)
+        try:
+            store.set(f"failed/{node_rank}", f"stopped because {why}")
+        except Exception:
+            pass
+        stop_run(pid or parent)
+        sys.exit(1)
+
+    while True:
+        try:
+            store.add(f"beat/{node_rank}", 1)
+            if finishing and not store.check([f"left/{node_rank}"]):
+                store.set(f"left/{node_rank}", "1")
+            if os.getppid() != parent:      # run_stages.sh died without saying it was done
+                store.set(f"failed/{node_rank}", "its run_stages.sh ended with an error (see that node's output)")
+                if node_rank == 0:          # the others read why before the store goes
+                    time.sleep(3 * beat_s)
+                return 1
+            now = time.monotonic()
+            for r in seen:
+                if r in left:
+                    continue
+                if store.check([f"left/{r}"]):
+                    left.add(r)
+                    continue
+                if store.check([f"failed/{r}"]):
+                    stop(f"node {r} failed: {store.get(f'failed/{r}').decode()}")
+                beats = store.add(f"beat/{r}", 0)
+                if beats != seen[r][0]:
+                    seen[r] = (beats, now)
+                elif now - seen[r][1] > (dead_after_s if beats > 0 else join_timeout_s):
+                    stop(f"node {r} stopped answering ({now - seen[r][1]:.0f} s without a heartbeat)" if beats > 0
+                         else f"node {r} did not join within {join_timeout_s:.0f} s")
+        except SystemExit:
+            raise
+        except Exception as e:
+            stop(f"node 0's store at {nodes.where} is gone ({first_line(e)}): node 0 failed or stopped answering")
+        if finishing and (node_rank != 0 or len(left) == nnodes - 1):
+            return 0              # node 0 serves the store until every node has left
+        time.sleep(beat_s)
+
+
+# ----------------------------------------------------------------------------- join
+
+
+def fingerprint(path):
+    """What must be equal on every node: a file's or directory's bytes, or "missing". sha256 over the files' names
+    and sizes and their contents (a file over 64 MiB: its first and last 16 MiB, so that a 15 GB checkpoint is not
+    read whole at every start)."""
+    p = Path(path)
+    if not p.exists():
+        return "missing"
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(p) if p.is_dir() else f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            if size <= 64 << 20:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(16 << 20))
+                fh.seek(size - (16 << 20))
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def differing(mine, theirs):
+    """The settings ("KEY=value" lines) that differ, as "KEY (a vs b)"."""
+    a, b = (dict(line.split("=", 1) for line in s.splitlines() if "=" in line) for s in (mine, theirs))
+    return [f"{k} ({a.get(k, 'unset')!r} here, {b.get(k, 'unset')!r} on node 0)" for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)]
+
+
+def read_token(path):
+    try:
+        os.listdir(path.parent)               # a fresh listing of the directory
+        return json.loads(path.read_text()).get("token")
+    except (OSError, ValueError):
+        return None
+
+
+def checks(nodes, shared, mine, node0):
+    """This node's failed checks, one line each: the run directory (a file node 0 writes, read here), the model's and
+    data's bytes and the settings against node 0's."""
+    problems = []
+    if node_rank == 0:   # the run directory: a file this node writes, every other node must read
+        token = uuid.uuid4().hex
+        (Path(run_dir) / ".nodes").mkdir(parents=True, exist_ok=True)
+        common.atomic_write_json(Path(run_dir) / ".nodes" / "token.json", {"token": token})
+    token = nodes.share("join/token", token if node_rank == 0 else None, join_timeout_s)
+    path, deadline = Path(run_dir) / ".nodes" / "token.json", time.monotonic() + 10
+    while (seen := read_token(path)) != token and time.monotonic() < deadline:   # an NFS cache's seconds of lag
+        time.sleep(0.5)
+    if seen != token:
+        problems.append(f"the run directory {run_dir} is not the one node 0 writes to (its file {path} is "
+                        f"{'missing' if seen is None else 'another run'} here): RUN must be on a filesystem every node "
+                        f"sees, at the same path")
+    for (name, _), here, there in zip(shared, mine["bytes"], node0["bytes"]):
+        if here == "missing":
+            problems.append(f"{name} does not exist here (model and data must be on a filesystem every node sees)")
+        elif here != there:
+            problems.append(f"{name} differs from node 0's (other bytes at the same path)")
+    if diff := differing(settings, node0["settings"]):
+        problems.append(f"settings differ from node 0's: {', '.join(diff)}")
+    return problems
+
+
+def join():
+    """The checks before any compute, one line each; exits 1 on any failure (on every node)."""
+    t0 = time.monotonic()
+    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s)
+    shared = [(f"MODEL {model}", model)] + [(f"data {d}", d) for d in data.split(",") if d]    # compared in this order
+    mine = {"host": socket.gethostname(), "settings": settings, "bytes": [fingerprint(p) for _, p in shared]}
+    try:
+        everyone = [json.loads(t) for t in nodes.gather("join/who", json.dumps(mine), join_timeout_s)]
+    except Exception as e:
+        raise SystemExit(f"node {node_rank}: not every node joined within {join_timeout_s:.0f} s ({first_line(e)}); "
+                         f"start run_stages.sh on all {nnodes} nodes with NNODES={nnodes} and NODE_RANK 0..{nnodes - 1}")
+    try:
+        problems = checks(nodes, shared, mine, everyone[0])
+    except Exception as e:           # said like any failed check, so that no node waits for this one's verdict
+        problems = [f"the checks failed: {type(e).__name__}: {first_line(e)}"]
+    verdicts = [json.loads(t) for t in nodes.gather("join/verdict", json.dumps(problems), join_timeout_s)]
+    if any(verdicts):
+        for r, v in enumerate(verdicts):
+            for line in v:
+                print(f"refused before any compute: node {r} ({everyone[r]['host']}): {line}", file=sys.stderr)
+        raise SystemExit(1)
+    if node_rank == 0:
+        print(f"{nnodes} nodes joined in {time.monotonic() - t0:.1f} s ({', '.join(e['host'] for e in everyone)}): "
+              f"the same settings, model and data; the run directory shared", flush=True)
+
+
+if __name__ == "__main__":
+    common.apply_overrides(globals(), sys.argv[1:])
+    common.check_choice("command", command, ("watch", "join", "share"))
+    if not 0 <= node_rank < nnodes:
+        sys.exit(f"--node_rank must be in 0..{nnodes - 1} (--nnodes={nnodes}), got {node_rank}")
+    if command == "watch":
+        sys.exit(watch())
+    elif command == "join":
+        join()
+    else:
+        print(Nodes(nnodes, node_rank, coordinator, join_timeout_s).share(key, value))

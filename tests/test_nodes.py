@@ -1,0 +1,178 @@
+"""Several nodes (nodes.py): the store the nodes meet in, the checks before any compute, the watch that stops every
+node when one is gone; the trainer's per-rank log-prob parts; the engines' environment. The whole loop on two
+localhost "nodes" is in test_loop.py (beside the one-node run it must equal)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+import engine  # noqa: E402
+import nodes  # noqa: E402
+import rollouts  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_share_gather_and_meet_at_a_barrier():
+    where = f"127.0.0.1:{free_port()}"
+    node0 = nodes.Nodes(2, 0, where, timeout_s=20, serve=True)
+    seen = {}
+
+    def node1():
+        other = nodes.Nodes(2, 1, where, timeout_s=20)
+        seen["share"] = other.share("mu", "its own value, ignored")
+        seen["gather"] = other.gather("hosts", "b")
+        other.barrier("end")
+        seen["after"] = True
+    thread = threading.Thread(target=node1)
+    thread.start()
+    assert node0.share("mu", 64) == "64"
+    assert node0.gather("hosts", "a") == ["a", "b"]
+    node0.barrier("end")
+    thread.join(20)
+    assert seen == {"share": "64", "gather": ["a", "b"], "after": True}
+
+
+def test_a_node_without_node_0_says_where_it_looked():
+    where = f"127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit, match=f"node 1: no node 0 answered at {where} within 1 s"):
+        nodes.Nodes(2, 1, where, timeout_s=1)
+
+
+def join(rank, where, run_dir, model, settings):
+    return subprocess.Popen([sys.executable, "nodes.py", "--command=join", "--nnodes=2", f"--node_rank={rank}",
+                             f"--coordinator={where}", "--join_timeout_s=60", f"--run_dir={run_dir}",
+                             f"--model={model}", f"--data={model / 'train.jsonl'}", f"--settings={settings}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def make_model(path, weights):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"hidden_size": 8}')
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "train.jsonl").write_text('{"problem": "1 + 1", "answer": "2"}\n')
+    return path
+
+
+def test_join_accepts_nodes_that_agree_and_refuses_one_line_per_difference(tmp_path):
+    where = f"127.0.0.1:{free_port()}"
+    store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)     # node 0's watch process serves it in a run
+    run, model = tmp_path / "run", make_model(tmp_path / "model", b"\x01" * 100)
+    settings = "LOSS=mu-grpo\nUPDATES=64\n"
+    procs = [join(r, where, run, model, settings) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "2 nodes joined" in outs[0][0] and "the run directory shared" in outs[0][0]
+    del store
+
+    # node 1: another run directory (one node 0 does not write), other weights at the same path name, other settings
+    where = f"127.0.0.1:{free_port()}"
+    store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)
+    other_model = make_model(tmp_path / "elsewhere" / "model", b"\x02" * 100)
+    procs = [join(0, where, run, model, settings),
+             join(1, where, tmp_path / "unseen", other_model, settings.replace("UPDATES=64", "UPDATES=32"))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outs[1][1][-3000:]
+    for _, err in outs:                      # every node says every node's failures, one line each
+        lines = [line for line in err.splitlines() if line.startswith("refused before any compute")]
+        assert len(lines) == 3, err
+        assert all(line.startswith("refused before any compute: node 1 ") for line in lines)
+        assert f"the run directory {tmp_path / 'unseen'} is not the one node 0 writes to" in err
+        assert f"MODEL {other_model} differs from node 0's" in err
+        assert "settings differ from node 0's: UPDATES ('32' here, '64' on node 0)" in err
+    assert not (tmp_path / "unseen" / ".nodes").exists()
+    del store
+
+
+def test_the_fingerprint_is_the_bytes_not_the_path(tmp_path):
+    a, b = make_model(tmp_path / "a", b"\x01" * 10), make_model(tmp_path / "b", b"\x01" * 10)
+    assert nodes.fingerprint(a) == nodes.fingerprint(b) != nodes.fingerprint(a / "config.json")
+    (b / "model.safetensors").write_bytes(b"\x01" * 9 + b"\x02")
+    assert nodes.fingerprint(a) != nodes.fingerprint(b)
+    assert nodes.fingerprint(tmp_path / "none") == "missing"
+
+
+def fake_run(rank, where, tail, dead_after_s=2):
+    """A stand-in for run_stages.sh on one node: its watch process beside a shell that does `tail`."""
+    watch = (f"{sys.executable} nodes.py --command=watch --nnodes=2 --node_rank={rank} --coordinator={where} "
+             f"--dead_after_s={dead_after_s} --join_timeout_s=60 --pid=$$")
+    return subprocess.Popen(["bash", "-c", f"{watch} & w=$!; {tail}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_nodes_that_end_well_leave_together():
+    where = f"127.0.0.1:{free_port()}"
+    runs = [fake_run(r, where, "sleep 4; kill -USR1 $w; wait $w") for r in (0, 1)]
+    outs = [p.communicate(timeout=60) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs
+
+
+@pytest.mark.parametrize("how,reason", [("killed", "node 1 stopped answering"),
+                                        ("failed", "node 1 failed: its run_stages.sh ended with an error")])
+def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason):
+    where = f"127.0.0.1:{free_port()}"
+    node0 = fake_run(0, where, "sleep 600 & wait")       # a phase that would wait for node 1 for ever
+    node1 = fake_run(1, where, "sleep 600" if how == "killed" else "sleep 4; exit 1")
+    time.sleep(4)                                          # both watching (python and torch imported)
+    t0 = time.monotonic()
+    if how == "killed":
+        os.killpg(node1.pid, signal.SIGKILL)              # the node, all of it, at once
+    out, err = node0.communicate(timeout=60)
+    took = time.monotonic() - t0
+    node1.communicate(timeout=60)
+    assert node0.returncode != 0 and reason in err, err
+    assert "[node 0]" in err and "rerun run_stages.sh on every node to resume" in err
+    assert took < 2 + 5 + 5       # dead_after_s, the grace before SIGKILL, a few beats (killed: no heartbeat for 2 s)
+
+
+def test_stopping_a_run_ends_every_process_below_it():
+    tree = subprocess.Popen(["bash", "-c", "sleep 300 & (sleep 300 & wait) & trap '' TERM; wait"],
+                            start_new_session=True)
+    time.sleep(0.5)
+    below = nodes.descendants(tree.pid)
+    assert len(below) >= 3                    # two sleeps and the subshell
+    nodes.stop_run(tree.pid, grace_s=1)      # the shell ignores SIGTERM: SIGKILL a second later
+    tree.wait(timeout=10)
+    time.sleep(0.2)
+    assert not [p for p in below if nodes.alive(p)]
+
+
+def test_rank_parts_merge_into_the_column_by_hand(tmp_path):
+    # three responses of 2, 1 and 2 tokens; rank 0 computed responses 0 and 2, rank 1 response 1
+    stage = types.SimpleNamespace(n=3, response_len=np.array([2, 1, 2]), token_offset=np.array([0, 2, 3, 5]))
+    path = tmp_path / "old-x-T1.0.f32"
+    column = rollouts.TokenColumn(path, 5, create=True)
+    parts = [rollouts.write_column_part(path, 0, 0, [0, 2], [np.array([-1.0, -2.0]), np.array([-4.0, -5.0])]),
+             rollouts.write_column_part(path, 1, 0, [1], [np.array([-3.0])])]
+    assert column.missing(stage).tolist() == [True, True, True]
+    assert sorted(column.parts()) == sorted(parts)
+    assert column.merge_parts(stage, parts) == 3
+    assert column.values.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert not column.missing(stage).any() and column.parts() == []
+    bad = rollouts.write_column_part(path, 1, 1, [1], [np.array([-3.0, -3.5])])   # 2 values for a 1-token response
+    with pytest.raises(rollouts.RolloutError, match=f"{bad.name}: 2 values for responses of 1 tokens"):
+        column.merge_parts(stage, [bad])
+
+
+def test_engines_start_without_torchruns_variables(monkeypatch):
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1",
+                        "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}.items():
+        monkeypatch.setenv(name, value)
+    env = engine.engine_environment()
+    assert not set(engine.TORCHRUN_VARIABLES) & set(env)
+    assert env["PATH"] == os.environ["PATH"]
+    json.dumps(env)
