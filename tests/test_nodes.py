@@ -176,3 +176,27 @@ def test_engines_start_without_torchruns_variables(monkeypatch):
     assert not set(engine.TORCHRUN_VARIABLES) & set(env)
     assert env["PATH"] == os.environ["PATH"]
     json.dumps(env)
+
+
+def test_the_slurm_launcher_starts_run_stages_on_every_node_with_its_rank(tmp_path):
+    # srun and scontrol stand-ins: the script's work is the environment and command each node's task gets
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\n[[ $* == 'show hostnames gpu[07-08]' ]] && printf 'gpu07\\ngpu08\\n'\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\necho \"srun $*\"\nfor id in 0 1; do SLURM_NODEID=$id bash -c "
+                                  "'echo \"task $SLURM_NODEID: NNODES=$NNODES MASTER_ADDR=$MASTER_ADDR "
+                                  "MASTER_PORT=$MASTER_PORT\"'; done\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456", "SLURM_SUBMIT_DIR": str(ROOT)}
+    env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
+    out = subprocess.run(["bash", "slurm/run_stages.sbatch"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    port = 20000 + 123456 % 20000
+    assert f"node 0 at gpu07:{port}" in out.stdout
+    assert "--nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c NODE_RANK=$SLURM_NODEID exec bash " \
+           "run_stages.sh" in out.stdout
+    for r in (0, 1):
+        assert f"task {r}: NNODES=2 MASTER_ADDR=gpu07 MASTER_PORT={port}" in out.stdout
