@@ -160,14 +160,32 @@ def vocab_size(path):
     return AutoConfig.from_pretrained(path).vocab_size
 
 
+def hsdp_mesh(world, shard_ranks, device):
+    """HSDP's 2-D mesh: `world // shard_ranks` replicas (torchrun's nodes) × `shard_ranks` shards (a node's ranks,
+    consecutive global ranks under torchrun). FSDP2 then all-gathers and reduce-scatters within a node and
+    all-reduces the gradient shards across nodes, divided by every rank's count as plain FSDP2 is
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _get_gradient_divide_factors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if world % shard_ranks:
+        raise SystemExit(f"HSDP: {world} ranks do not split into groups of {shard_ranks} (ranks per node)")
+    return init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_start(param):
+    """The first row of this rank's shard of an FSDP2 parameter (a DTensor): dim 0 is cut in chunks of
+    ceil(n / shards) rows (torch.chunk) along the mesh dimension that shards it (the only one in plain FSDP2,
+    HSDP's second), this rank's chunk at its coordinate there."""
+    from torch.distributed.tensor import Shard
+    dim = next(i for i, p in enumerate(param.placements) if isinstance(p, Shard))
+    return param.device_mesh.get_coordinate()[dim] * math.ceil(param.shape[0] / param.device_mesh.size(dim))
+
+
 @torch.no_grad()
 def load_weights(model, path):
-    """Fill the model's parameters from an HF checkpoint, each rank reading only its own rows: FSDP2
-    shards every parameter along dim 0 in chunks of ceil(n / world) rows (torch.chunk), and
-    safetensors' get_slice reads just those, cast to the parameter's dtype on copy. No rank ever holds
-    the whole model."""
+    """Fill the model's parameters from an HF checkpoint, each rank reading only its own rows (shard_start), which
+    safetensors' get_slice reads alone, cast to the parameter's dtype on copy. No rank ever holds the whole
+    model."""
     from safetensors import safe_open
-    rank, world, _ = placement()
     index = safetensors_index(path)
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), "pt")) for f in set(index.values())}
@@ -177,7 +195,7 @@ def load_weights(model, path):
                                  f"transformers class of its config)")
             sharded = hasattr(param, "to_local")
             local = param.to_local() if sharded else param
-            start = rank * math.ceil(param.shape[0] / world) if sharded else 0
+            start = shard_start(param) if sharded else 0
             if local.shape[0]:
                 local.copy_(handles[index[name]].get_slice(name)[start:start + local.shape[0]])
         for name, buf in model.named_buffers():                     # persistent buffers, if any are saved
@@ -186,9 +204,10 @@ def load_weights(model, path):
 
 
 def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_alpha=32, trainable=True,
-          weights=True):
+          weights=True, shard_ranks=0):
     """The policy as the trainer runs it: fp32 master weights (bf16 compute on a GPU), dropout off, train
-    mode, the given attention, gradient checkpointing; FSDP2-sharded when a process group is up. Built on
+    mode, the given attention, gradient checkpointing; FSDP2-sharded when a process group is up, over every rank
+    or (shard_ranks > 0: HSDP) over groups of shard_ranks consecutive ranks, replicated across the groups. Built on
     the meta device (accelerate's init_empty_weights: parameters on meta, buffers as usual, since the rotary
     frequencies are computed in __init__ and are in no checkpoint), sharded, then filled from `source`'s
     safetensors shard by shard (weights=False: left empty for a DCP state)."""
@@ -215,9 +234,10 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                                   reduce_dtype=torch.float32)
+        options = dict(mp_policy=mp, mesh=hsdp_mesh(world, shard_ranks, device) if shard_ranks else None)
         for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
     buffers = {name: b.detach().to(device, copy=True) for name, b in model.named_buffers()}
     model.to_empty(device=device)                  # uninitialized storage for this rank's shards (and buffers)
     for name, b in model.named_buffers():

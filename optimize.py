@@ -94,6 +94,10 @@ gradient_checkpointing = False  # recompute each layer in backward: activations 
 attn_implementation = "auto"    # auto | flash_attention_2 | flex_attention | varlen_sdpa | sdpa (docs/scripts.md)
 lora_rank = 0                   # > 0: train LoRA adapters (peft) on all linear layers; merged at save
 lora_alpha = 32
+hsdp = False                    # several nodes: shard the model within a node (torchrun's LOCAL_WORLD_SIZE ranks) and
+                                # replicate it across nodes, so every layer's all-gather and reduce-scatter stays on the
+                                # node's NVLink and only the gradient shards' all-reduce crosses nodes; for models whose
+                                # weights, gradients and AdamW (16 bytes/parameter) fit one node (run_stages.sh HSDP)
 
 # saving within a stage
 checkpoint_every = 0            # updates between resumable states (0: only the final one)
@@ -142,6 +146,11 @@ if distributed:  # an hour: rank 0 may build rollout columns or save a 15 GB pol
 is_main = rank == 0
 if distributed and lora_rank:
     sys.exit("--lora_rank with torchrun is not supported: LoRA runs in one process (its adapters are small)")
+
+
+def hsdp_shard_ranks():
+    """FSDP2's shard group size: a node's ranks under --hsdp, else 0 (every rank)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if hsdp and distributed else 0
 
 
 def log(*args):
@@ -688,7 +697,7 @@ def reference_pass(stage, temp, reference, attention, progress):
     trainer is built. Returns ({"ref": column} or {}, its timing)."""
     if not reference:
         return {}, {}
-    ref_model = M.build(reference, attention=attention, trainable=False)
+    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks())
     column, seconds = logprob_pass(ref_model, stage, temp, "ref", common.policy_fingerprint(reference), progress)
     del ref_model
     M.release_memory()
@@ -743,7 +752,7 @@ def check_vocabulary(stage, start_policy):
 def build_trainer(start_policy, attention, weights):
     """The policy as the trainer holds it and its AdamW."""
     model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
-                    lora_rank=lora_rank, lora_alpha=lora_alpha, weights=weights)
+                    lora_rank=lora_rank, lora_alpha=lora_alpha, weights=weights, shard_ranks=hsdp_shard_ranks())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas,
                                   weight_decay=weight_decay, eps=1e-8)
     return model, optimizer
@@ -780,7 +789,8 @@ def main():
     start_policy = common.local_dir(policy or stage.manifest["policy"])
     check_vocabulary(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
-    log(f"{world} process(es) on {device.type}, attention {attention}")
+    log(f"{world} process(es) on {device.type}, attention {attention}"
+        + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
     progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", updates=updates_per_stage,
                         save_state=save_train_state)
     reference = kl_reference(start_policy)
@@ -892,7 +902,7 @@ def build_resident(start_policy, weights):
     attention = M.choose_attention(attn_implementation, device)
     reference = kl_reference(start_policy)
     torch.manual_seed(seed)
-    ref_model = M.build(reference, attention=attention, trainable=False) if reference else None
+    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks()) if reference else None
     model, optimizer = build_trainer(start_policy, attention, weights=weights)
     trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model)
     policy_bytes = M.parameter_count(start_policy) * trainer.dtype.itemsize

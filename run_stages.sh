@@ -45,6 +45,9 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}  # node 0's address as the other nodes rea
 MASTER_PORT=${MASTER_PORT:-29500}  # node 0's ports: this one for the nodes' store, the next for torchrun's rendezvous
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}  # seconds the nodes wait for each other to start
 DEAD_AFTER=${DEAD_AFTER:-10}    # seconds without a node's heartbeat before the others stop (naming it)
+HSDP=${HSDP:-false}             # several nodes: true shards the trainer's model within each node and replicates it
+                                # across nodes (only the gradients' all-reduce crosses them); for models whose weights,
+                                # gradients and AdamW (16 bytes/parameter) fit one node
 # the rest is set per preset below, unless given in the environment:
 #   MODEL            initial policy (HF name or directory)
 #   TRAIN_DATA       prepared training problems (JSONL)
@@ -137,7 +140,7 @@ done
 : "${SAVE_EVERY:=$EVAL_EVERY}"
 [[ "$SAVE_EVERY" =~ ^[0-9]+$ ]] || { echo "SAVE_EVERY must be a whole number, got '$SAVE_EVERY'" >&2; exit 2; }
 [[ "$RESIDENT_GPU_MEMORY" =~ ^0?\.[0-9]+$|^1(\.0*)?$ ]] || { echo "RESIDENT_GPU_MEMORY must be a fraction in (0, 1], got '$RESIDENT_GPU_MEMORY'" >&2; exit 2; }
-for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT PREFLIGHT_ONLY; do
+for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT PREFLIGHT_ONLY HSDP; do
   [[ "${!v}" == true || "${!v}" == false ]] || { echo "$v must be true or false, got '${!v}'" >&2; exit 2; }
 done
 [[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
@@ -213,7 +216,7 @@ if (( NNODES > 1 )); then     # before any compute: all nodes here, with the sam
            GROUP_SIZE LR MAX_PROMPT MAX_RESPONSE TEMPERATURE EVAL_K EVAL_TEMPERATURE EVAL_TOP_P EVAL_EVERY SAVE_EVERY \
            GPUS ENGINES TRAIN_RANKS SHARD_PROMPTS MICRO_BATCH_TOKENS GRAD_CKPT WARMUP SEED TEMPLATE STAGE_END \
            TOTAL_UPDATES DRIFT_GROWTH DRIFT_MAX_UPDATES DRIFT_ARGS RESET_OPTIMIZER KL_COEF KEEP_TRAIN_STATES PREFLIGHT \
-           NNODES MASTER_PORT; do
+           NNODES MASTER_PORT HSDP; do
     SETTINGS+="$v=${!v}"$'\n'
   done
   $PY nodes.py --command=join "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" --run_dir="$RUN" --model="$MODEL" \
@@ -298,7 +301,7 @@ GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE
 OPTIMIZE_ARGS=(--updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR
                --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
                --seed="$SEED" --checkpoint_every=$(( UPDATES >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
-               --release_init_state=$RELEASE --stage_end="$STAGE_END" $DRIFT_ARGS)
+               --release_init_state=$RELEASE --stage_end="$STAGE_END" --hsdp="$HSDP" $DRIFT_ARGS)
 
 if [[ "$RESIDENT" == true ]]; then
   # the two processes; a failed one stops the other (by the pid it announced), and each also watches the other

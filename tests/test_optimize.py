@@ -252,6 +252,33 @@ def test_torchrun_fsdp2_matches_one_process(toy, stage, tmp_path, micro_batch_to
 
 
 @pytest.mark.slow
+def test_hsdp_on_two_nodes_of_two_ranks_matches_fsdp2_over_all_four(toy, stage, tmp_path):
+    # HSDP (run_stages.sh HSDP=true on 2 nodes): the model sharded over a node's 2 ranks, replicated across the 2
+    # nodes (two torchrun "nodes" on localhost), against plain FSDP2 over the 4 ranks: the same updates up to float
+    # noise; each rank reads its rows of the checkpoint at its coordinate in the shard dimension
+    twin = tmp_path / "twin"
+    shutil.copytree(stage, twin)
+    args = ["--updates_per_stage=3", "--prompts_per_update=4", "--micro_batch_tokens=2000", "--lr=1e-3"]
+    torchrun(4, f"--stage_dir={stage}", *args, f"--out={tmp_path / 'plain' / 'policy'}")
+    port = str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={r}",
+                               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", "optimize.py",
+                               f"--stage_dir={twin}", *args, "--hsdp=true", f"--out={tmp_path / 'hsdp' / 'policy'}"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+    outs = [p.communicate(timeout=600) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[1][1][-4000:]
+    assert "4 process(es) on cpu" in outs[1][0] and "HSDP: 2 replica(s) × 2 shard(s)" in outs[1][0]
+    assert_same_run(tmp_path / "plain", tmp_path / "hsdp", toy / "model")
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
 def test_tied_embeddings_train_as_one_weight(toy, tmp_path):
     # a checkpoint with tie_word_embeddings (Qwen2.5-0.5B…3B) has no lm_head.weight: the meta-device build
     # must tie again after to_empty, one process and two FSDP2 ranks alike, and save the weight once
