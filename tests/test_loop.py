@@ -361,16 +361,18 @@ def test_evaluate_rows_are_keyed_by_stage_and_benchmark_and_engines_agree(toy, t
     assert rows["test"]["avg_at_k"] == two_engines["avg_at_k"] and rows["test"]["engines"] == 1
 
 
-@pytest.mark.parametrize("name,value,message", [
-    ("STAGES", "abc", "STAGES must be a whole number, got 'abc'"),
-    ("LR", "1e-x", "LR must be a non-negative number"),
-    ("GROUP_SIZE", "1", "GROUP_SIZE must be at least 2"),
-    ("LOSS", "ppo", "LOSS must be one of"),
-    ("GRAD_CKPT", "yes", "GRAD_CKPT must be true or false"),
+@pytest.mark.parametrize("settings,message", [
+    ({"STAGES": "abc"}, "STAGES must be a whole number, got 'abc'"),
+    ({"LR": "1e-x"}, "LR must be a non-negative number"),
+    ({"GROUP_SIZE": "1"}, "GROUP_SIZE must be at least 2"),
+    ({"LOSS": "ppo"}, "LOSS must be one of"),
+    ({"GRAD_CKPT": "yes"}, "GRAD_CKPT must be true or false"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be in 0..1 (NNODES=2), got 2"),
+    ({"NNODES": "2", "RESIDENT": "true"}, "RESIDENT=true runs on one node"),
 ])
 @pytest.mark.slow
-def test_bad_settings_fail_before_any_phase(toy, tmp_path, name, value, message):
-    env = {**loop_env(toy, tmp_path / "run"), name: value}
+def test_bad_settings_fail_before_any_phase(toy, tmp_path, settings, message):
+    env = {**loop_env(toy, tmp_path / "run"), **settings}
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr
