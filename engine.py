@@ -48,9 +48,11 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
 
 
 def engine_environment():
-    """This process's environment without torchrun's variables: what an engine process starts with (run_stages.sh's
-    MASTER_ADDR and MASTER_PORT on several nodes are for the trainer's rendezvous, not for vLLM)."""
-    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    """This process's environment without torchrun's variables (and its PET_* flag variables): what an engine process
+    starts with (run_stages.sh's MASTER_ADDR and MASTER_PORT on several nodes are for the trainer's rendezvous, not
+    for vLLM)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in TORCHRUN_VARIABLES and not k.startswith(("PET_", "TORCHELASTIC_"))}
 
 
 def start_engine_workers(script, argv, n, tensor_parallel):

@@ -7,6 +7,8 @@ Placement (rank, world size, device) is read from torch (`placement()`); everyth
 This module reads no script's globals: optimize.py holds the hyperparameters and the update loop.
 """
 import contextlib
+import datetime
+import functools
 import json
 import math
 import os
@@ -36,7 +38,11 @@ def barrier():
         dist.barrier()
 
 
-def start_process_group(device, timeout):
+# every collective's limit: rank 0 may build rollout columns or save a 15 GB policy while the others wait
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=1)
+
+
+def start_process_group(device, timeout=PROCESS_GROUP_TIMEOUT):
     """Join torchrun's process group (NCCL on GPUs, gloo on CPUs) and run a first collective, which is where NCCL
     sets up its transports: a failure there (most often Docker's 64 MB /dev/shm, which NCCL's shared-memory
     transport outgrows) is one message with the way out, not a stack of NCCL internals."""
@@ -160,15 +166,22 @@ def vocab_size(path):
     return AutoConfig.from_pretrained(path).vocab_size
 
 
-def hsdp_mesh(world, shard_ranks, device):
-    """HSDP's 2-D mesh: `world // shard_ranks` replicas (torchrun's nodes) × `shard_ranks` shards (a node's ranks,
-    consecutive global ranks under torchrun). FSDP2 then all-gathers and reduce-scatters within a node and
-    all-reduces the gradient shards across nodes, divided by every rank's count as plain FSDP2 is
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _get_gradient_divide_factors)."""
+@functools.cache
+def hsdp_mesh(world, shard_ranks, device_type):
+    """HSDP's 2-D mesh, built once per process (the trainer and KL's reference model share its groups):
+    `world // shard_ranks` replicas (torchrun's nodes) × `shard_ranks` shards (a node's ranks, consecutive global
+    ranks under torchrun: torch/distributed/elastic/agent/server/api.py, _assign_worker_ranks). FSDP2 then
+    all-gathers and reduce-scatters within a node and all-reduces the gradient shards across nodes, divided by
+    every rank's count as plain FSDP2 is (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    _get_gradient_divide_factors). Its groups get the default group's timeout: without options a mesh dimension's
+    group has the backend's default, 10 minutes for NCCL (torch/distributed/device_mesh.py, _init_one_process_group)."""
     from torch.distributed.device_mesh import init_device_mesh
     if world % shard_ranks:
         raise SystemExit(f"HSDP: {world} ranks do not split into groups of {shard_ranks} (ranks per node)")
-    return init_device_mesh(device.type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"))
+    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    options._timeout = PROCESS_GROUP_TIMEOUT
+    return init_device_mesh(device_type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"),
+                            backend_override={"replicate": options, "shard": options})
 
 
 def shard_start(param):
@@ -234,7 +247,7 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                                   reduce_dtype=torch.float32)
-        options = dict(mp_policy=mp, mesh=hsdp_mesh(world, shard_ranks, device) if shard_ranks else None)
+        options = dict(mp_policy=mp, mesh=hsdp_mesh(world, shard_ranks, device.type) if shard_ranks else None)
         for layer in model.model.layers:
             fully_shard(layer, **options)
         fully_shard(model, **options)

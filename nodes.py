@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -163,15 +164,28 @@ def watch():
     seen = {r: (-1, time.monotonic()) for r in range(nnodes) if r != node_rank}
     left = set()
 
-    def stop(why):
+    def stop(why, tell=True):
         print(f"[node {node_rank}] {why}: stopping this node's run (rerun run_stages.sh on every node to resume)",
               file=sys.stderr, flush=True)
         try:
-            store.set(f"failed/{node_rank}", f"stopped because {why}")
-        except Exception:
+            if tell:
+                store.set(f"failed/{node_rank}", f"stopped because {why}")
+        except Exception:     # the store is what failed: the others learn it from the missing heartbeat
             pass
         stop_run(pid or parent)
-        sys.exit(1)
+        os._exit(1)
+
+    # a store call to a host that vanished without closing the connection blocks until the kernel gives up (about
+    # 15 minutes: the client sets no keepalive, torch's TCPStore.cpp); this thread stops the run if the loop below
+    # has not gone round for dead_after_s
+    went_round, ended = [time.monotonic()], threading.Event()
+
+    def guard():
+        while not ended.wait(beat_s):
+            if (stuck := time.monotonic() - went_round[0]) > dead_after_s + 2 * beat_s:
+                stop(f"node 0's store at {nodes.where} has not answered for {stuck:.0f} s: node 0 or the network "
+                     f"is gone", tell=False)
+    threading.Thread(target=guard, daemon=True).start()
 
     while True:
         try:
@@ -182,6 +196,7 @@ def watch():
                 store.set(f"failed/{node_rank}", "its run_stages.sh ended with an error (see that node's output)")
                 if node_rank == 0:          # the others read why before the store goes
                     time.sleep(3 * beat_s)
+                ended.set()
                 return 1
             now = time.monotonic()
             for r in seen:
@@ -203,7 +218,9 @@ def watch():
         except Exception as e:
             stop(f"node 0's store at {nodes.where} is gone ({first_line(e)}): node 0 failed or stopped answering")
         if finishing and (node_rank != 0 or len(left) == nnodes - 1):
+            ended.set()
             return 0              # node 0 serves the store until every node has left
+        went_round[0] = time.monotonic()
         time.sleep(beat_s)
 
 
@@ -305,7 +322,10 @@ if __name__ == "__main__":
     if not 0 <= node_rank < nnodes:
         sys.exit(f"--node_rank must be in 0..{nnodes - 1} (--nnodes={nnodes}), got {node_rank}")
     if command == "watch":
-        sys.exit(watch())
+        code = watch()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)    # not through the interpreter's teardown, where the store's server may wait on its clients
     elif command == "join":
         join()
     else:

@@ -15,7 +15,6 @@ continues (--init_state): a run's stages are one optimization whose rollouts are
 caches of the stage (rollout columns, per-stage log-prob passes) go into the stage directory.
 """
 import dataclasses
-import datetime
 import math
 import os
 import shutil
@@ -141,11 +140,14 @@ world = int(os.environ.get("WORLD_SIZE", "1"))
 device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
 if device.type == "cuda":
     torch.cuda.set_device(device)
-if distributed:  # an hour: rank 0 may build rollout columns or save a 15 GB policy while the others wait
-    M.start_process_group(device, timeout=datetime.timedelta(hours=1))
+if distributed:  # M.PROCESS_GROUP_TIMEOUT: an hour
+    M.start_process_group(device)
 is_main = rank == 0
 if distributed and lora_rank:
     sys.exit("--lora_rank with torchrun is not supported: LoRA runs in one process (its adapters are small)")
+if hsdp and distributed and int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+    sys.exit("--hsdp=true shards within a node and replicates across nodes: this torchrun has one node; use plain "
+             "FSDP2 (--hsdp=false)")
 
 
 def hsdp_shard_ranks():

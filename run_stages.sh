@@ -74,6 +74,7 @@ HSDP=${HSDP:-false}             # several nodes: true shards the trainer's model
 # reads LOCAL_RANK, engine.py TORCHRUN_VARIABLES); MASTER_ADDR and MASTER_PORT stay this script's own
 export -n MASTER_ADDR MASTER_PORT
 unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE ROLE_RANK ROLE_WORLD_SIZE
+for v in "${!PET_@}"; do unset "$v"; done     # torchrun reads its flags from PET_<FLAG> too (a cluster's would win)
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh); tests point MU_GRPO_VENV at theirs
 # the GPUs this process can use (torch: CUDA_VISIBLE_DEVICES honoured, MIG instances as CUDA sees them), not every
@@ -180,6 +181,7 @@ fi
 # NFS cache may not show yet); on one node, VALUE
 share() {
   if (( NNODES == 1 )); then echo "$2"; return; fi
+  kill -0 "$WATCH" 2>/dev/null || { echo "[node $NODE_RANK] this node's watch process has ended: stopping" >&2; exit 1; }
   $PY nodes.py --command=share "${NODE_ARGS[@]}" --key="$1" --value="$2" 9>&-
 }
 if [[ "$STAGE_END" == drift ]]; then
@@ -291,7 +293,7 @@ STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW momen
 RELEASE=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)   # stage s deletes s-1's state once it has its own
 if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0 on node 0 (static rendezvous)
   TRAIN=($PY -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$TRAIN_RANKS"
-         --master_addr="$MASTER_ADDR" --master_port=$((MASTER_PORT + 1)))
+         --master_addr="$MASTER_ADDR" --master_port=$((MASTER_PORT + 1)) --rdzv_conf=timeout="$JOIN_TIMEOUT")
 elif (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS")
 else TRAIN=($PY); fi
 GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE

@@ -139,6 +139,24 @@ def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason):
     assert took < 2 + 5 + 5       # dead_after_s, the grace before SIGKILL, a few beats (killed: no heartbeat for 2 s)
 
 
+def test_a_frozen_node_0_stops_the_others_though_its_connection_stays_open():
+    # SIGSTOP: node 0's store neither answers nor closes its connections (a host gone off the network), so node 1's
+    # store calls block; its watch's guard stops it after dead_after_s
+    where = f"127.0.0.1:{free_port()}"
+    node0 = fake_run(0, where, "sleep 600 & wait")
+    node1 = fake_run(1, where, "sleep 600 & wait")
+    time.sleep(4)
+    os.killpg(node0.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        _, err = node1.communicate(timeout=60)
+    finally:
+        os.killpg(node0.pid, signal.SIGKILL)
+        node0.communicate(timeout=60)
+    assert node1.returncode != 0 and f"node 0's store at {where} has not answered for" in err, err
+    assert time.monotonic() - t0 < 2 + 2 + 5 + 5      # dead_after_s, two beats, the grace, start-up slack
+
+
 def test_stopping_a_run_ends_every_process_below_it():
     tree = subprocess.Popen(["bash", "-c", "sleep 300 & (sleep 300 & wait) & trap '' TERM; wait"],
                             start_new_session=True)
@@ -194,7 +212,7 @@ def test_the_slurm_launcher_starts_run_stages_on_every_node_with_its_rank(tmp_pa
     out = subprocess.run(["bash", "slurm/run_stages.sbatch"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    port = 20000 + 123456 % 20000
+    port = 20000 + 123456 % 12000
     assert f"node 0 at gpu07:{port}" in out.stdout
     assert "--nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c NODE_RANK=$SLURM_NODEID exec bash " \
            "run_stages.sh" in out.stdout
