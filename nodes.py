@@ -69,17 +69,16 @@ class Nodes:
                 f"no node 0 answered at {self.where} within {timeout_s:.0f} s ({first_line(e)}): is node 0's "
                 f"run_stages.sh started, MASTER_ADDR its address from this node, the port open?")) from None
 
-    def barrier(self, name, timeout_s=BARRIER_TIMEOUT_S):
-        """Wait until every node has reached `name`."""
-        self.store.set(f"{name}/{self.rank}", "1")
-        self.store.wait([f"{name}/{r}" for r in range(self.n)], datetime.timedelta(seconds=timeout_s))
-
     def gather(self, name, text, timeout_s=BARRIER_TIMEOUT_S):
-        """Every node's `text` for `name`, in node order (a barrier too)."""
+        """Every node's `text` for `name`, in node order, once every node has given its own."""
         self.store.set(f"{name}/{self.rank}", text)
         keys = [f"{name}/{r}" for r in range(self.n)]
         self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
         return [self.store.get(k).decode() for k in keys]
+
+    def barrier(self, name, timeout_s=BARRIER_TIMEOUT_S):
+        """Wait until every node has reached `name`."""
+        self.gather(name, "1", timeout_s)
 
     def share(self, name, text=None, timeout_s=BARRIER_TIMEOUT_S):
         """Node 0's `text` for `name`, on every node."""

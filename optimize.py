@@ -137,6 +137,7 @@ deferred_norm = agg == "token-mean" and token_normalizer == "kept"   # divide by
 distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
 rank = int(os.environ.get("RANK", "0"))
 world = int(os.environ.get("WORLD_SIZE", "1"))
+local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))     # this node's ranks (torchrun)
 device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
 if device.type == "cuda":
     torch.cuda.set_device(device)
@@ -145,14 +146,14 @@ if distributed:  # M.PROCESS_GROUP_TIMEOUT: an hour
 is_main = rank == 0
 if distributed and lora_rank:
     sys.exit("--lora_rank with torchrun is not supported: LoRA runs in one process (its adapters are small)")
-if hsdp and distributed and int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:
+if hsdp and distributed and local_world == world:
     sys.exit("--hsdp=true shards within a node and replicates across nodes: this torchrun has one node; use plain "
              "FSDP2 (--hsdp=false)")
 
 
 def hsdp_shard_ranks():
     """FSDP2's shard group size: a node's ranks under --hsdp, else 0 (every rank)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if hsdp and distributed else 0
+    return local_world if hsdp and distributed else 0
 
 
 def log(*args):
