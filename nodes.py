@@ -189,14 +189,16 @@ def watch():
     while True:
         try:
             store.add(f"beat/{node_rank}", 1)
-            if finishing and not store.check([f"left/{node_rank}"]):
-                store.set(f"left/{node_rank}", "1")
             if os.getppid() != parent:      # run_stages.sh died without saying it was done
                 store.set(f"failed/{node_rank}", "its run_stages.sh ended with an error (see that node's output)")
                 if node_rank == 0:          # the others read why before the store goes
                     time.sleep(3 * beat_s)
                 ended.set()
                 return 1
+            if finishing and node_rank != 0:
+                store.set(f"left/{node_rank}", "1")    # the last call to the store: node 0 may close it as soon as
+                ended.set()                            # it reads this, and a call after it would find the store gone
+                return 0                               # and stop this node's run, which has ended well
             now = time.monotonic()
             for r in seen:
                 if r in left:
@@ -216,7 +218,7 @@ def watch():
             raise
         except Exception as e:
             stop(f"node 0's store at {nodes.where} is gone ({first_line(e)}): node 0 failed or stopped answering")
-        if finishing and (node_rank != 0 or len(left) == nnodes - 1):
+        if finishing and len(left) == nnodes - 1:
             ended.set()
             return 0              # node 0 serves the store until every node has left
         went_round[0] = time.monotonic()
