@@ -41,6 +41,12 @@ COSTS=${COSTS:-0,2,20,180}      # per-stage switching costs (seconds) the points
 POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024" (default: all)
 ESTIMATE=${ESTIMATE:-$([[ $PRESET == paper ]] && echo true || echo false)}  # first run the preflight alone and print
                                 # every point's estimated hours from its throughputs (the paper preset: days)
+JOBS=${JOBS:-$([[ $PRESET == lab* ]] && awk -v c="$(nproc)" '/MemAvailable/ { m = int($2 / 3145728); print (m < c ? (m > 1 ? m : 1) : c) }' /proc/meminfo || echo 1)}
+                                # runs at once, each pinned to its own JOBS-th of the cores (taskset; torch's and
+                                # vLLM's OpenMP threads as many). The lab: a core per run (a run's processes keep
+                                # about one busy; a run takes 1.15-1.19x its time alone on 2 cores, measured) and at
+                                # most one per 3 GiB available (a run peaks at about 2.5 GiB); every run has the
+                                # same share, so their times compare. Elsewhere 1: a run has the whole machine
 # ------------------------------------------------------------------------------
 
 export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}
@@ -54,9 +60,10 @@ for mu in $MUS; do
   [[ "$mu" == drift ]] || { [[ "$mu" =~ ^[0-9]+$ ]] && (( mu >= 1 && TOTAL_UPDATES % mu == 0 )); } \
     || { echo "MUS: each μ must divide TOTAL_UPDATES=$TOTAL_UPDATES (or be 'drift'), got '$mu'" >&2; exit 2; }
 done
-for x in $SEEDS $BUILDS; do
-  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS and BUILDS must be whole numbers, got '$x'" >&2; exit 2; }
+for x in $SEEDS $BUILDS $JOBS; do
+  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS and JOBS must be whole numbers, got '$x'" >&2; exit 2; }
 done
+(( JOBS >= 1 )) || { echo "JOBS must be at least 1, got $JOBS" >&2; exit 2; }
 [[ $PRESET == lab* || "$BUILDS" == 0 ]] || { echo "BUILDS: only the lab tasks have builds; use BUILDS=0" >&2; exit 2; }
 
 # the points: label:μ, label = the LOSS preset, with -d<δ> for a preset whose flags use NAV δ
@@ -87,39 +94,70 @@ if [[ "$ESTIMATE" == true ]]; then     # the preflight at the first point's sett
       --total_updates="$TOTAL_UPDATES" --preflight_updates="$mu" --costs="$COSTS" 9>&- | tee "$OUT/estimate.md"
 fi
 
-n=0
-for build in $BUILDS; do
-  BUILD_ENV=()
-  if [[ $PRESET == lab* ]]; then       # the task of this build: built once, by its builder with --seed=<build>
-    LAB_DIR=data/${PRESET/-/_}$( (( build == 0 )) || echo "_build$build")
-    [[ -f "$LAB_DIR/model/config.json" && -f "$LAB_DIR/heldout.jsonl" ]] \
-      || $PY "data/${PRESET/-/_}.py" --out_dir="$LAB_DIR" --seed="$build" >&2    # (the same task again if only
-                                                                              # heldout.jsonl is missing: older builds)
-    BUILD_ENV=(MODEL="$LAB_DIR/model" TRAIN_DATA="$LAB_DIR/train.jsonl" EVAL_DATA_DIR="$LAB_DIR")
-  fi
-  for seed in $SEEDS; do
-    for point in "${SELECTED[@]}"; do
-      label=${point%:*} mu=${point##*:} loss=${point%:*}; loss=${loss%-d*}
-      delta=$([[ "$label" == *-d* ]] && echo "${label##*-d}" || echo 1e-4)
-      run=$OUT/build$build/seed$seed/$label-mu$mu
-      mkdir -p "$(dirname "$run")"
-      n=$((n + 1))
-      echo "[$n/$(( ${#SELECTED[@]} * $(wc -w <<< "$BUILDS") * $(wc -w <<< "$SEEDS") ))] $run ($(( ($(date +%s) - T0) / 60 )) min)"
-      if [[ "$mu" == drift ]]; then
-        STAGE_ENV=(STAGE_END=drift UPDATES="$DRIFT_FIRST" TOTAL_UPDATES="$TOTAL_UPDATES" DRIFT_MAX_UPDATES="$TOTAL_UPDATES"
-                   EVAL_EVERY=1 RESIDENT=$( (( DRIFT_FIRST <= RESIDENT_MAX_MU )) && echo true || echo false))
-      else
-        STAGE_ENV=(STAGE_END=fixed STAGES=$((TOTAL_UPDATES / mu)) UPDATES="$mu"
-                   EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 ))
-                   RESIDENT=$( (( mu <= RESIDENT_MAX_MU )) && echo true || echo false))
-      fi
-      env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} \
-          PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
-          bash run_stages.sh > "$run.log" 2>&1 9>&- \
-        || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; exit 1; }
-    done
-  done
+declare -A LAB_DIR=()           # each build's task: built once, by its builder with --seed=<build>, before any run
+for build in $BUILDS; do        # (on every core: a build's thread count is part of what it is)
+  if [[ $PRESET == lab* ]]; then
+    LAB_DIR[$build]=data/${PRESET/-/_}$( (( build == 0 )) || echo "_build$build")
+    [[ -f "${LAB_DIR[$build]}/model/config.json" && -f "${LAB_DIR[$build]}/heldout.jsonl" ]] \
+      || $PY "data/${PRESET/-/_}.py" --out_dir="${LAB_DIR[$build]}" --seed="$build" >&2 9>&-  # (the same task again
+  fi                                                                      # if only heldout.jsonl is missing: older builds)
 done
+RUNS=()                         # "build seed label:μ", in the order they are taken
+for build in $BUILDS; do for seed in $SEEDS; do for point in "${SELECTED[@]}"; do RUNS+=("$build $seed $point"); done; done; done
+
+run_point() {                   # run_point <index in RUNS> <cores to pin it to, "" for none>
+  local build seed point; read -r build seed point <<< "${RUNS[$1]}"
+  local label=${point%:*} mu=${point##*:} loss=${point%:*} cores=$2 BUILD_ENV=() STAGE_ENV=() PIN=()
+  local delta=$([[ "$label" == *-d* ]] && echo "${label##*-d}" || echo 1e-4) run=$OUT/build$build/seed$seed/$label-mu$mu
+  loss=${loss%-d*}
+  mkdir -p "$(dirname "$run")"
+  echo "[$(( $1 + 1 ))/${#RUNS[@]}] $run ($(( ($(date +%s) - T0) / 60 )) min${cores:+, cores $cores})"
+  [[ -z "${LAB_DIR[$build]:-}" ]] \
+    || BUILD_ENV=(MODEL="${LAB_DIR[$build]}/model" TRAIN_DATA="${LAB_DIR[$build]}/train.jsonl" EVAL_DATA_DIR="${LAB_DIR[$build]}")
+  if [[ "$mu" == drift ]]; then
+    STAGE_ENV=(STAGE_END=drift UPDATES="$DRIFT_FIRST" TOTAL_UPDATES="$TOTAL_UPDATES" DRIFT_MAX_UPDATES="$TOTAL_UPDATES"
+               EVAL_EVERY=1 RESIDENT=$( (( DRIFT_FIRST <= RESIDENT_MAX_MU )) && echo true || echo false))
+  else
+    STAGE_ENV=(STAGE_END=fixed STAGES=$((TOTAL_UPDATES / mu)) UPDATES="$mu"
+               EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 ))
+               RESIDENT=$( (( mu <= RESIDENT_MAX_MU )) && echo true || echo false))
+  fi
+  [[ -z "$cores" ]] || PIN=(taskset -c "$cores" env OMP_NUM_THREADS=$(( $(tr -cd , <<< "$cores" | wc -c) + 1 ))
+                            VLLM_CPU_OMP_THREADS_BIND="$cores")   # (tests/conftest.py pins its workers the same way)
+  "${PIN[@]}" env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} \
+      PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
+      bash run_stages.sh > "$run.log" 2>&1 9>&- \
+    || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; return 1; }
+}
+
+if (( JOBS == 1 )); then
+  for i in "${!RUNS[@]}"; do run_point "$i" "" || exit 1; done
+else                            # JOBS workers, each on its own cores, each taking the next run no worker has taken
+  echo 0 > "$OUT/.next"
+  worker() {
+    local i
+    while i=$(flock "$OUT/.next" bash -c 'i=$(<"$1"); echo $((i + 1)) > "$1"; echo "$i"' _ "$OUT/.next") \
+          && (( i < ${#RUNS[@]} )); do
+      run_point "$i" "$1" || return 1
+    done
+  }
+  CORES=($($PY -c "import os; print(*sorted(os.sched_getaffinity(0)))" 9>&-))   # the cores this may run on
+  per=$(( ${#CORES[@]} / JOBS )) WORKERS=()
+  for (( k = 0; k < JOBS; k++ )); do   # a worker's cores: its JOBS-th of them (with more JOBS than cores, one shared)
+    worker "$( (( per > 0 )) && { IFS=,; echo "${CORES[*]:k*per:per}"; } || echo "${CORES[k % ${#CORES[@]}]}")" 9>&- &
+    WORKERS+=($!)
+  done
+  # a background job here ignores Ctrl-C (bash, without job control): stopping frontier.sh stops every worker's runs
+  stop_workers() { for w in "${WORKERS[@]}"; do $PY -c "import nodes, sys; nodes.stop_run(int(sys.argv[1]))" "$w" 9>&-; done; }
+  trap 'stop_workers; exit 130' INT TERM
+  failed=0
+  for _ in "${WORKERS[@]}"; do      # a failed run stops the other workers' runs (a rerun resumes them all)
+    wait -n || { failed=1; stop_workers; wait; break; }
+  done
+  trap - INT TERM
+  rm -f "$OUT/.next"
+  (( failed == 0 )) || exit 1
+fi
 
 $PY bench/frontier.py --runs_dir="$OUT" --baseline="$BASELINE" --costs="$COSTS" 9>&- | tee "$OUT/frontier.log"
 echo "frontier done in $(( ($(date +%s) - T0) / 60 )) min: $OUT/frontier.md, $OUT/plots/"

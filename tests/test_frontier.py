@@ -1,12 +1,16 @@
 """frontier.sh and bench/frontier.py: a reduced frontier on the toy (μ = 2 resident, μ = 4 processes per phase, and
 the drift rule), killed and resumed, whose table's numbers are the runs' own records."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
+from conftest import ROOT, needs_vllm, read_lines, run_script
 
 
 def frontier_env(toy, out):
@@ -17,8 +21,20 @@ def frontier_env(toy, out):
             "ESTIMATE": "true", "PREFLIGHT_ARGS": "--prompts=8 --group_size=4 --updates=2"}
 
 
+def processes_with(variable):
+    """The processes whose environment has `variable` ("NAME=value..." as a prefix of one of its entries)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and any(e.startswith(variable.encode())
+                                            for e in (entry / "environ").read_bytes().split(b"\0")):
+                found.append(int(entry.name))
+        except OSError:
+            continue       # gone meanwhile, or not ours to read
+    return found
+
+
 def run_frontier(env):
-    import os
     proc = subprocess.run(["bash", "frontier.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -31,17 +47,30 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     out = tmp_path / "frontier"
     env = frontier_env(toy, out)
     first, second = out / "build0" / "seed0" / "grpo-mu2", out / "build0" / "seed0" / "grpo-mu4"
-    # killed while the second point (μ = 4, processes per phase) trains its first stage
-    assert kill_when(["bash", "frontier.sh"], lambda: (second / "stage_0" / "metrics.jsonl").exists(), env=env,
-                     timeout=600)
-    finished = (first / "results.jsonl").read_text()
-    # the table of a killed frontier leaves the unfinished run out (its last evaluation is not its final accuracy)
+    # two runs at a time (JOBS=2, each worker on the one core of this test's worker), stopped with SIGTERM once the
+    # first point (μ = 2, resident) has finished and while the second (μ = 4, processes per phase) trains its first
+    # stage; every process of every run stops with it
+    proc = subprocess.Popen(["bash", "frontier.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, **env, "JOBS": "2"})
+    t0 = time.time()
+    while not ((first / ".done" / "all").exists() and (second / "stage_0" / "metrics.jsonl").exists()):
+        assert proc.poll() is None and time.time() - t0 < 600, "the frontier ended or took too long"
+        time.sleep(0.05)
+    finished = {p: (p / "results.jsonl").read_text() for p in (first, second) if (p / ".done" / "all").exists()}
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and "cores " in log, log[-3000:]
+    assert not processes_with(f"RUN={out}/"), "a run's process outlived the stopped frontier"
+    # the table of a stopped frontier leaves the unfinished runs out (their last evaluation is not their final)
     partial = run_script("bench/frontier.py", f"--runs_dir={out}", "--baseline=grpo:2", f"--out={tmp_path / 'partial'}")
-    assert "left out, not finished: build0/seed0/grpo-mu4" in partial.stdout
-    assert set(json.loads((tmp_path / "partial" / "frontier.json").read_text())["runs"]) == {"grpo:2"}
-    run_frontier(env)
-    assert (first / "results.jsonl").read_text() == finished             # the finished point was not run again
-    assert "is complete; nothing to do" in (out / "build0" / "seed0" / "grpo-mu2.log").read_text()
+    if second not in finished:
+        assert "left out, not finished: build0/seed0/grpo-mu4" in partial.stdout
+    assert set(json.loads((tmp_path / "partial" / "frontier.json").read_text())["runs"]) == \
+        {f"grpo:{p.name[-1]}" for p in finished}
+    run_frontier(env)                                                    # resumed one run at a time (JOBS=1)
+    for p, results in finished.items():                                  # a finished point is not run again
+        assert (p / "results.jsonl").read_text() == results
+        assert "is complete; nothing to do" in p.with_suffix(".log").read_text()
     report = json.loads((out / "frontier.json").read_text())
     runs = {k: v["build0/seed0"] for k, v in report["runs"].items()}
     assert set(runs) == {"grpo:2", "grpo:4", "grpo:drift"}
