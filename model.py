@@ -47,7 +47,12 @@ def start_process_group(device, timeout=PROCESS_GROUP_TIMEOUT):
     sets up its transports: a failure there (most often Docker's 64 MB /dev/shm, which NCCL's shared-memory
     transport outgrows) is one message with the way out, not a stack of NCCL internals."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timeout)
+    # the rank's GPU, bound to the group: barrier() then uses it (torch 2.13 torch/distributed/distributed_c10d.py:5333,
+    # "Use device id from `init_process_group(device_id=...)`"); without it the device is "the global rank mod local
+    # device count" (:5313) or whatever is current (:5339, "may use default device 0"), wrong on a second node with
+    # fewer ranks than GPUs; NCCL also forms its communicator here, not at the first collective (:1741). gloo takes no
+    # device: a CPU device_id is refused (:2014)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     try:
         barrier()
     except Exception as e:

@@ -13,6 +13,11 @@ runs:
     python nodes.py --command=share --key=K --value=V   prints node 0's V on every node: a decision node 0 takes from the
                                  filesystem (a phase done, the next stage's μ), which another node's NFS cache may
                                  not show yet
+    python nodes.py --command=ready ...   every node, before the join: node 0 says it has built or fetched the model and
+                                 data; the others wait for that (started first, they would find nothing there yet)
+    torchrun ... nodes.py --command=collective   every trainer rank of every node, right after the join: one all-reduce
+                                 over the trainer's backend and devices within collective_timeout_s (a blocked port or a
+                                 wrong interface fails then, in one line)
 
 generate.py and evaluate.py meet at barriers in the same store (Nodes.barrier); optimize.py's ranks meet in
 torchrun's own rendezvous at MASTER_PORT + 1. Keys live as long as node 0's watch process: one run_stages.sh
@@ -42,10 +47,15 @@ join_timeout_s = 600.0          # how long the nodes wait for each other at the 
 dead_after_s = 10.0             # seconds without a node's heartbeat before it counts as gone
 beat_s = 1.0                    # heartbeat period
 pid = 0                         # watch: the run_stages.sh process to stop (with its children) when a node is gone
+errors = ""                     # watch: the file run_stages.sh's stderr is copied to; its last line is what the other
+                                # nodes are told when run_stages.sh ends with an error
 run_dir = ""                    # join: the run directory, model and data that must be shared
 model = ""
 data = ""                       # comma list of files or directories
 settings = ""                   # join: the run's settings, "KEY=value" lines; every node's must be node 0's
+collective_timeout_s = 60.0     # collective: how long the ranks of every node have to reach each other (torchrun's
+                                # rendezvous, then the process group and one all-reduce); a blocked port or a wrong
+                                # interface fails here, right after the join, not hours later in the first update
 key = ""                        # share: the decision's name (unique within the run_stages.sh invocation)
 value = ""                      # share: node 0's value (ignored on the others)
 # -----------------------------------------------------------------------------
@@ -152,11 +162,26 @@ def alive(p):
         return False
 
 
+def last_error_line():
+    """The last line run_stages.sh wrote to its stderr (--errors, copied there by tee), or where to look."""
+    if not errors:
+        return "(see that node's output)"
+    time.sleep(0.5)           # tee's copy of the last line may trail run_stages.sh's exit by a moment
+    try:
+        lines = [line.strip() for line in Path(errors).read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "(see that node's output)"
+
+
 def watch():
     """Serve (node 0) or join the store, then beat every beat_s until run_stages.sh says it is done (SIGUSR1) or
     dies. Stops the run when another node fails or stops answering."""
+    # run_stages.sh, taken before the store is reached: a node started before node 0 may end (a missing model, a bad
+    # setting) while this process waits to connect, and must still tell node 0 once it is up
+    parent = pid or os.getppid()
     nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s, serve=node_rank == 0)
-    store, parent, finishing = nodes.store, os.getppid(), []
+    store, finishing = nodes.store, []
     signal.signal(signal.SIGUSR1, lambda *_: finishing.append(True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # run_stages.sh's own exit path
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C stops run_stages.sh; this process then says so
@@ -189,8 +214,8 @@ def watch():
     while True:
         try:
             store.add(f"beat/{node_rank}", 1)
-            if os.getppid() != parent:      # run_stages.sh died without saying it was done
-                store.set(f"failed/{node_rank}", "its run_stages.sh ended with an error (see that node's output)")
+            if not alive(parent):           # run_stages.sh died without saying it was done
+                store.set(f"failed/{node_rank}", f"its run_stages.sh ended with an error: {last_error_line()}")
                 if node_rank == 0:          # the others read why before the store goes
                     time.sleep(3 * beat_s)
                 ended.set()
@@ -300,8 +325,14 @@ def join():
     try:
         everyone = [json.loads(t) for t in nodes.gather("join/who", json.dumps(mine), join_timeout_s)]
     except Exception as e:
-        raise SystemExit(f"node {node_rank}: not every node joined within {join_timeout_s:.0f} s ({first_line(e)}); "
-                         f"start run_stages.sh on all {nnodes} nodes with NNODES={nnodes} and NODE_RANK 0..{nnodes - 1}")
+        try:
+            missing = "node(s) " + ", ".join(str(r) for r in range(nnodes) if not nodes.store.check([f"join/who/{r}"]))
+        except Exception:             # the store itself is gone: the error above says so
+            missing = "some nodes"
+        raise SystemExit(f"node {node_rank}: {missing} did not join within {join_timeout_s:.0f} s ({first_line(e)}): "
+                         f"start run_stages.sh on all {nnodes} nodes with NNODES={nnodes} and NODE_RANK "
+                         f"0..{nnodes - 1}, or see a node's output for the error that ended it before the "
+                         f"join") from None
     try:
         problems = checks(nodes, shared, mine, everyone[0])
     except Exception as e:           # said like any failed check, so that no node waits for this one's verdict
@@ -317,9 +348,61 @@ def join():
               f"the same settings, model and data; the run directory shared", flush=True)
 
 
+def ready():
+    """Node 0, once it has built or fetched the model and data: says so, with --value (whether MODEL is a directory
+    there), printed on every node. Every other node waits for that (up to join_timeout_s) before it resolves or hashes
+    them: started first, it would find nothing at their paths, and take a directory not built yet for a hub name."""
+    deadline = time.monotonic() + join_timeout_s
+    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s)
+    try:
+        print(nodes.share("data/ready", value, max(deadline - time.monotonic(), 1.0)))
+    except Exception as e:
+        raise SystemExit(f"node {node_rank}: node 0 did not say within {join_timeout_s:.0f} s that the model and data "
+                         f"are ready ({first_line(e)}); node 0 builds or fetches them before the nodes join: see its "
+                         f"output") from None
+
+
+# ----------------------------------------------------------------------------- collective
+
+
+def collective():
+    """One torchrun rank, right after the join: every rank of every node meets the others in the process group the
+    trainer will use (optimize.py's backend and device: NCCL on cuda:LOCAL_RANK, gloo on the CPU) and all-reduces
+    one number, within collective_timeout_s. A blocked port or a wrong interface then fails in seconds with one line,
+    not hours later in the first update, with every node alive and waiting."""
+    import torch
+    import torch.distributed as dist
+    rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")    # as optimize.py
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    t0 = time.monotonic()
+    try:     # as model.start_process_group: with the rank's device NCCL forms its communicator in this call
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+        total = torch.ones(1, device=device)
+        dist.all_reduce(total)
+    except Exception as e:
+        interface = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+        ports = "NCCL's own ports between the nodes" if backend == "nccl" else "the ports gloo opens between the nodes"
+        raise SystemExit(
+            f"node {node_rank} rank {rank}: the trainers' {backend} process group across {nnodes} nodes "
+            f"({world} ranks) failed after {time.monotonic() - t0:.0f} s ({type(e).__name__}: {first_line(e)}): "
+            f"likely the wrong interface ({interface}={os.environ.get(interface, 'unset')}: the network the nodes "
+            f"reach each other on) or a blocked port ({ports}; README, Several nodes)") from None
+    if total.item() != world:
+        raise SystemExit(f"node {node_rank} rank {rank}: the {backend} all-reduce of one per rank gave "
+                         f"{total.item():g}, not {world}")
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"{world} trainer ranks on {nnodes} nodes reached each other over {backend} in "
+              f"{time.monotonic() - t0:.1f} s", flush=True)
+
+
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
-    common.check_choice("command", command, ("watch", "join", "share"))
+    common.check_choice("command", command, ("watch", "join", "share", "ready", "collective"))
     if not 0 <= node_rank < nnodes:
         sys.exit(f"--node_rank must be in 0..{nnodes - 1} (--nnodes={nnodes}), got {node_rank}")
     if command == "watch":
@@ -329,5 +412,9 @@ if __name__ == "__main__":
         os._exit(code)    # not through the interpreter's teardown, where the store's server may wait on its clients
     elif command == "join":
         join()
+    elif command == "ready":
+        ready()
+    elif command == "collective":
+        collective()
     else:
         print(Nodes(nnodes, node_rank, coordinator, join_timeout_s).share(key, value))

@@ -45,6 +45,9 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}  # node 0's address as the other nodes rea
 MASTER_PORT=${MASTER_PORT:-29500}  # node 0's ports: this one for the nodes' store, the next for torchrun's rendezvous
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}  # seconds the nodes wait for each other to start
 DEAD_AFTER=${DEAD_AFTER:-10}    # seconds without a node's heartbeat before the others stop (naming it)
+COLLECTIVE_TIMEOUT=${COLLECTIVE_TIMEOUT:-60}  # seconds the trainers' ranks of every node have to reach each other
+                                # right after the join (one all-reduce over NCCL or gloo): a blocked port or a wrong
+                                # interface fails then, not in the first update
 HSDP=${HSDP:-false}             # several nodes: true shards the trainer's model within each node and replicates it
                                 # across nodes (only the gradients' all-reduce crosses them); for models whose weights,
                                 # gradients and AdamW (16 bytes/parameter) fit one node
@@ -123,10 +126,10 @@ loss_args "$LOSS" || exit 2
 : "${ENGINES:=$(( GPUS > 0 ? GPUS : 1 ))}" "${TRAIN_RANKS:=$(( GPUS > 0 ? GPUS : 1 ))}"
 for v in STAGES UPDATES PROMPTS_PER_UPDATE GROUP_SIZE MAX_PROMPT MAX_RESPONSE EVAL_K GPUS SHARD_PROMPTS \
          MICRO_BATCH_TOKENS EVAL_EVERY WARMUP SEED ENGINES TRAIN_RANKS NNODES NODE_RANK MASTER_PORT JOIN_TIMEOUT \
-         DEAD_AFTER; do
+         DEAD_AFTER COLLECTIVE_TIMEOUT; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
-for v in STAGES UPDATES PROMPTS_PER_UPDATE MICRO_BATCH_TOKENS SHARD_PROMPTS ENGINES TRAIN_RANKS NNODES; do
+for v in STAGES UPDATES PROMPTS_PER_UPDATE MICRO_BATCH_TOKENS SHARD_PROMPTS ENGINES TRAIN_RANKS NNODES COLLECTIVE_TIMEOUT; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
 if (( GPUS > 0 )); then
@@ -166,15 +169,28 @@ LOGS=$RUN/logs$( (( NODE_RANK == 0 )) || echo "/node$NODE_RANK")     # node 0's 
 mkdir -p "$LOGS" "$RUN/.done"
 LOCK=$RUN/.lock$( (( NODE_RANK == 0 )) || echo ".node$NODE_RANK")
 exec 9>"$LOCK"         # one run_stages.sh per run directory (and node): a second one would race on the same files
-flock -n 9 || { echo "another run_stages.sh is running on $RUN (it holds $LOCK); wait for it or choose another RUN" >&2; exit 1; }
+# flock -E: the status when another process holds the lock; any other failure is flock's own (on a filesystem without
+# lock support, e.g. Lustre mounted without -o flock: "No locks available"), said as it is
+lock_status=0; lock_error=$(flock -n -E 75 9 2>&1) || lock_status=$?
+if (( lock_status == 75 )); then
+  echo "another run_stages.sh is running on $RUN (it holds $LOCK); wait for it or choose another RUN" >&2; exit 1
+elif (( lock_status != 0 )); then
+  echo "cannot lock $LOCK (${lock_error:-flock exited with $lock_status}): RUN's filesystem may not support locks (Lustre:" \
+       "mount it with -o flock), or choose a RUN on another filesystem" >&2; exit 1
+fi
 # several nodes: each one's watch process (node 0's serves the nodes' store) beats every second and stops this
 # script (and everything it started) within seconds once another node fails or stops answering; a successful end
 # tells it so (SIGUSR1), and node 0's serves the store until every node has ended
 NODE_ARGS=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --coordinator="$MASTER_ADDR:$MASTER_PORT")
 WATCH=
 if (( NNODES > 1 )); then
-  $PY nodes.py --command=watch "${NODE_ARGS[@]}" --pid=$$ --join_timeout_s="$JOIN_TIMEOUT" --dead_after_s="$DEAD_AFTER" 9>&- &
+  $PY nodes.py --command=watch "${NODE_ARGS[@]}" --pid=$$ --join_timeout_s="$JOIN_TIMEOUT" --dead_after_s="$DEAD_AFTER" \
+      --errors="$LOGS/stderr.log" 9>&- &
   WATCH=$!
+  # from here this script's stderr is copied to a file: its last line is what the other nodes are told when this one
+  # fails (the watch keeps the terminal's stderr: its last words must not wait on the tee it stops with the rest)
+  : > "$LOGS/stderr.log"
+  exec 2> >(exec tee -i -a "$LOGS/stderr.log" >&2 9>&-)
   trap 'st=$?; if (( st == 0 )) && [[ -n "$WATCH" ]]; then kill -USR1 "$WATCH"; wait "$WATCH" || st=$?; fi; exit $st' EXIT
 fi
 # share KEY VALUE: node 0's VALUE on every node (a decision node 0 takes from the filesystem, which another node's
@@ -209,7 +225,13 @@ if (( NODE_RANK == 0 )); then
     $PY -c "import engine, sys; engine.benchmark_sets(sys.argv[1].split(','), sys.argv[2])" "$BENCHMARKS" "$EVAL_DATA_DIR"
   fi
 fi
-if [[ ! -d "$MODEL" ]]; then  # a hub name: download once (on each node), then every phase reads the local copy
+MODEL_IS_DIR=$([[ -d "$MODEL" ]] && echo 1 || echo 0)
+if (( NNODES > 1 )); then     # node 0 says its model and data are there; the others wait for that before they look,
+                              # and take MODEL for a directory when node 0 does (the join says if it is not here)
+  MODEL_IS_DIR=$($PY nodes.py --command=ready "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" \
+                 --value="$MODEL_IS_DIR" 9>&-)
+fi
+if [[ "$MODEL_IS_DIR" == 0 ]]; then  # a hub name: download once (on each node), then every phase reads the local copy
   MODEL=$($PY -c "import common, sys; print(common.local_dir(sys.argv[1]))" "$MODEL")
 fi
 if (( NNODES > 1 )); then     # before any compute: all nodes here, with the same settings, model and data
@@ -224,6 +246,20 @@ if (( NNODES > 1 )); then     # before any compute: all nodes here, with the sam
   $PY nodes.py --command=join "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" --run_dir="$RUN" --model="$MODEL" \
       --data="$TRAIN_DATA$(for b in ${BENCHMARKS//,/ }; do printf ',%s' "$EVAL_DATA_DIR/$b.jsonl"; done)" \
       --settings="$SETTINGS" 9>&-
+  # the trainers' network, now and not in the first update: every rank of every node (torchrun at MASTER_PORT + 1,
+  # optimize.py's backend and devices) all-reduces one number within COLLECTIVE_TIMEOUT; `timeout` bounds a hang
+  if ! timeout -k 10 $((2 * COLLECTIVE_TIMEOUT + 30)) $PY -m torch.distributed.run --nnodes="$NNODES" \
+      --node_rank="$NODE_RANK" --nproc_per_node="$TRAIN_RANKS" --master_addr="$MASTER_ADDR" \
+      --master_port=$((MASTER_PORT + 1)) --rdzv_conf=timeout="$COLLECTIVE_TIMEOUT" nodes.py --command=collective \
+      "${NODE_ARGS[@]}" --collective_timeout_s="$COLLECTIVE_TIMEOUT" > "$LOGS/collective.log" 2>&1 9>&-; then
+    line=$(grep -m1 "process group across" "$LOGS/collective.log" || true)     # a rank's own line, else this one
+    : "${line:=node $NODE_RANK: the trainers' ranks did not all reach each other within $COLLECTIVE_TIMEOUT s (torchrun's
+rendezvous at $MASTER_ADDR:$((MASTER_PORT + 1)), then one all-reduce): likely a blocked port or the wrong interface
+(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)}"
+    echo "${line//$'\n'/ } (whole output: $LOGS/collective.log)" >&2
+    exit 1
+  fi
+  (( NODE_RANK > 0 )) || grep "reached each other" "$LOGS/collective.log" || true
 fi
 $PY -c "import common, sys; rows = common.load_problems(sys.argv[1]); assert rows, sys.argv[1] + ': no problems'" "$TRAIN_DATA" \
   || { echo "TRAIN_DATA=$TRAIN_DATA is not a prepared problem file (see data/prepare.py)" >&2; exit 2; }

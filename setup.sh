@@ -41,9 +41,27 @@ if compgen -G "$venv/.installed-$other-*" >/dev/null; then
        "directory" >&2
   exit 2
 fi
-[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
 stamp="$venv/.installed-$kind-$(sha256sum "$req" | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
+  # one installer at a time: several nodes run setup.sh into one venv on a shared filesystem at once, and pip does not
+  # lock site-packages; the others wait on the lock in the venv, then find the stamp. flock -E: the status when
+  # another holds the lock; any other failure is flock's own (a filesystem without locks), said as it is
+  mkdir -p "$venv"
+  exec 8>"$venv/.setup.lock"
+  lock_status=0; lock_error=$(flock -n -E 75 8 2>&1) || lock_status=$?
+  if (( lock_status == 75 )); then
+    echo "setup.sh: another setup.sh is installing into $venv (it holds $venv/.setup.lock); waiting for it" >&2
+    lock_status=0; lock_error=$(flock 8 2>&1) || lock_status=$?
+  fi
+  if (( lock_status != 0 )); then
+    echo "setup.sh: cannot lock $venv/.setup.lock (${lock_error:-flock exited with $lock_status}): its filesystem" \
+         "may not support locks (Lustre: mount it with -o flock); set MU_GRPO_VENV to a directory on another" \
+         "filesystem" >&2
+    exit 2
+  fi
+fi
+[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+if [[ ! -f "$stamp" ]]; then       # (again: the installer that held the lock may have installed it meanwhile)
   echo "setup.sh: installing $req into $venv (first time only; a few minutes)"
   "$venv/bin/python" -m pip install -q --upgrade pip
   # pip compiles every installed .py to bytecode one file at a time (87 s of the CPU install on 2 cores);

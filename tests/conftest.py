@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,13 +61,28 @@ def kill_when(cmd, condition, timeout=300, cwd=ROOT, env=None):
     raise AssertionError(f"condition not reached within {timeout} s")
 
 
+# the tests' toy task and policy: smaller than data/toy.py's defaults (the preset's), minutes of test time less
+TOY_SIZE = {"max_operand": 8, "sft_steps": 150, "hidden_size": 64, "layers": 2}
+
+
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory):
     """A tiny warm-started toy policy and its train/test sets (built once per test session)."""
     out = tmp_path_factory.mktemp("toy")
-    run_script("data/toy.py", f"--out_dir={out}", "--max_operand=8", "--sft_steps=150", "--hidden_size=64",
-               "--layers=2")
+    run_script("data/toy.py", f"--out_dir={out}", *(f"--{k}={v}" for k, v in TOY_SIZE.items()))
     return out
+
+
+def clone_repository(dest):
+    """The repository as a fresh clone has it: the files git tracks or would track (untracked ones included, as a
+    commit of this tree would have them), none it ignores: no venv, no data built, no runs."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in files:
+        if f and (ROOT / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    return dest
 
 
 def read_lines(path):

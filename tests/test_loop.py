@@ -1,6 +1,7 @@
 """The whole loop (run_stages.sh) on the toy task; evaluate.py and plot.py; data/prepare.py."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, SHARED_DATA, kill_when, needs_vllm, read_lines, run_script
+from conftest import ROOT, SHARED_DATA, TOY_SIZE, clone_repository, kill_when, needs_vllm, read_lines, run_script
 
 
 def loop_env(toy, run_dir):
@@ -171,8 +172,8 @@ def free_port_pair():
     raise AssertionError("no two free ports in a row")
 
 
-def start_node(env, rank):
-    return subprocess.Popen(["bash", "run_stages.sh"], cwd=ROOT, env={**os.environ, **env, "NODE_RANK": str(rank)},
+def start_node(env, rank, cwd=ROOT):
+    return subprocess.Popen(["bash", "run_stages.sh"], cwd=cwd, env={**os.environ, **env, "NODE_RANK": str(rank)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -180,32 +181,61 @@ def two_nodes_env(toy, run_dir):
     return {**loop_env(toy, run_dir), "NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port_pair())}
 
 
+def cold_clone(tmp_path):
+    """A clone with no data built, whose toy builder makes the tests' toy (TOY_SIZE) where the preset's is larger: the
+    policy box_run starts from, built by node 0 itself."""
+    clone = clone_repository(tmp_path / "clone")
+    assert not (clone / "data" / "toy").exists()
+    builder = clone / "data" / "toy.py"
+    text = builder.read_text()
+    for name, value in TOY_SIZE.items():
+        text, n = re.subn(rf"^{name} = \S+", f"{name} = {value}", text, flags=re.M)
+        assert n == 1, name
+    builder.write_text(text)
+    return clone
+
+
 @pytest.mark.slow
 @needs_vllm
-def test_two_localhost_nodes_end_where_one_node_does_and_a_dead_node_stops_the_other(toy, box_run, tmp_path):
-    # two run_stages.sh "nodes" (NNODES=2), one engine and one trainer rank each, against box_run: one node with two
-    # engines and two ranks (the same shards to the same engine indices, the same ranks' minibatches)
-    run_dir = tmp_path / "run"
-    env = two_nodes_env(toy, run_dir)
-    node0, node1 = start_node(env, 0), start_node(env, 1)
+def test_two_localhost_nodes_from_a_cold_start_end_where_one_node_does_and_a_dead_node_stops_the_other(
+        toy, box_run, tmp_path):
+    # two run_stages.sh "nodes" (NNODES=2), one engine and one trainer rank each, started as the README's Slurm line
+    # starts them: from a clone with no data built (node 0 builds the toy task and policy), node 1 first, with the
+    # preset's MODEL and data paths. Before: node 1 took data/toy/model for a hub name and ended, its watch stayed,
+    # and node 0 waited JOIN_TIMEOUT. Against box_run: one node with two engines and two ranks (the same shards to
+    # the same engine indices, the same ranks' minibatches)
+    clone, run_dir = cold_clone(tmp_path), tmp_path / "run"
+    env = {k: v for k, v in two_nodes_env(toy, run_dir).items() if k not in ("MODEL", "TRAIN_DATA", "EVAL_DATA_DIR")}
+    env["JOIN_TIMEOUT"] = "300"
+    node1 = start_node(env, 1, clone)
+    deadline = time.time() + 300             # node 1 waits for node 0, its watch started (it writes stderr.log)
+    while not (run_dir / "logs" / "node1" / "stderr.log").exists() and time.time() < deadline and node1.poll() is None:
+        time.sleep(0.05)
+    assert not (clone / "data" / "toy" / "model").exists()
+    node0 = start_node(env, 0, clone)
     deadline = time.time() + 600             # node 1 dies, all of it, as the trainers start: node 0 then waits for it
     while not (run_dir / ".done" / "generate_0").exists() and time.time() < deadline and node0.poll() is None:
         time.sleep(0.05)
     os.killpg(node1.pid, signal.SIGKILL)
     t0 = time.time()
-    _, err = node0.communicate(timeout=300)
+    out, err = node0.communicate(timeout=300)
     took = time.time() - t0
     node1.communicate(timeout=60)
     assert node0.returncode != 0 and "[node 0] node 1 stopped answering" in err, err[-3000:]
     assert took < 10 + 5 + 15              # DEAD_AFTER, the grace before SIGKILL, a few beats and exits under load
+    assert "2 nodes joined" in out and "2 trainer ranks on 2 nodes reached each other over gloo" in out, out[-3000:]
     assert not (run_dir / ".done" / "optimize_0").exists()
     assert_none_left(run_dir)
-    node0, node1 = start_node(env, 0), start_node(env, 1)   # both rerun: the run resumes
+    from nodes import fingerprint
+    assert fingerprint(clone / "data" / "toy" / "model") == fingerprint(toy / "model")   # box_run's initial policy
+    node1 = start_node(env, 1, clone)        # both rerun, node 1 first again: the run resumes
+    node0 = start_node(env, 0, clone)
     outs = [node0.communicate(timeout=900), node1.communicate(timeout=900)]
     assert [node0.returncode, node1.returncode] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     assert "2 nodes joined" in outs[0][0] and "[generate_0] done already" in outs[1][0]
     text = lambda run, s: "".join(p.read_text() for p in sorted((run / f"stage_{s}" / "rollouts").glob(  # noqa: E731
-        "shard_*.jsonl"))).replace(str(run), "RUN")
+        "shard_*.jsonl"))).replace(str(run), "RUN").replace(str(toy / "model"), "MODEL").replace(
+        '"data/toy/model"', '"MODEL"')
     for s in (0, 1):
         assert text(run_dir, s) == text(box_run, s)
         manifest = json.loads((run_dir / f"stage_{s}" / "rollouts" / "manifest.json").read_text())
@@ -219,6 +249,23 @@ def test_two_localhost_nodes_end_where_one_node_does_and_a_dead_node_stops_the_o
     assert [t["name"] for t in read_lines(run_dir / "timeline.jsonl")] == [
         "eval_init", "generate_0", "optimize_0", "eval_0", "generate_1", "optimize_1", "eval_1"]
     assert (run_dir / "logs" / "node1" / "generate_1.log").exists() and (run_dir / ".done" / "all").exists()
+
+
+@pytest.mark.slow
+def test_a_wrong_interface_stops_every_node_right_after_the_join_in_one_line(toy, tmp_path):
+    # the trainers' network, checked as the nodes join (one all-reduce over the trainers' backend, gloo here), not
+    # first used in optimize_0 after the initial evaluation and stage 0's generation (before: no such line, hours later
+    # on the paper preset, and NCCL's failure there a hang on every node)
+    run_dir = tmp_path / "run"
+    env = {**two_nodes_env(toy, run_dir), "GLOO_SOCKET_IFNAME": "no-such-if0"}
+    node1, node0 = start_node(env, 1), start_node(env, 0)
+    outs = [node0.communicate(timeout=300), node1.communicate(timeout=300)]
+    assert node0.returncode != 0 and node1.returncode != 0
+    assert "2 nodes joined" in outs[0][0]
+    for _, err in outs:
+        assert ("the trainers' gloo process group across 2 nodes (2 ranks) failed" in err and
+                "likely the wrong interface (GLOO_SOCKET_IFNAME=no-such-if0" in err), err[-3000:]
+    assert not (run_dir / ".done" / "eval_init").exists() and not list(run_dir.glob("stage_*"))
 
 
 @pytest.mark.slow
@@ -400,6 +447,27 @@ def test_a_second_run_on_the_same_directory_is_refused(toy, tmp_path):
         proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, **loop_env(toy, run_dir)}, timeout=300)
     assert proc.returncode == 1 and "another run_stages.sh is running" in proc.stderr
+
+
+def lockless_flock(tmp_path):
+    """A `flock` as util-linux's behaves on a filesystem without lock support (Lustre without -o flock, some NFS):
+    flock(2) fails with ENOLCK, it says so and exits EX_OSERR (71) (util-linux flock.c, the default case of its
+    error switch); a PATH with it first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "flock").write_text('#!/bin/sh\nfd=""; for a in "$@"; do fd=$a; done\n'
+                                   'echo "flock: $fd: No locks available" >&2\nexit 71\n')
+    (bin_dir / "flock").chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+@pytest.mark.slow
+def test_a_run_directory_without_lock_support_says_so_not_that_another_run_holds_it(toy, tmp_path):
+    env = {**os.environ, **loop_env(toy, tmp_path / "run"), "PATH": lockless_flock(tmp_path)}
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1 and "another run_stages.sh" not in proc.stderr, proc.stderr
+    assert f"cannot lock {tmp_path / 'run' / '.lock'} (flock: 9: No locks available)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / ".done" / "eval_init").exists()
 
 
 @pytest.mark.slow

@@ -106,10 +106,10 @@ def test_the_fingerprint_is_the_bytes_not_the_path(tmp_path):
     assert nodes.fingerprint(tmp_path / "none") == "missing"
 
 
-def fake_run(rank, where, tail, dead_after_s=2):
+def fake_run(rank, where, tail, dead_after_s=2, errors=""):
     """A stand-in for run_stages.sh on one node: its watch process beside a shell that does `tail`."""
     watch = (f"{sys.executable} nodes.py --command=watch --nnodes=2 --node_rank={rank} --coordinator={where} "
-             f"--dead_after_s={dead_after_s} --join_timeout_s=60 --pid=$$")
+             f"--dead_after_s={dead_after_s} --join_timeout_s=60 --pid=$$ --errors={errors}")
     return subprocess.Popen(["bash", "-c", f"{watch} & w=$!; {tail}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -137,6 +137,96 @@ def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason):
     assert node0.returncode != 0 and reason in err, err
     assert "[node 0]" in err and "rerun run_stages.sh on every node to resume" in err
     assert took < 2 + 5 + 5       # dead_after_s, the grace before SIGKILL, a few beats (killed: no heartbeat for 2 s)
+
+
+def test_a_node_that_ends_before_node_0_is_up_is_reported_with_its_own_error_line(tmp_path):
+    # node 1 starts first and fails at once (as run_stages.sh did on a model path node 0 had not built yet); its watch
+    # is still waiting for node 0's store then. Once node 0 is up, node 1's watch tells it, with node 1's own last
+    # error line, and node 0 stops (before: the watch took its parent after connecting, found it already gone, beat
+    # on for ever, and node 0 waited JOIN_TIMEOUT, then blamed the user for not starting every node)
+    where, errors = f"127.0.0.1:{free_port()}", tmp_path / "stderr.log"
+    error = "node 1: MODEL data/toy/model is not on this node"
+    node1 = fake_run(1, where, f"echo '{error}' | tee {errors} >&2; exit 1", errors=errors)
+    node1.wait(timeout=60)                                    # its shell has ended; its watch waits for node 0
+    node0 = fake_run(0, where, "sleep 600 & wait")
+    try:
+        _, err = node0.communicate(timeout=60)
+    finally:
+        for run in (node0, node1):
+            try:
+                os.killpg(run.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert node0.returncode != 0, err
+    assert f"[node 0] node 1 failed: its run_stages.sh ended with an error: {error}: stopping" in err, err
+
+
+def test_other_nodes_wait_for_node_0_to_say_the_model_and_data_are_ready():
+    where = f"127.0.0.1:{free_port()}"
+    store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)     # node 0's watch process serves it in a run
+    ready = lambda rank, timeout_s, value: subprocess.Popen(  # noqa: E731
+        [sys.executable, "nodes.py", "--command=ready", "--nnodes=2", f"--node_rank={rank}", f"--coordinator={where}",
+         f"--join_timeout_s={timeout_s}", f"--value={value}"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    node1 = ready(1, 2, 0)                    # node 0 never says so: node 1 gives up after join_timeout_s, in one line
+    _, err = node1.communicate(timeout=60)
+    ours = [line for line in err.splitlines() if not line.startswith("[W")]    # not torch's socket warnings
+    assert node1.returncode == 1 and len(ours) == 1 and ours[0].startswith(
+        "node 1: node 0 did not say within 2 s that the model and data are ready"), err
+    node1 = ready(1, 60, 0)                   # MODEL is no directory here (node 0 has not built it yet)
+    time.sleep(2)
+    assert node1.poll() is None               # waiting for node 0, however long it takes to build or fetch them
+    node0 = ready(0, 60, 1)                   # node 0 has built it: MODEL is a directory, not a hub name
+    outs = [p.communicate(timeout=60) for p in (node0, node1)]
+    assert [node0.returncode, node1.returncode] == [0, 0], outs
+    assert outs[0][0] == outs[1][0] == "1\n"
+    del store
+
+
+def collective(rank, port, more_env=None, timeout_s=20):
+    """One trainer rank of the check run_stages.sh runs right after the join (under torchrun there), here a process
+    with torchrun's variables: world 2, one rank per "node"."""
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(more_env or {})}
+    return subprocess.Popen([sys.executable, "nodes.py", "--command=collective", "--nnodes=2", f"--node_rank={rank}",
+                             f"--collective_timeout_s={timeout_s}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_the_trainers_network_is_checked_in_seconds_with_one_line_naming_the_likely_cause():
+    port = free_port()
+    ranks = [collective(r, port) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert "2 trainer ranks on 2 nodes reached each other over gloo" in outs[0][0]
+
+    # a wrong interface: gloo finds no address on it, every rank says so at once
+    port = free_port()
+    ranks = [collective(r, port, {"GLOO_SOCKET_IFNAME": "no-such-if0"}) for r in (0, 1)]
+    for rank, (out, err) in zip((0, 1), [p.communicate(timeout=120) for p in ranks]):
+        assert len(err.strip().splitlines()) == 1, err
+        assert err.startswith(f"node {rank} rank {rank}: the trainers' gloo process group across 2 nodes (2 ranks) "
+                              f"failed after"), err
+        assert "likely the wrong interface (GLOO_SOCKET_IFNAME=no-such-if0" in err and "or a blocked port" in err
+
+    # the other node's rank never arrives (a port blocked between the nodes): rank 0 gives up after the timeout
+    rank0 = collective(0, free_port(), timeout_s=3)
+    _, err = rank0.communicate(timeout=120)
+    assert rank0.returncode == 1 and "node 0 rank 0: the trainers' gloo process group" in err, err
+
+
+def test_the_process_group_is_bound_to_the_ranks_device(monkeypatch):
+    # torch's barrier() takes the device passed to init_process_group; without one, global rank mod local GPU count
+    # (torch/distributed/distributed_c10d.py barrier): cuda:2 for global rank 2 on a second node whose ranks use
+    # cuda:0 and cuda:1. GPU-only in effect; here the call optimize.py makes through model.start_process_group
+    import torch
+    import model as M
+    calls = []
+    monkeypatch.setattr(M.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(M, "barrier", lambda: None)
+    M.start_process_group(torch.device("cuda", 1))
+    M.start_process_group(torch.device("cpu"))
+    assert [(backend, kw["device_id"]) for backend, kw in calls] == [("nccl", torch.device("cuda", 1)), ("gloo", None)]
 
 
 def test_a_frozen_node_0_stops_the_others_though_its_connection_stays_open():
@@ -212,6 +302,8 @@ def test_the_slurm_launcher_starts_run_stages_on_every_node_with_its_rank(tmp_pa
     out = subprocess.run(["bash", "slurm/run_stages.sbatch"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
+    # the box's GPUs per node (it asked for 8 on a 4-GPU box: Slurm refuses such a job)
+    assert "\n#SBATCH --gpus-per-node=4\n" in (ROOT / "slurm" / "run_stages.sbatch").read_text()
     port = 20000 + 123456 % 12000
     assert f"node 0 at gpu07:{port}" in out.stdout
     assert "--nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c NODE_RANK=$SLURM_NODEID exec bash " \

@@ -60,3 +60,58 @@ def test_a_cpu_setup_refuses_a_gpu_environment_in_one_line(tmp_path):
     assert proc.stderr.startswith("setup.sh: .venv holds the gpu requirements, not the cpu ones") and "rm -rf .venv" in proc.stderr
     assert not calls.exists()
     assert (clone / ".venv" / REQUIREMENTS_GPU_STAMP).exists()
+
+
+def probe_wheel(directory):
+    """A one-module wheel, written by hand (no build tools, no index): what the small requirements file installs."""
+    import zipfile
+    directory.mkdir()
+    files = {"mu_grpo_probe/__init__.py": "ANSWER = 42\n",
+             "mu_grpo_probe-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: mu-grpo-probe\nVersion: 1.0\n",
+             "mu_grpo_probe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\n"
+                                                  "Tag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + "mu_grpo_probe-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(directory / "mu_grpo_probe-1.0-py3-none-any.whl", "w") as wheel:
+        for name, text in {**files, "mu_grpo_probe-1.0.dist-info/RECORD": record}.items():
+            wheel.writestr(name, text)
+
+
+@pytest.mark.slow
+def test_two_installers_at_once_into_one_empty_venv_make_one_working_environment(tmp_path):
+    # several nodes start run_stages.sh, and so setup.sh, into one .venv on a shared filesystem at once: one installs,
+    # the other waits for its stamp (before: both ran `python -m venv` and pip into the same site-packages)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy2(ROOT / "setup.sh", repo / "setup.sh")
+    (repo / "requirements-cpu.txt").write_text("mu-grpo-probe==1.0\n")
+    probe_wheel(tmp_path / "wheels")
+    env = {**without_test_venv(), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "wheels"),
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    installers = [subprocess.Popen(["bash", "setup.sh", "cpu"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in installers]
+    assert [p.returncode for p in installers] == [0, 0], outs
+    said = "".join(out + err for out, err in outs)
+    assert said.count("setup.sh: installing requirements-cpu.txt into .venv") == 1, said
+    assert "another setup.sh is installing into .venv" in said, said
+    stamps = [p.name for p in (repo / ".venv").glob(".installed-*")]
+    assert len(stamps) == 1 and stamps[0].startswith(".installed-cpu-")
+    python = repo / ".venv" / "bin" / "python"
+    check = subprocess.run([python, "-c", "import mu_grpo_probe; print(mu_grpo_probe.ANSWER)"], capture_output=True,
+                           text=True, env=env)
+    assert check.stdout.strip() == "42", check.stderr
+    assert subprocess.run([python, "-m", "pip", "check"], capture_output=True, env=env).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_venv_without_lock_support_says_so(tmp_path):
+    from test_loop import lockless_flock
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy2(ROOT / "setup.sh", repo / "setup.sh")
+    (repo / "requirements-cpu.txt").write_text("mu-grpo-probe==1.0\n")
+    proc = subprocess.run(["bash", "setup.sh", "cpu"], cwd=repo, capture_output=True, text=True, timeout=60,
+                          env={**without_test_venv(), "PATH": lockless_flock(tmp_path)})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("setup.sh: cannot lock .venv/.setup.lock (flock: 8: No locks available)")
+    assert not (repo / ".venv" / "bin").exists()
