@@ -39,14 +39,21 @@ DRIFT_FIRST=${DRIFT_FIRST:-64}  # "drift" in MUS: stages that end on drift (STAG
                                 # next planned from where each ended, up to TOTAL_UPDATES; evaluated after every stage
 COSTS=${COSTS:-0,2,20,180}      # per-stage switching costs (seconds) the points are re-costed at
 POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024" (default: all)
-ESTIMATE=${ESTIMATE:-$([[ $PRESET == paper ]] && echo true || echo false)}  # first run the preflight alone and print
-                                # every point's estimated hours from its throughputs (the paper preset: days)
+ESTIMATE=${ESTIMATE:-$([[ $PRESET == paper ]] && echo true || echo false)}  # print every point's estimated hours
+                                # from the (first LOSS's) preflight's throughputs before the runs (the paper preset: days)
+PREFLIGHT=${PREFLIGHT:-auto}    # run_stages.sh's preflight (auto: the paper preset | 1 | 0 | force), run here once per
+                                # box shape and LOSS before any run (ESTIMATE runs it too), on one run's share of the
+                                # GPUs at the settings of the LOSS's first resident point (else its first): every path
+                                # it checks is the box's and the loss's, not the point's. The runs do not run it again
+GPUS=${GPUS:-}                  # the box's GPUs (default: all torch sees); JOBS > 1 splits them evenly between the runs
+                                # at once (each its CUDA_VISIBLE_DEVICES) or is refused when it cannot
 JOBS=${JOBS:-$([[ $PRESET == lab* ]] && awk -v c="$(nproc)" '/MemAvailable/ { m = int($2 / 3145728); print (m < c ? (m > 1 ? m : 1) : c) }' /proc/meminfo || echo 1)}
                                 # runs at once, each pinned to its own JOBS-th of the cores (taskset; torch's and
                                 # vLLM's OpenMP threads as many). The lab: a core per run (a run's processes keep
                                 # about one busy; a run takes 1.15-1.19x its time alone on 2 cores, measured) and at
                                 # most one per 3 GiB available (a run peaks at about 2.5 GiB); every run has the
-                                # same share, so their times compare. Elsewhere 1: a run has the whole machine
+                                # same share, so their times compare. Elsewhere 1: a run has the whole machine. On
+                                # a GPU box each run also gets GPUS / JOBS of the GPUs (gpu_slices in bench/frontier.py)
 # ------------------------------------------------------------------------------
 
 export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}
@@ -64,6 +71,18 @@ for x in $SEEDS $BUILDS $JOBS; do
   [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS and JOBS must be whole numbers, got '$x'" >&2; exit 2; }
 done
 (( JOBS >= 1 )) || { echo "JOBS must be at least 1, got $JOBS" >&2; exit 2; }
+[[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
+[[ "$PREFLIGHT" == auto ]] && PREFLIGHT=$([[ $PRESET == paper ]] && echo 1 || echo 0)
+: "${GPUS:=$($PY -c "import common; print(common.gpu_count())")}"
+[[ "$GPUS" =~ ^[0-9]+$ ]] || { echo "GPUS must be a whole number, got '$GPUS'" >&2; exit 2; }
+SLICES=() GPU_ENV=()            # JOBS runs at once on a GPU box: each on its own GPUS / JOBS of them. They share no
+# port: torchrun --standalone rendezvouses on a free one (torch/distributed/run.py:990, rdzv_endpoint "localhost:0")
+# and vLLM's engines take free ones (vllm/utils/network_utils.py:192, get_open_port, unless VLLM_PORT is set)
+if (( JOBS > 1 && GPUS > 0 )); then
+  split=$($PY bench/frontier.py --jobs="$JOBS" --gpus="$GPUS") || exit 2
+  SLICES=($split)
+  GPU_ENV=(CUDA_VISIBLE_DEVICES="${SLICES[0]}" GPUS=$(( GPUS / JOBS )))   # the preflight's: one run's share
+fi
 [[ $PRESET == lab* || "$BUILDS" == 0 ]] || { echo "BUILDS: only the lab tasks have builds; use BUILDS=0" >&2; exit 2; }
 
 # the points: label:μ, label = the LOSS preset, with -d<δ> for a preset whose flags use NAV δ
@@ -85,13 +104,44 @@ T0=$(date +%s)
 echo "frontier $OUT on $PRESET: ${#SELECTED[@]} point(s) [${SELECTED[*]}] × builds [$BUILDS] × seeds [$SEEDS]," \
      "$TOTAL_UPDATES updates each, evaluated every $EVAL_UPDATES; resident up to μ = $RESIDENT_MAX_MU; baseline $BASELINE"
 
-if [[ "$ESTIMATE" == true ]]; then     # the preflight at the first point's settings, then the estimate table
-  first=${SELECTED[0]}; label=${first%:*}; mu=${first##*:}; [[ "$mu" == drift ]] && mu=$DRIFT_FIRST
-  env PRESET="$PRESET" LOSS="${label%-d*}" RUN="$OUT/preflight" STAGES=1 UPDATES="$mu" PREFLIGHT=1 PREFLIGHT_ONLY=true \
-      bash run_stages.sh > "$OUT/preflight.log" 2>&1 9>&- \
-    || { echo "the preflight failed; see $OUT/preflight.log:" >&2; tail -20 "$OUT/preflight.log" >&2; exit 1; }
-  $PY bench/frontier.py --estimate_from="$OUT/preflight/preflight.json" --estimate_points="${SELECTED[*]}" \
-      --total_updates="$TOTAL_UPDATES" --preflight_updates="$mu" --costs="$COSTS" 9>&- | tee "$OUT/estimate.md"
+resident_point() {              # resident_point <label:μ>: whether the point runs resident (RESIDENT_MAX_MU)
+  local mu=${1##*:}; [[ "$mu" == drift ]] && mu=$DRIFT_FIRST
+  (( mu <= RESIDENT_MAX_MU ))
+}
+point_env() {                   # point_env <label:μ>: POINT_ENV, the run_stages.sh settings of the point's runs
+  local label=${1%:*} mu=${1##*:}
+  POINT_ENV=(LOSS="${label%-d*}" NAV_DELTA="$([[ "$label" == *-d* ]] && echo "${label##*-d}" || echo 1e-4)"
+             RESIDENT=$(resident_point "$1" && echo true || echo false))
+  if [[ "$mu" == drift ]]; then
+    POINT_ENV+=(STAGE_END=drift UPDATES="$DRIFT_FIRST" TOTAL_UPDATES="$TOTAL_UPDATES" DRIFT_MAX_UPDATES="$TOTAL_UPDATES"
+                EVAL_EVERY=1)
+  else
+    POINT_ENV+=(STAGE_END=fixed STAGES=$((TOTAL_UPDATES / mu)) UPDATES="$mu"
+                EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 )))
+  fi
+}
+
+if [[ "$PREFLIGHT" != 0 || "$ESTIMATE" == true ]]; then   # one preflight per box shape and LOSS, before any run
+  declare -A CHECKED=()
+  for point in "${SELECTED[@]}"; do       # per LOSS: its first resident point (the hand-off checked too), else its first
+    label=${point%:*}; loss=${label%-d*}
+    [[ -z "${CHECKED[$loss]:-}" ]] || continue
+    for p in "${SELECTED[@]}"; do
+      l=${p%:*}; [[ "${l%-d*}" == "$loss" ]] && resident_point "$p" && { point=$p; break; }
+    done
+    CHECKED[$loss]=$point
+    run=$OUT/preflight$( (( ${#CHECKED[@]} == 1 )) || echo "-$loss")
+    point_env "$point"
+    echo "preflight for $loss on $([[ ${#GPU_ENV[@]} -gt 0 ]] && echo "GPUs ${SLICES[0]}" || echo "this box") at $point's settings: $run"
+    env "${GPU_ENV[@]}" "${POINT_ENV[@]}" PRESET="$PRESET" RUN="$run" PREFLIGHT_ONLY=true \
+        PREFLIGHT=$([[ "$PREFLIGHT" == force ]] && echo force || echo 1) bash run_stages.sh > "$run.log" 2>&1 9>&- \
+      || { echo "the preflight failed; see $run.log:" >&2; tail -20 "$run.log" >&2; exit 1; }
+    if [[ "$ESTIMATE" == true ]] && (( ${#CHECKED[@]} == 1 )); then
+      mu=${point##*:}; [[ "$mu" == drift ]] && mu=$DRIFT_FIRST
+      $PY bench/frontier.py --estimate_from="$run/preflight.json" --estimate_points="${SELECTED[*]}" \
+          --total_updates="$TOTAL_UPDATES" --preflight_updates="$mu" --costs="$COSTS" 9>&- | tee "$OUT/estimate.md"
+    fi
+  done
 fi
 
 declare -A LAB_DIR=()           # each build's task: built once, by its builder with --seed=<build>, before any run
@@ -105,46 +155,40 @@ done
 RUNS=()                         # "build seed label:μ", in the order they are taken
 for build in $BUILDS; do for seed in $SEEDS; do for point in "${SELECTED[@]}"; do RUNS+=("$build $seed $point"); done; done; done
 
-run_point() {                   # run_point <index in RUNS> <cores to pin it to, "" for none>
+run_point() {                   # run_point <index in RUNS> <cores to pin it to, "" for none> <its GPUs, "" for all>
   local build seed point; read -r build seed point <<< "${RUNS[$1]}"
-  local label=${point%:*} mu=${point##*:} loss=${point%:*} cores=$2 BUILD_ENV=() STAGE_ENV=() PIN=()
-  local delta=$([[ "$label" == *-d* ]] && echo "${label##*-d}" || echo 1e-4) run=$OUT/build$build/seed$seed/$label-mu$mu
-  loss=${loss%-d*}
+  local label=${point%:*} mu=${point##*:} cores=$2 BUILD_ENV=() PIN=() GPU=()
+  local run=$OUT/build$build/seed$seed/$label-mu$mu
   mkdir -p "$(dirname "$run")"
-  echo "[$(( $1 + 1 ))/${#RUNS[@]}] $run ($(( ($(date +%s) - T0) / 60 )) min${cores:+, cores $cores})"
+  echo "[$(( $1 + 1 ))/${#RUNS[@]}] $run ($(( ($(date +%s) - T0) / 60 )) min${cores:+, cores $cores}${3:+, GPUs $3})"
   [[ -z "${LAB_DIR[$build]:-}" ]] \
     || BUILD_ENV=(MODEL="${LAB_DIR[$build]}/model" TRAIN_DATA="${LAB_DIR[$build]}/train.jsonl" EVAL_DATA_DIR="${LAB_DIR[$build]}")
-  if [[ "$mu" == drift ]]; then
-    STAGE_ENV=(STAGE_END=drift UPDATES="$DRIFT_FIRST" TOTAL_UPDATES="$TOTAL_UPDATES" DRIFT_MAX_UPDATES="$TOTAL_UPDATES"
-               EVAL_EVERY=1 RESIDENT=$( (( DRIFT_FIRST <= RESIDENT_MAX_MU )) && echo true || echo false))
-  else
-    STAGE_ENV=(STAGE_END=fixed STAGES=$((TOTAL_UPDATES / mu)) UPDATES="$mu"
-               EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 ))
-               RESIDENT=$( (( mu <= RESIDENT_MAX_MU )) && echo true || echo false))
-  fi
+  point_env "$point"
   [[ -z "$cores" ]] || PIN=(taskset -c "$cores" env OMP_NUM_THREADS=$(( $(tr -cd , <<< "$cores" | wc -c) + 1 ))
                             VLLM_CPU_OMP_THREADS_BIND="$cores")   # (tests/conftest.py pins its workers the same way)
-  "${PIN[@]}" env "${BUILD_ENV[@]}" "${STAGE_ENV[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} \
-      PRESET="$PRESET" LOSS="$loss" NAV_DELTA="$delta" SEED="$seed" RUN="$run" \
+  [[ -z "$3" ]] || GPU=(CUDA_VISIBLE_DEVICES="$3" GPUS=$(( GPUS / JOBS )))
+  "${PIN[@]}" env "${BUILD_ENV[@]}" "${POINT_ENV[@]}" "${GPU[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} \
+      ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} PRESET="$PRESET" SEED="$seed" RUN="$run" PREFLIGHT=0 \
       bash run_stages.sh > "$run.log" 2>&1 9>&- \
     || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; return 1; }
 }
 
 if (( JOBS == 1 )); then
-  for i in "${!RUNS[@]}"; do run_point "$i" "" || exit 1; done
+  for i in "${!RUNS[@]}"; do run_point "$i" "" "" || exit 1; done
 else                            # JOBS workers, each on its own cores, each taking the next run no worker has taken
   echo 0 > "$OUT/.next"
   worker() {
     local i
     while i=$(flock "$OUT/.next" bash -c 'i=$(<"$1"); echo $((i + 1)) > "$1"; echo "$i"' _ "$OUT/.next") \
           && (( i < ${#RUNS[@]} )); do
-      run_point "$i" "$1" || return 1
+      run_point "$i" "$1" "$2" || return 1
     done
   }
   CORES=($($PY -c "import os; print(*sorted(os.sched_getaffinity(0)))" 9>&-))   # the cores this may run on
   per=$(( ${#CORES[@]} / JOBS )) WORKERS=()
   for (( k = 0; k < JOBS; k++ )); do   # a worker's cores: its JOBS-th of them (with more JOBS than cores, one shared)
-    worker "$( (( per > 0 )) && { IFS=,; echo "${CORES[*]:k*per:per}"; } || echo "${CORES[k % ${#CORES[@]}]}")" 9>&- &
+    worker "$( (( per > 0 )) && { IFS=,; echo "${CORES[*]:k*per:per}"; } || echo "${CORES[k % ${#CORES[@]}]}")" \
+           "${SLICES[k]:-}" 9>&- &
     WORKERS+=($!)
   done
   # a background job here ignores Ctrl-C (bash, without job control): stopping frontier.sh stops every worker's runs

@@ -11,9 +11,10 @@ trainer from its own fp32 state, two one-update runs with and without gradient c
 evaluation, and with --resident=true two stages handed over between the resident engine and trainer
 processes. Each check prints PASS / FAIL / SKIPPED (INFO: printed, not gated) with its measured number and
 threshold; preflight.json keeps them and is written whatever happens (a check that raises is that check's
-FAIL). A pass is cached for the same model, code (every source file), GPU count and preflight settings. The
-miniature's weights (a train state of 12 bytes per parameter, four policies) are deleted at the end; its logs
-and rollouts stay.
+FAIL). A pass is cached for the same model, code (every source file and the requirements files), installed
+libraries, flash-attn (installed or not), GPU count and model, and preflight settings; any other attempt starts
+from an empty work directory (its rollouts and logs are its own). The miniature's weights (a train state of 12
+bytes per parameter, four policies) are deleted at the end; its logs and rollouts stay until the next attempt.
 Exit status 1 after a FAIL (0 with --force=true).
 """
 import contextlib
@@ -44,7 +45,17 @@ engines = 0                     # vLLM engines, one process each (0: one per GPU
 train_ranks = 0                 # optimize.py's torchrun ranks (0: one per GPU; 1 on a CPU): the run's TRAIN_RANKS
 run_dir = ""                    # the run directory whose free disk is checked against what the run keeps (empty:
                                 # this report's directory)
-stages = 4                      # the run's stages, for that disk estimate
+# the run's shape, for that disk estimate (run_stages.sh passes them): what the run keeps follows from these
+stages = 4                      # STAGES (STAGE_END=drift: the stages come from the plan, stage_plan)
+stage_updates = 1024            # UPDATES: μ of every stage (STAGE_END=drift: of the first)
+stage_end = "fixed"             # STAGE_END: fixed | drift
+total_updates = 0               # TOTAL_UPDATES, drift: the run's updates (0: stages × stage_updates)
+drift_max_updates = 0           # DRIFT_MAX_UPDATES (0: 4 × stage_updates, run_stages.sh's default)
+drift_min_updates = 16          # μ_min, no stage ends on drift before it (optimize.py's default; run_stages.sh passes
+                                # DRIFT_ARGS's --drift_min_updates)
+save_every = 1                  # SAVE_EVERY, resident: a policy and train state kept every N stages and the last (0:
+                                # the last only); processes per phase keep a policy every stage
+keep_train_states = False       # KEEP_TRAIN_STATES: every stage's train state kept (else the newest only)
 prompts = 32                    # prompts in the miniature stage (× group_size responses)
 group_size = 8
 updates = 3                     # updates of the miniature optimize run
@@ -332,21 +343,67 @@ def resident_checks(results, run_dir):
           "> 1" if on_gpu else "no GPU", "GiB")
 
 
+def stage_plan(first, total, max_updates, min_updates, growth=2.0):
+    """The μ of every stage of a run with STAGE_END=drift whose stages each train `growth` times the updates of the
+    stage before (rollouts.planned_updates: twice μ after a stage without a drift warning), at least μ_min, at most
+    max_updates and the updates left, until `total` updates."""
+    plan = [min(first, total)]
+    while sum(plan) < total:
+        plan.append(min(max(min_updates, math.ceil(growth * plan[-1])), max_updates, total - sum(plan)))
+    return plan
+
+
+def kept_bytes(plan, response_bytes, responses_per_update, policy_bytes, state_bytes):
+    """(bytes, how many policies, how many train states) a run of these stages (their μ) keeps at its peak: every
+    stage's rollouts; a policy per stage, or in resident mode one per save_every stages and the last; the train
+    states kept (every saved one with keep_train_states, else the newest) and one more, the newest being written
+    beside them (model.save_state: train_state.tmp, then renamed over)."""
+    last = len(plan) - 1
+    saves = len(plan) if not resident else \
+        sum(s == last or bool(save_every and (s + 1) % save_every == 0) for s in range(len(plan)))
+    states = (saves if keep_train_states else 1) + 1
+    rollout = sum(plan) * responses_per_update * response_bytes
+    return rollout + saves * policy_bytes + states * state_bytes, saves, states
+
+
 def disk_check(results, rows, model):
-    """The run directory's free space against what the run keeps: every stage's rollouts (the miniature's bytes per
-    response, JSONL and columns, × the run's responses per stage), every stage's policy, and two train states
-    (the newest is written beside the current before it replaces it)."""
+    """The run directory's free space against what the run keeps (kept_bytes), from its settings: the miniature's
+    bytes per response (JSONL and columns) × the run's responses, its stages' policies and train states. A drift
+    run is gated on the fewest stages it can have (none ends on drift: each twice the last) and the most (every one
+    ends at μ_min, the first included: 1 + (total − min(first, μ_min)) / μ_min stages, whose rollouts are at most the
+    first's, μ_min per later stage and twice the updates trained, since a stage plans at most max(μ_min, 2 × the
+    updates of the one before)) is printed for information."""
+    import handoff
     import model as M
     stage_dir = work / "stage_0" / "rollouts"
-    rollout_bytes = sum(f.stat().st_size for f in stage_dir.rglob("*") if f.is_file()) / max(1, len(rows))
+    response_bytes = sum(f.stat().st_size for f in stage_dir.rglob("*") if f.is_file()) / max(1, len(rows))
     n = M.parameter_count(model)
-    keeps = stages * (estimate_stage_prompts * group_size * rollout_bytes + n * M.checkpoint_dtype(model).itemsize) \
-        + 2 * 12 * n
+    policy_bytes, state_bytes = n * M.checkpoint_dtype(model).itemsize, 12 * n
     where = Path(run_dir) if run_dir else report_path.parent
     where.mkdir(parents=True, exist_ok=True)
+    # resident: the two handed-over policies go to the run's disk when /dev/shm has no room for them
+    handed = 2 * policy_bytes if resident and \
+        handoff.fast_dir(where, policy_bytes)[0] == handoff.state_dir(where) / "policies" else 0
+    responses_per_update = estimate_stage_prompts / stage_updates * group_size
+    total = total_updates or stages * stage_updates
+    plan = [stage_updates] * stages if stage_end == "fixed" else \
+        stage_plan(stage_updates, total, drift_max_updates or 4 * stage_updates, drift_min_updates)
+    keeps, policies, states = kept_bytes(plan, response_bytes, responses_per_update, policy_bytes, state_bytes)
     free = shutil.disk_usage(where).free
-    check(results, f"disk: free space in {where} for {stages} stages' rollouts and policies and 2 train states",
-          free >= keeps, round(free / 1e9, 1), f">= {keeps / 1e9:.1f}", "GB")
+    what = f"{len(plan)} stages' rollouts ({sum(plan)} updates), {policies} policies and {states} train states" + \
+        (" and the 2 handed-over policies" if handed else "")
+    fewest = " (drift: the fewest stages, none ended on drift)" if stage_end == "drift" else ""
+    check(results, f"disk: free space in {where} for {what}{fewest}", free >= keeps + handed, round(free / 1e9, 1),
+          f">= {(keeps + handed) / 1e9:.1f}", "GB")
+    if stage_end == "drift":
+        step = max(1, min(drift_min_updates, drift_max_updates or 4 * stage_updates))
+        most_stages = 1 + math.ceil(max(0, total - min(plan[0], drift_min_updates)) / step)
+        most_updates = min(plan[0] + (most_stages - 1) * drift_min_updates + 2 * total,
+                           plan[0] + (most_stages - 1) * (drift_max_updates or 4 * stage_updates))
+        most = kept_bytes([most_updates] + [0] * (most_stages - 1), response_bytes, responses_per_update,
+                          policy_bytes, state_bytes)[0]
+        check(results, f"disk: what a drift run keeps at most, every stage ended at μ_min={drift_min_updates} "
+              f"({most_stages} stages; for information)", "info", round((most + handed) / 1e9, 1), "—", "GB")
 
 
 def grader_throughput(rows):
@@ -358,17 +415,40 @@ def grader_throughput(rows):
 
 
 def code_version(root=ROOT):
-    """A hash of every source file at the repository's top level (scripts, modules, losses.sh) and in data/: a pass
-    is reused only for the code that earned it."""
+    """A hash of every source file at the repository's top level (scripts, modules, losses.sh), in data/, and of the
+    requirements files: a pass is reused only for the code, and what it installs, that earned it."""
     h = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("*.sh"), *root.glob("data/*.py")]):
+    sources = [*root.glob("*.py"), *root.glob("*.sh"), *root.glob("data/*.py"), *root.glob("requirements*.txt")]
+    for path in sorted(sources):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 
 
+def libraries_version():
+    """A hash of Python's version and every installed distribution's name and version (torch, vLLM, transformers,
+    the CUDA wheels, ...): the kernels a pass was measured with."""
+    import importlib.metadata
+    import platform
+    installed = sorted({f"{d.metadata['Name']}=={d.version}".lower() for d in importlib.metadata.distributions()})
+    return hashlib.sha256("\n".join([platform.python_version(), *installed]).encode()).hexdigest()[:16]
+
+
+def gpu_names():
+    """The model of each GPU the run uses (torch's names, CUDA_VISIBLE_DEVICES honoured); [] on a CPU."""
+    if not on_gpu:
+        return []
+    import torch
+    return [torch.cuda.get_device_name(i) for i in range(n_gpus)]
+
+
 def cache_key(model):
-    """What a cached pass was earned for: the model's weights, the code, the GPU count and every preflight setting."""
-    return {"model": common.policy_fingerprint(model), "code": code_version(), "gpus": n_gpus, "settings": settings}
+    """What a cached pass was earned for: the model's weights, the code and requirements files, the installed
+    libraries, whether flash-attn is installed (model.choose_attention then packs attention with its kernel, which
+    the packing check exists for), the GPUs' count and model, and every preflight setting."""
+    import importlib.util
+    return {"model": common.policy_fingerprint(model), "code": code_version(), "libraries": libraries_version(),
+            "flash_attn": importlib.util.find_spec("flash_attn") is not None, "gpus": n_gpus, "gpu_names": gpu_names(),
+            "settings": settings}
 
 
 def clean_up():
@@ -480,14 +560,16 @@ def main():
     if report_path.exists():
         old = json.loads(report_path.read_text())
         if old.get("key") == key and old.get("passed"):
-            print(f"preflight: passed before for this model, code, GPU count and settings ({report_path}); skipping")
+            print(f"preflight: passed before for this model, code, libraries, GPUs and settings ({report_path}); "
+                  f"skipping")
             return
     print(f"preflight on {n_gpus} GPU(s) ({'bf16' if on_gpu else 'CPU, fp32'}), {n_engines} engine(s), {n_ranks} "
           f"trainer rank(s): {prompts} prompts × G={group_size}, {updates} updates, micro-batches of "
           f"{micro_batch_tokens} tokens, optimize flags [{optimize_args}]; model {model}; work dir {work}")
-    for d in ("stage_0/policy", "stage_0/train_state", "stage_0/metrics.jsonl", "stage_1", "ckpt_on", "ckpt_off", "eval"):
-        p = work / d
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    # an attempt's rollouts, logs and figures are its own: a rerun after a FAIL (MAX_RESPONSE raised, another model,
+    # temperature or vLLM) would otherwise find stage 0 complete (generate.py keeps a stage with a manifest) and
+    # check the last attempt's responses again
+    shutil.rmtree(work, ignore_errors=True)
     results, figures = [], {}
     try:
         miniature(results, figures, model)

@@ -314,6 +314,9 @@ if [[ "$PREFLIGHT" != 0 ]] && (( NODE_RANK == 0 )); then
       --optimize_args="--gradient_checkpointing=$GRAD_CKPT $LOSS_ARGS ${KL_ARGS[*]}" \
       --temperature="$TEMPERATURE" --group_size="$GROUP_SIZE" --force=$([[ $PREFLIGHT == force ]] && echo true || echo false) \
       --estimate_stage_prompts="$PROMPTS_PER_STAGE" --resident="$RESIDENT" --resident_gpu_memory="$RESIDENT_GPU_MEMORY" \
+      --stage_updates="$UPDATES" --stage_end="$STAGE_END" --total_updates="$TOTAL_UPDATES" \
+      --drift_max_updates="$DRIFT_MAX_UPDATES" --save_every="$SAVE_EVERY" --keep_train_states="$KEEP_TRAIN_STATES" \
+      $(grep -o -- '--drift_min_updates=[0-9]*' <<< "$DRIFT_ARGS" | tail -1) \
       "${TEMPLATE_ARG[@]}" $PREFLIGHT_ARGS 9>&-
 fi
 if [[ "$PREFLIGHT_ONLY" == true ]]; then

@@ -126,3 +126,62 @@ def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_sw
     assert hours[4] == {0.0: 6.0, 180.0: pytest.approx(6.0 + 51.2)}
     assert hours[1024] == {0.0: 6.0, 180.0: pytest.approx(6.2)}
     assert hours["drift"] == {0.0: None, 180.0: None}
+
+
+STUB_RUN_STAGES = """#!/usr/bin/env bash
+# records what frontier.sh asked of it; a preflight writes the report the estimate reads
+echo "LOSS=$LOSS UPDATES=$UPDATES STAGES=${STAGES:-} RESIDENT=${RESIDENT:-} PREFLIGHT=${PREFLIGHT:-}" \\
+     "PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-} GPUS=${GPUS:-} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} RUN=$RUN" >> "$RECORD"
+if [[ "${PREFLIGHT_ONLY:-}" == true ]]; then
+  mkdir -p "$RUN"
+  echo '{"passed": true, "figures": {"estimated_hours_per_stage": {"generate": 1, "optimize": 1, "grade": 1}}}' \\
+    > "$RUN/preflight.json"
+fi
+"""
+
+
+def stubbed_frontier(tmp_path, **env):
+    """frontier.sh in a copy of the tree whose run_stages.sh only records its settings (and setup.sh does nothing):
+    what frontier.sh asks of each run and preflight, in seconds."""
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "rollouts.py", "bench/frontier.py"):
+        (tree / name).write_bytes((ROOT / name).read_bytes())
+    (tree / "setup.sh").write_text("exit 0\n")
+    (tree / "run_stages.sh").write_text(STUB_RUN_STAGES)
+    record = tmp_path / "record"
+    record.touch()
+    proc = subprocess.run(["bash", "frontier.sh"], cwd=tree, capture_output=True, text=True, timeout=300, env={
+        **os.environ, "MU_GRPO_VENV": str(Path(sys.executable).parents[1]), "RECORD": str(record), "PRESET": "paper",
+        "OUT": str(tmp_path / "out"), "MUS": "4 1024", "LOSSES": "grpo mu-grpo", "NAV_DELTAS": "1e-4", "SEEDS": "0",
+        **env})
+    rows = [dict(kv.split("=", 1) for kv in line.split()) for line in record.read_text().splitlines()]
+    return proc, [r for r in rows if r["PREFLIGHT_ONLY"] == "true"], [r for r in rows if r["PREFLIGHT_ONLY"] != "true"]
+
+
+def test_the_paper_frontier_runs_one_preflight_per_box_shape_and_splits_the_gpus_between_jobs(tmp_path):
+    proc, preflights, runs = stubbed_frontier(tmp_path, GPUS="4", JOBS="2")
+    assert "no finished run" in proc.stderr, proc.stderr[-2000:]               # it went on to the table
+    # one preflight per LOSS on a worker's share of the box (2 of the 4 GPUs), at the settings of the loss's first
+    # resident point (GRPO μ = 4: 1024 stages, resident), before any run; the runs do not run it again
+    assert sorted((p["LOSS"], p["GPUS"], p["CUDA_VISIBLE_DEVICES"], p["UPDATES"], p["STAGES"], p["RESIDENT"])
+                  for p in preflights) == [("grpo", "2", "0,1", "4", "1024", "true"),
+                                           ("mu-grpo", "2", "0,1", "4", "1024", "true")]
+    assert len(runs) == 4 and all(r["PREFLIGHT"] == "0" and r["GPUS"] == "2" for r in runs)
+    assert {r["CUDA_VISIBLE_DEVICES"] for r in runs} <= {"0,1", "2,3"}
+    proc, preflights, runs = stubbed_frontier(tmp_path / "three", GPUS="4", JOBS="3")
+    assert proc.returncode == 2 and not preflights and not runs
+    assert len(proc.stderr.strip().splitlines()) == 1 and "JOBS=3" in proc.stderr
+
+
+def test_the_gpus_are_split_evenly_between_jobs_or_refused(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["frontier.py"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.modules.pop("frontier", None)
+    import frontier
+    assert frontier.gpu_slices(4, 2, None) == ["0,1", "2,3"]
+    assert frontier.gpu_slices(4, 4, "GPU-a,GPU-b,GPU-c,GPU-d") == ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+    assert frontier.gpu_slices(2, 1, "3,5") == ["3,5"]
+    for gpus, jobs in ((4, 3), (2, 4)):
+        with pytest.raises(SystemExit, match=f"JOBS={jobs}"):
+            frontier.gpu_slices(gpus, jobs, None)

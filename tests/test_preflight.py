@@ -190,10 +190,13 @@ def test_a_failed_phase_stops_the_run_and_names_its_log(toy, passed, tmp_path):
     # a phase that cannot run (an unknown optimize.py setting) is a failed check: table, exit 1, the log named.
     # Other optimize flags than the passing run's: its cached pass does not apply
     out = tmp_path / "preflight.json"
-    shutil.copytree(passed[0].with_suffix(""), out.with_suffix(""))      # its stage-0 rollouts are reused
+    shutil.copytree(passed[0].with_suffix(""), out.with_suffix(""))      # the last attempt's files: not reused
     shutil.copy(passed[0], out)
+    (out.with_suffix("") / "stage_0" / "rollouts" / "the_last_attempts").touch()
     proc = preflight(toy, out, "--optimize_args=--no_such_setting=1", *BOX, check=False)
     assert proc.returncode == 1 and "the run will not start" in proc.stdout and "passed before" not in proc.stdout
+    assert not (out.with_suffix("") / "stage_0" / "rollouts" / "the_last_attempts").exists()
+    assert "nothing to do" not in (out.with_suffix("") / "logs" / "generate_0.log").read_text()   # generated anew
     report = json.loads(out.read_text())
     status = {r["check"].split(":")[0]: r["status"] for r in report["checks"]}
     assert status["optimize_0"] == "FAIL" and status["stop tokens"] == "PASS"
@@ -288,9 +291,9 @@ def test_the_cached_pass_is_keyed_on_every_setting_and_every_source_file(monkeyp
         assert key(setting) != base, setting
     assert key("--force=true") == base                      # whether to go on after a FAIL is not what passed
     import preflight as P
-    for name in ("engine.py", "handoff.py", "losses.sh", "data/toy.py"):
+    for name in ("engine.py", "handoff.py", "losses.sh", "data/toy.py", "requirements.txt", "requirements-cpu.txt"):
         copy = tmp_path / name.replace("/", "_")
-        for f in [*P.ROOT.glob("*.py"), *P.ROOT.glob("*.sh"), *P.ROOT.glob("data/*.py")]:
+        for f in [*P.ROOT.glob("*.py"), *P.ROOT.glob("*.sh"), *P.ROOT.glob("data/*.py"), *P.ROOT.glob("requirements*.txt")]:
             (copy / f.relative_to(P.ROOT)).parent.mkdir(parents=True, exist_ok=True)
             (copy / f.relative_to(P.ROOT)).write_bytes(f.read_bytes())
         assert P.code_version(copy) == P.code_version(P.ROOT)
@@ -326,3 +329,115 @@ def test_the_disk_row_fails_when_the_run_cannot_keep_its_stages(check_functions,
         results = []
         check_functions.disk_check(results, [{}] * 4, toy / "model")
         assert results[0]["status"] == status and results[0]["threshold"] == f">= {need / 1e9:.1f}"
+
+
+def disk_need(check_functions, toy, tmp_path, monkeypatch, shm=True, **settings):
+    """The GB the disk row asks for at these settings (1000 B per response, a policy of 10⁸ fp32 parameters, /dev/shm
+    with room for the hand-off or not); the rows it wrote with room enough."""
+    import collections
+    import shutil as sh
+
+    import model as M
+    monkeypatch.setattr(check_functions, "work", tmp_path / "work")
+    (tmp_path / "work" / "stage_0" / "rollouts").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "work" / "stage_0" / "rollouts" / "shard_00000.jsonl").write_bytes(b"x" * 4000)   # 1000 B/response
+    monkeypatch.setattr(check_functions, "run_dir", str(tmp_path / "run"))
+    monkeypatch.setattr(M, "parameter_count", lambda model: 10**8)
+    import handoff
+    monkeypatch.setattr(handoff, "fast_dir", lambda run, policy_bytes: (
+        handoff.shm_root() / "x" if shm else handoff.state_dir(run) / "policies", "room for two" if shm else "no room"))
+    for k, v in settings.items():
+        monkeypatch.setattr(check_functions, k, v)
+    usage = collections.namedtuple("usage", "total used free")
+    rows = {}
+    for free in (0, 10**15):
+        monkeypatch.setattr(sh, "disk_usage", lambda path, free=free: usage(10**16, 10**16 - free, free))
+        rows[free] = []
+        check_functions.disk_check(rows[free], [{}] * 4, toy / "model")
+    assert rows[0][0]["status"] == "FAIL" and rows[10**15][0]["status"] == "PASS"
+    return float(rows[0][0]["threshold"].split()[-1]), rows[10**15]
+
+
+def test_the_disk_row_counts_what_the_run_keeps_from_its_settings(check_functions, toy, tmp_path, monkeypatch):
+    # in GB: a response 1e-6, a policy 0.4 (10⁸ parameters in fp32, the toy's dtype), a train state 1.2 (12 bytes each)
+    need = lambda **s: disk_need(check_functions, toy, tmp_path, monkeypatch, **s)[0]   # noqa: E731
+    base = dict(group_size=2, resident=False, keep_train_states=False, stage_end="fixed", save_every=1)
+    # GRPO μ = 4 resident on the paper frontier: 1024 stages of 4 updates × 1000 prompts × G=2, a policy (and train
+    # state) saved every SAVE_EVERY = 64 stages (the last is one of them): 16 policies, not 1024; two train states
+    # (the newest written beside the one it replaces)
+    mu4 = dict(**base, stages=1024, stage_updates=4, estimate_stage_prompts=4000)
+    assert need(**{**mu4, "resident": True, "save_every": 64}) == pytest.approx(8.192 + 16 * 0.4 + 2 * 1.2, abs=0.051)
+    assert need(**{**mu4, "resident": True, "save_every": 0}) == pytest.approx(8.192 + 0.4 + 2 * 1.2, abs=0.051)
+    # no room in /dev/shm: the two handed-over policies go to the run's disk
+    assert need(**{**mu4, "resident": True, "save_every": 64, "shm": False}) == \
+        pytest.approx(8.192 + 18 * 0.4 + 2 * 1.2, abs=0.051)
+    # processes per phase keep every stage's policy
+    assert need(**mu4) == pytest.approx(8.192 + 1024 * 0.4 + 2 * 1.2, abs=0.051)
+    # KEEP_TRAIN_STATES=true: every stage's train state, and the newest written beside them
+    assert need(**{**mu4, "stages": 8, "keep_train_states": True}) == \
+        pytest.approx(0.064 + 8 * 0.4 + 9 * 1.2, abs=0.051)
+    # STAGE_END=drift, TOTAL_UPDATES=4096 from a first stage of 64 (the preset's STAGES=4 says nothing): without a drift
+    # warning the stages double, 64, 128, ..., 2048, then the 64 left: 7 stages, every update's rollouts
+    drift = dict(**{**base, "stage_end": "drift"}, stages=4, stage_updates=64, estimate_stage_prompts=64000,
+                 total_updates=4096, drift_max_updates=4096, drift_min_updates=16)
+    assert need(**drift) == pytest.approx(8.192 + 7 * 0.4 + 2 * 1.2, abs=0.051)
+    # and at most (every stage ended on drift at μ_min = 16, the first too): 1 + (4096 − 16) / 16 = 256 stages, whose
+    # rollouts are at most the first's 64 updates, μ_min per later stage and twice the updates trained
+    # (rollouts.planned_updates: 64 + 255 · 16 + 2 · 4096 = 12336 updates)
+    _, rows = disk_need(check_functions, toy, tmp_path, monkeypatch, **drift)
+    assert rows[1]["status"] == "INFO" and "drift" in rows[1]["check"]
+    assert rows[1]["value"] == pytest.approx(12336 * 2e-3 + 256 * 0.4 + 2 * 1.2, abs=0.051)
+
+
+def test_a_new_attempt_starts_from_nothing_of_the_last_one(check_functions, tmp_path, monkeypatch):
+    # a FAIL's rerun with other settings (MAX_RESPONSE raised, another model, temperature, vLLM version): generate.py
+    # finds stage 0 complete (its manifest) and keeps it unless the attempt starts without it; a log of a phase
+    # this attempt does not reach is not this attempt's either
+    P = check_functions
+    out = tmp_path / "preflight.json"
+    monkeypatch.setattr(P, "report_path", out)
+    monkeypatch.setattr(P, "work", out.with_suffix(""))
+    (P.work / "stage_0" / "rollouts").mkdir(parents=True)
+    (P.work / "stage_0" / "rollouts" / "manifest.json").write_text("{}")
+    (P.work / "logs").mkdir()
+    (P.work / "logs" / "evaluate.log").write_text("the last attempt's")
+    out.write_text(json.dumps({"passed": False, "key": {"the last attempt's": 1}}))
+    left = []
+    monkeypatch.setattr(P, "miniature", lambda results, figures, model: left.extend(P.work.rglob("*")))
+    monkeypatch.setattr(P, "cache_key", lambda model: {"this attempt's": 1})
+    monkeypatch.setattr(P.common, "local_dir", lambda name: name)
+    monkeypatch.setattr(P.common, "check_lengths", lambda *args: None, raising=False)   # no model here
+    P.main()
+    assert left == [] and json.loads(out.read_text())["key"] == {"this attempt's": 1}
+
+
+def test_the_cached_pass_is_keyed_on_the_libraries_requirements_flash_attn_and_gpu_model(monkeypatch):
+    import importlib.metadata
+    import importlib.util
+
+    import torch
+
+    def key(*argv):
+        monkeypatch.setattr(sys, "argv", ["preflight.py", *argv])
+        sys.modules.pop("preflight", None)
+        import preflight as P
+        monkeypatch.setattr(P.common, "policy_fingerprint", lambda model: "fp")
+        return P.cache_key("model")
+    base = key("--gpus=0")
+    installed = list(importlib.metadata.distributions())
+    with monkeypatch.context() as m:             # one library at another version
+        other = next(d for d in installed if d.metadata["Name"].lower() == "transformers")
+
+        class Older:
+            metadata, version = other.metadata, "0.0.1"
+        m.setattr(importlib.metadata, "distributions", lambda: [d for d in installed if d is not other] + [Older()])
+        assert key("--gpus=0") != base
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as m:             # flash-attn installed (model.choose_attention's packed kernel)
+        m.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a))
+        assert key("--gpus=0") != base
+    with monkeypatch.context() as m:             # one GPU of another model
+        m.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+        h200 = key("--gpus=1")
+        m.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+        assert key("--gpus=1") != h200
