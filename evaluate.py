@@ -76,7 +76,8 @@ def sample_and_grade(policies, ev, rank, n):
     is built once; the next policy's weights are loaded into it in place (engine.load_policy)."""
     reward.start_graders(grader_workers)  # their start-up runs beside the engine's
     llm = engine.make_llm(policies[0], seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
-                          tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization)
+                          tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
+                          run_dir=Path(results).parent if results else None)   # the run's one compile cache
     parts = []
     for i, path in enumerate(policies):
         if i:
@@ -87,6 +88,8 @@ def sample_and_grade(policies, ev, rank, n):
 
 def main():
     policies = [p.strip() for p in policy.split(",") if p.strip()]
+    for path in policies:               # one line, not vLLM's traceback at the engine's start
+        common.check_lengths(path, max_prompt_tokens, max_response_tokens)
     configs = {p: json.loads((Path(p) / "config.json").read_text()) for p in policies if Path(p).is_dir()}
     shapes = {json.dumps({k: c.get(k) for k in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers")})
               for c in configs.values()}

@@ -52,6 +52,15 @@ max_response_tokens = 2560
 prompt_template = common.DEFAULT_PROMPT_TEMPLATE   # {problem} is replaced; the chat template follows
 chat_template = True            # wrap in the tokenizer's chat template when it has one
 seed = 0                        # prompt order and sampling seeds
+per_request_seed = True         # each prompt's own sampling seed (common.sample_seed): a response is the same
+                                # whichever engine, shard or resumed attempt generates it. False: the engine's seed
+                                # alone (responses then depend on the batch: a resumed or re-sharded stage differs,
+                                # and the stage's plan records it). Kept on until a GPU measures its cost: vLLM's V1
+                                # sampler draws seeded rows one at a time (vllm/v1/sample/ops/topk_topp_sampler.py
+                                # random_sample); its V2 runner, 0.32's default on a GPU, reads every row's seed in one
+                                # kernel (vllm/v1/worker/gpu/sample/gumbel.py), where a seed only rules out FlashInfer's
+                                # top-k/top-p sampler (gpu/sample/sampler.py), which these rollouts (top_p=1, processed
+                                # log-probs) never use
 shard_prompts = 1024            # prompts per shard: the unit of resume
 normalize_std = True            # advantages (r − mean) / std; False: Dr. GRPO (r − mean)
 gpus = -1                       # GPUs to use (-1: all of CUDA_VISIBLE_DEVICES; 0: CPU)
@@ -125,7 +134,8 @@ def plan_of(s, label, prompts):
             "temperature": temperature, "top_p": top_p, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
             "max_response_tokens": max_response_tokens, "prompt_template": prompt_template,
             "chat_template": chat_template, "seed": seed, "shard_prompts": shard_prompts, "shards": shard_count(prompts),
-            "normalize_std": normalize_std, "format_bonus": format_bonus}
+            "normalize_std": normalize_std, "format_bonus": format_bonus,
+            **({} if per_request_seed else {"per_request_seed": False})}   # the default is absent: older plans match
 
 
 def stage_shards(s, problems, prompts):
@@ -194,7 +204,7 @@ def shard_requests(tokenizer, s, rows, positions):
     params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
                              max_tokens=max_response_tokens, logprobs=0, flat_logprobs=True,
                              stop_token_ids=stops, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-                             seed=common.sample_seed(seed, s, pos))
+                             seed=common.sample_seed(seed, s, pos) if per_request_seed else None)
               for pos, _, _ in kept]
     return kept, params, skipped
 
@@ -380,7 +390,8 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     manifest = {
         "complete": True, "stage": s, "policy": label, "policy_id": policy_id or common.policy_fingerprint(label),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                     "max_tokens": max_response_tokens, "seed": seed, "logprobs_mode": "processed_logprobs"},
+                     "max_tokens": max_response_tokens, "seed": seed, "per_request_seed": per_request_seed,
+                     "logprobs_mode": "processed_logprobs"},
         "plan": plan, "shards": [rollouts.shard_path(rollouts_dir(s), st["shard"]).name for st in stats],
         "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
         "mean_reward": total("reward_sum") / max(1, responses),
@@ -584,6 +595,7 @@ def resident_engine(problems, procs=()):
 
 
 def main():
+    common.check_lengths(policy, max_prompt_tokens, max_response_tokens)     # one line, not vLLM's traceback
     if not resident and not is_main:
         return engine_worker()
     problems = common.load_problems(data)

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -97,20 +98,44 @@ def max_engine_share(parameters, ranks, gpu_bytes, reference_model=False):
     return math.floor(100 * (1 - trainer / gpu_bytes)) / 100, trainer
 
 
+# RESIDENT_GPU_MEMORY=auto: the bound less this share of the GPU (~7 GiB of an H200's 139.8 GiB, an estimate: no GPU
+# has run resident mode), for what the bound does not count: the trainer's allocator blocks beyond
+# TRAINER_OVERHEAD_GIB, NCCL buffers grown under load, other processes on the GPU
+ENGINE_SHARE_MARGIN = 0.05
+
+
+def auto_engine_share(bound):
+    """RESIDENT_GPU_MEMORY=auto's share: the bound less ENGINE_SHARE_MARGIN, in hundredths (7B on 4×H200: 0.83 →
+    0.78, with KL's reference model 0.78 → 0.73)."""
+    return round(bound - ENGINE_SHARE_MARGIN, 2)
+
+
 def check_engine_share(model, ranks, share, kl_coef):
-    """run_stages.sh, RESIDENT=true on GPUs, before any phase: refuse RESIDENT_GPU_MEMORY above max_engine_share
-    in one line."""
+    """run_stages.sh, RESIDENT=true on GPUs, before any phase: RESIDENT_GPU_MEMORY resolved (auto: auto_engine_share
+    of the bound, said on stderr) and returned; a share above max_engine_share, or no share left, is refused in one
+    line."""
     import torch
 
     import model as M
-    parameters, ranks, share = M.parameter_count(model), int(ranks), float(share)
+    parameters, ranks = M.parameter_count(model), int(ranks)
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory
     bound, trainer = max_engine_share(parameters, ranks, gpu_bytes, reference_model=float(kl_coef) > 0)
+    keeps = (f"the resident trainer keeps ~{trainer / 2**30:.1f} GiB on each GPU ({parameters / 1e9:.2f} B parameters "
+             f"over {ranks} rank(s)) of its {gpu_bytes / 2**30:.1f} GiB")
+    if share == "auto":
+        share = auto_engine_share(bound)
+        if share <= 0:
+            raise SystemExit(f"RESIDENT_GPU_MEMORY=auto: no share of the GPU is left for an engine: {keeps}, an engine "
+                             f"may take at most {bound:g} less a margin of {ENGINE_SHARE_MARGIN:g}; use more "
+                             f"TRAIN_RANKS, or RESIDENT=false")
+        print(f"RESIDENT_GPU_MEMORY=auto: {share:g} of each GPU per engine ({keeps}, so at most {bound:g}, less a "
+              f"margin of {ENGINE_SHARE_MARGIN:g}; estimates, not measured on a GPU)", file=sys.stderr)
+        return share
+    share = float(share)
     if share > bound:
-        raise SystemExit(f"RESIDENT_GPU_MEMORY={share:g} is too much: the resident trainer keeps ~{trainer / 2**30:.1f} "
-                         f"GiB on each GPU ({parameters / 1e9:.2f} B parameters over {ranks} rank(s)) of its "
-                         f"{gpu_bytes / 2**30:.1f} GiB, so an engine may take at most {bound:g}; set "
-                         f"RESIDENT_GPU_MEMORY={bound:g} or less")
+        raise SystemExit(f"RESIDENT_GPU_MEMORY={share:g} is too much: {keeps}, so an engine may take at most "
+                         f"{bound:g}; set RESIDENT_GPU_MEMORY={bound:g} or less")
+    return share
 
 
 def _start_time(pid):

@@ -752,6 +752,17 @@ def check_vocabulary(stage, start_policy):
                          f"rollouts made with another tokenizer?")
 
 
+def check_lengths(stage, start_policy):
+    """Refuse in one line rollouts longer than the policy holds (common.model_max_len, as vLLM derives it): they
+    were made with another model or longer length flags, and the trainer would run past its positions silently."""
+    limit, key = common.model_max_len(start_policy)
+    longest = int((stage.prompt_len + stage.response_len).max(initial=0))
+    if limit is not None and longest > limit:
+        raise SystemExit(f"{stage.directory}: a prompt and response of {longest} tokens, more than the policy "
+                         f"{start_policy} holds ({key} = {limit}): rollouts made with another model, or with "
+                         f"--max_prompt_tokens + --max_response_tokens above its limit?")
+
+
 def build_trainer(start_policy, attention, weights):
     """The policy as the trainer holds it and its AdamW."""
     model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
@@ -791,6 +802,7 @@ def main():
     stage = open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
     check_vocabulary(stage, start_policy)
+    check_lengths(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
         + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
@@ -862,10 +874,12 @@ def resident_main():
         partner.announce()
     last, meta = M.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
-    if meta is not None and meta["complete"] and common.policy_record(run_stage_dir(last) / "policy"):
+    # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
+    resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / "policy")
+    if meta is not None and meta["complete"] and not resave:
         publish(partner, last, run_stage_dir(last) / "policy")   # the engine resumes from it
-    if stage_updates(first):              # the engine's first rollouts: it is asleep before this process takes memory
-        partner.wait_for_rollouts(first)
+    if stage_updates(first) and not resave:   # the engine's first rollouts: it is asleep before this process takes
+        partner.wait_for_rollouts(first)      # memory (to resave, no: the engine waits for that policy, holding none)
     t_start = time.time()
     start_policy = common.local_dir(policy)
     trainer = build_resident(start_policy, weights=meta is None)
@@ -875,9 +889,13 @@ def resident_main():
         start_policy=start_policy)
     if said:
         log(said)
-    if meta is not None and meta["complete"] and partner.trained(last) is None:   # killed before its policy was saved
+    if resave:
         M.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / "policy",
                       {"stage": last, "stage_updates": meta["update"], **{k: meta[k] for k in M.COUNTS}})
+        # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
+        # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
+        # as every stage's hand-over does (release_gradients)
+        M.release_memory()
         publish(partner, last, run_stage_dir(last) / "policy")
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
@@ -922,6 +940,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     t0 = time.time()
     stage = open_stage(run_stage_dir(s))
     check_vocabulary(stage, trainer.start_policy)
+    check_lengths(stage, trainer.start_policy)
     record_settings(progress, stage, trainer.start_policy, trainer.reference, trainer.attention, resident=True)
     saves = progress.save_state or check_all
     check_disk(stage, trainer.start_policy, progress, passes=(trainer.ref_model is not None) + (tis_cap is not None),

@@ -556,6 +556,7 @@ def throughput(results, figures, model, metrics, manifest, rows, saved):
 
 def main():
     model = common.local_dir(policy)        # a hub name: the same local snapshot every phase reads
+    common.check_lengths(model, max_prompt_tokens, max_response_tokens)       # one line, not vLLM's traceback
     key = cache_key(model)
     if report_path.exists():
         old = json.loads(report_path.read_text())

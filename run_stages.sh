@@ -25,6 +25,9 @@ RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and w
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
 SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
+PER_REQUEST_SEED=${PER_REQUEST_SEED:-true}  # true: each rollout prompt samples from its own seed, so a response is
+                                # the same whichever engine, shard or resumed attempt makes it; false: the engines'
+                                # seed alone (faster on vLLM's V1 GPU sampler, unmeasured; generate.py per_request_seed)
 PREFLIGHT=${PREFLIGHT:-auto}    # preflight.py first, at the run's settings (cached once passed): auto (the paper
                                 # preset only) | 1 (any preset) | 0 (never) | force (and start after a FAIL)
 PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more preflight.py flags, e.g. its miniature's size: "--prompts=8 --updates=2"
@@ -34,8 +37,10 @@ RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, t
                                 # process start, model load and engine start per stage
 SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy and train state into stage_<s>/ every N stages and at the end
                                 # (default EVAL_EVERY; 0: at the end only)
-RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-0.5}  # resident, GPU: each engine's share of its GPU (the trainer keeps
-                                # its weights, gradients and AdamW there while the engine is awake)
+RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-auto}  # resident, GPU: each engine's share of its GPU (the trainer keeps
+                                # its fp32 weights and AdamW there while the engine is awake); auto: the largest share
+                                # that leaves the trainer its memory less a margin of 0.05 (handoff.py
+                                # check_engine_share: 0.78 for 7B on 4×H200, estimate); on a CPU it is unused
 NNODES=${NNODES:-1}             # nodes running this script together, each with the same settings and RUN, MODEL and
                                 # the data on a filesystem they all see: generate.py and evaluate.py use every node's
                                 # engines, optimize.py runs under torchrun across them, node 0 keeps the run-level files
@@ -143,8 +148,8 @@ for v in LR TEMPERATURE EVAL_TEMPERATURE EVAL_TOP_P KL_COEF; do
 done
 : "${SAVE_EVERY:=$EVAL_EVERY}"
 [[ "$SAVE_EVERY" =~ ^[0-9]+$ ]] || { echo "SAVE_EVERY must be a whole number, got '$SAVE_EVERY'" >&2; exit 2; }
-[[ "$RESIDENT_GPU_MEMORY" =~ ^0?\.[0-9]+$|^1(\.0*)?$ ]] || { echo "RESIDENT_GPU_MEMORY must be a fraction in (0, 1], got '$RESIDENT_GPU_MEMORY'" >&2; exit 2; }
-for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT PREFLIGHT_ONLY HSDP; do
+[[ "$RESIDENT_GPU_MEMORY" =~ ^0?\.[0-9]+$|^1(\.0*)?$|^auto$ ]] || { echo "RESIDENT_GPU_MEMORY must be auto or a fraction in (0, 1], got '$RESIDENT_GPU_MEMORY'" >&2; exit 2; }
+for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT PREFLIGHT_ONLY HSDP PER_REQUEST_SEED; do
   [[ "${!v}" == true || "${!v}" == false ]] || { echo "$v must be true or false, got '${!v}'" >&2; exit 2; }
 done
 [[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
@@ -240,7 +245,7 @@ if (( NNODES > 1 )); then     # before any compute: all nodes here, with the sam
            GROUP_SIZE LR MAX_PROMPT MAX_RESPONSE TEMPERATURE EVAL_K EVAL_TEMPERATURE EVAL_TOP_P EVAL_EVERY SAVE_EVERY \
            GPUS ENGINES TRAIN_RANKS SHARD_PROMPTS MICRO_BATCH_TOKENS GRAD_CKPT WARMUP SEED TEMPLATE STAGE_END \
            TOTAL_UPDATES DRIFT_GROWTH DRIFT_MAX_UPDATES DRIFT_ARGS RESET_OPTIMIZER KL_COEF KEEP_TRAIN_STATES PREFLIGHT \
-           NNODES MASTER_PORT HSDP; do
+           NNODES MASTER_PORT HSDP PER_REQUEST_SEED; do
     SETTINGS+="$v=${!v}"$'\n'
   done
   $PY nodes.py --command=join "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" --run_dir="$RUN" --model="$MODEL" \
@@ -264,8 +269,10 @@ fi
 $PY -c "import common, sys; rows = common.load_problems(sys.argv[1]); assert rows, sys.argv[1] + ': no problems'" "$TRAIN_DATA" \
   || { echo "TRAIN_DATA=$TRAIN_DATA is not a prepared problem file (see data/prepare.py)" >&2; exit 2; }
 if [[ "$RESIDENT" == true ]] && (( GPUS > 0 )); then   # the engines' share must leave the resident trainer its memory
-  $PY -c "import handoff, sys; handoff.check_engine_share(*sys.argv[1:])" "$MODEL" "$TRAIN_RANKS" "$RESIDENT_GPU_MEMORY" \
-      "$KL_COEF" || exit 2
+  RESIDENT_GPU_MEMORY=$($PY -c "import handoff, sys; print(handoff.check_engine_share(*sys.argv[1:]))" "$MODEL" \
+      "$TRAIN_RANKS" "$RESIDENT_GPU_MEMORY" "$KL_COEF") || exit 2
+elif [[ "$RESIDENT_GPU_MEMORY" == auto ]]; then
+  RESIDENT_GPU_MEMORY=0.1      # a CPU engine's own (engine.make_llm): there the share is unused
 fi
 (( NODE_RANK > 0 )) || [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
 START=$(share start "$( (( NODE_RANK > 0 )) || cat "$RUN/.done/start")")
@@ -337,7 +344,8 @@ elif (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalon
 else TRAIN=($PY); fi
 GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE
                --temperature=$TEMPERATURE --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE
-               --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" "${TEMPLATE_ARG[@]}"
+               --shard_prompts=$SHARD_PROMPTS --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED"
+               --per_request_seed="$PER_REQUEST_SEED" "${TEMPLATE_ARG[@]}"
                "${NODE_ARGS[@]}")
 OPTIMIZE_ARGS=(--updates_per_stage=$UPDATES --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR
                --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP

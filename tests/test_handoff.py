@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import common
 import handoff
 
 
@@ -129,3 +130,70 @@ def test_a_share_above_the_bound_is_refused_in_one_line(tmp_path, monkeypatch):
     assert "\n" not in message and message.startswith("RESIDENT_GPU_MEMORY=0.9 is too much")
     assert "~23.3 GiB on each GPU (7.62 B parameters over 4 rank(s)) of its 139.8 GiB" in message
     assert message.endswith("set RESIDENT_GPU_MEMORY=0.83 or less")
+
+
+def test_the_default_share_is_the_bound_less_a_stated_margin(monkeypatch, capsys):
+    # RESIDENT_GPU_MEMORY=auto (the default; was a fixed 0.5, half the KV cache the bound allows for 7B on 4×H200):
+    # 0.83 − 0.05 = 0.78, with KL's reference model 0.78 − 0.05 = 0.73; one rank of an H100 has none left
+    import types
+
+    import torch
+
+    import model as M
+    assert handoff.ENGINE_SHARE_MARGIN == 0.05
+    assert handoff.auto_engine_share(0.83) == 0.78 and handoff.auto_engine_share(0.78) == 0.73
+    monkeypatch.setattr(M, "parameter_count", lambda path: 7_620_000_000)
+    gpu = types.SimpleNamespace(total_memory=139.8 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpu)
+    assert handoff.check_engine_share("model", "4", "auto", "0") == 0.78
+    said = capsys.readouterr().err
+    assert said.startswith("RESIDENT_GPU_MEMORY=auto: 0.78 of each GPU per engine") and "estimates" in said
+    assert handoff.check_engine_share("model", "4", "auto", "0.04") == 0.73
+    assert handoff.check_engine_share("model", "4", "0.8", "0") == 0.8       # a number is kept, within the bound
+    gpu.total_memory = 79.2 * 2**30
+    with pytest.raises(SystemExit, match=r"^RESIDENT_GPU_MEMORY=auto: no share of the GPU is left for an engine: .*"
+                                         r"use more TRAIN_RANKS, or RESIDENT=false$"):
+        handoff.check_engine_share("model", "1", "auto", "0")
+
+
+@pytest.mark.slow
+def test_a_resumed_trainer_saving_its_policy_again_releases_memory_first_and_waits_for_nothing(toy, tmp_path):
+    # killed after stage 0's complete train state and before its policy reached the run directory, the resumed trainer
+    # saves that policy again from its state and hands it over. Before: it first waited for stage 1's rollouts, which
+    # the engine makes only from that policy (a deadlock: the engine holds no GPU memory while it waits for its first
+    # policy), and it then handed the policy over while holding the cache of its load and save, which a GPU engine
+    # starting beside it counts as used (vllm/v1/worker/utils.py request_memory). Now: load, save, release
+    # (model.release_memory: gc and torch.cuda.empty_cache, as after every stage), then hand over.
+    from conftest import ROOT, kill_when
+    from test_optimize import FAST, PROBLEMS, write_stage
+    run, events = tmp_path / "run", tmp_path / "events.txt"
+    write_stage(run / "stage_0", toy / "model", PROBLEMS)
+    (tmp_path / "shm").mkdir()
+    env = {"MU_GRPO_SHM": str(tmp_path / "shm")}
+
+    def trainer(stages):
+        args = ["optimize.py", "--resident=true", f"--run_dir={run}", f"--stages={stages}", f"--policy={toy / 'model'}",
+                "--updates_per_stage=1", *FAST]
+        return [sys.executable, "-c",
+                "import runpy, sys, handoff, model as M\n"
+                f"def event(what): open({str(events)!r}, 'a').write(what + '\\n')\n"
+                "release, publish = M.release_memory, handoff.Partner.publish_policy\n"
+                "M.release_memory = lambda: (event('released'), release())[1]\n"
+                "handoff.Partner.publish_policy = lambda self, s, *a, **k: (event(f'published {s}'), "
+                "publish(self, s, *a, **k))[1]\n"
+                f"sys.argv = {args!r}\nrunpy.run_path('optimize.py', run_name='__main__')\n"]
+
+    handoff.reset(run)
+    handoff.Partner(run, "engine").announce()             # this test is the engine process: alive, never generating
+    proc = subprocess.run(trainer(1), cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "stage_0" / "train_state").is_dir() and (run / "stage_0" / "policy").is_dir()
+    __import__("shutil").rmtree(run / "stage_0" / "policy")   # as a kill between the train state and the policy
+    handoff.reset(run)                                        # run_stages.sh, before a rerun's two processes
+    handoff.Partner(run, "engine").announce()
+    events.unlink()
+    # the rerun of a 2-stage run: it hands stage 0's policy over, then waits for stage 1's rollouts (ended here)
+    assert kill_when(trainer(2), lambda: (run / "resident" / "trained_0.json").exists(), timeout=600, env=env)
+    said = events.read_text().split()
+    assert said[-2:] == ["published", "0"] and said[-3] == "released", said
+    assert common.policy_record(run / "stage_0" / "policy")["stage"] == 0
