@@ -276,6 +276,37 @@ def policy_record(policy_dir):
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def engine_dtype():
+    """The dtype the vLLM engines hold weights in (engine.make_llm): bfloat16 on a GPU, float32 on a CPU (the CPU
+    build's kernels). The trainer records its policies' weight hashes in it, so an engine's can be compared."""
+    return "bfloat16" if gpu_count() > 0 else "float32"
+
+
+_MIX_1, _MIX_2 = 0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64     # splitmix64's odd constants, as int64
+_HASH_CHUNK = 1 << 23                      # elements per step: ~128 MiB of int64 temporaries, on a GPU beside vLLM
+
+
+def tensor_hash(tensor):
+    """A fingerprint of a tensor's values that depends neither on their order nor on how they are split between
+    tensors: Σ mix(bits(x)) mod 2^64 over its elements, mix a splitmix64-like scramble with mix(0) = 0. So vLLM's
+    fused qkv_proj hashes to the sum of q_, k_ and v_proj's hashes, a tensor-parallel shard's hashes add up to the
+    whole tensor's, and vLLM's zero rows of vocabulary padding (vocab_parallel_embedding.py `weight_loader`,
+    fill_(0)) change nothing; a single element changed changes it. Integer arithmetic on the tensor's device,
+    exact on every device (int64 products and sums wrap mod 2^64): no tolerance. Returns an int in [0, 2^64)."""
+    import torch
+    width = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}[tensor.dtype]
+    flat = tensor.detach().contiguous().view(-1).view(torch.int32 if width == 32 else torch.int16)
+    total = 0
+    for start in range(0, flat.numel(), _HASH_CHUNK):
+        x = flat[start:start + _HASH_CHUNK].to(torch.int64).bitwise_and_((1 << width) - 1)  # the bits, unsigned
+        x.mul_(_MIX_1)
+        x.bitwise_xor_(x >> 29)
+        x.mul_(_MIX_2)
+        x.bitwise_xor_(x >> 32)
+        total += int(x.sum())
+    return total % 2**64
+
+
 def content_fingerprint(directory):
     """sha256 (16 hex digits) of the names and bytes of a directory's files (policy_id.json aside)."""
     h = hashlib.sha256()

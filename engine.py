@@ -178,7 +178,8 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
                tensor_parallel_size=tensor_parallel,
                gpu_memory_utilization=0.1 if on_cpu else gpu_memory_utilization,
                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-               dtype="float32" if on_cpu else "bfloat16", enforce_eager=on_cpu, **cpu_only, **gpu_only)
+               dtype=common.engine_dtype(), enforce_eager=on_cpu, worker_extension_cls="engine.WeightHashes",
+               **cpu_only, **gpu_only)
 
 
 def load_policy(llm, path):
@@ -197,6 +198,95 @@ def load_policy(llm, path):
         llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
     return time.perf_counter() - t0
+
+
+class WeightHashes:
+    """Mixed into every vLLM worker (LLM(worker_extension_cls=...): vllm/v1/worker/worker_base.py, where the class
+    is resolved by name in the worker's process), so the engine calls it by name (LLM.collective_rpc with a
+    string). A Python callable would be sent to the engine core through msgpack, which refuses functions unless
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vllm/v1/serial_utils.py, the encoder's CUSTOM_TYPE_CLOUDPICKLE branch)."""
+
+    def mu_grpo_held_weights(self):
+        """common.tensor_hash of every parameter the worker's model holds as a tensor, the names vLLM's CPU build
+        has packed into its GEMM kernels (their `weight` is left empty: vllm/model_executor/layers/utils.py
+        `dispatch_cpu_unquantized_gemm`, remove_weight=True, called from linear.py
+        `process_weights_after_loading`; on CUDA that method changes nothing), the names not comparable (a fused
+        QKV projection whose KV heads are copied onto several tensor-parallel ranks, linear.py
+        `num_kv_head_replicas`: its shards' hashes do not add up to the checkpoint's), and the model's
+        fused-module map (e.g. qkv_proj ← q_proj, k_proj, v_proj)."""
+        import torch
+
+        import common as C
+        model = self.model_runner.get_model()
+        modules = dict(model.named_modules())
+        held, packed, replicated, dtype = {}, [], [], None
+        for name, p in model.named_parameters():
+            if p.numel() == 0:
+                packed.append(name)
+            elif getattr(modules.get(name.rpartition(".")[0]), "num_kv_head_replicas", 1) > 1:
+                replicated.append(name)
+            else:
+                held[name], dtype = C.tensor_hash(p.data), str(p.dtype).removeprefix("torch.")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()          # the hash's temporaries, before the engine generates
+        return {"held": held, "packed": packed, "replicated": replicated, "dtype": dtype,
+                "fused": {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}}
+
+
+def checkpoint_names(name, fused):
+    """The checkpoint tensors a vLLM parameter holds: 'model.layers.0.self_attn.qkv_proj.weight' with fused
+    {'qkv_proj': ['q_proj', 'k_proj', 'v_proj']} → the three projections' weights; an unfused name → itself."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    return [f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}" for part in fused[last]] if last in fused \
+        else [name]
+
+
+def compare_weights(reports, expected):
+    """reports: each worker's WeightHashes.mu_grpo_held_weights (tensor-parallel workers hold shards, whose hashes
+    add up, or copies of a replicated tensor, counted once); expected: {checkpoint tensor: hash} (policy_id.json's
+    engine_weights). Returns (differing vLLM parameters, parameters compared, parameters packed into kernels on a CPU,
+    held parameters with no checkpoint tensor in the record)."""
+    differ, compared, unknown = [], 0, []
+    for name in reports[0]["held"]:
+        values = [r["held"][name] for r in reports]
+        held = values[0] if len(set(values)) == 1 else sum(values) % 2**64
+        names = checkpoint_names(name, reports[0]["fused"])
+        if any(n not in expected for n in names):
+            unknown.append(name)
+            continue
+        compared += 1
+        if held != sum(expected[n] for n in names) % 2**64:
+            differ.append(name)
+    return differ, compared, len(reports[0]["packed"]), unknown
+
+
+def verify_weights(llm, policy, where):
+    """The guard on an engine serving other weights than it was given: after every load, each worker hashes the
+    weights it holds (WeightHashes) and they are compared exactly with the hashes the trainer recorded when it
+    saved `policy` (policy_id.json `engine_weights`, model.save_policy). On a GPU every parameter is compared; on a
+    CPU the linear layers' weights live inside vLLM's packed GEMM kernels and only the embeddings, norms and
+    output head are (the run's update-0 agreement check in optimize.py covers the whole function). A policy with
+    no record (the initial model, loaded by the engine's own constructor) has nothing to compare. Raises
+    SystemExit naming `where` (the engine and stage); returns a one-line summary."""
+    record = common.policy_record(policy).get("engine_weights")
+    if not record:
+        return f"{where}: {policy} has no recorded weight hashes (the initial model); not compared"
+    reports = llm.collective_rpc("mu_grpo_held_weights")
+    if reports[0]["dtype"] != record["dtype"]:
+        raise SystemExit(f"{where}: the engine holds {reports[0]['dtype']} weights, {policy} records hashes of "
+                         f"{record['dtype']} ones: trainer and engines ran on different kinds of machine")
+    expected = {k: int(v, 16) for k, v in record["hashes"].items()}
+    differ, compared, packed, unknown = compare_weights(reports, expected)
+    if differ or not compared:
+        raise SystemExit(f"{where}: the engine does not hold the weights of {policy}: {len(differ)} of {compared} "
+                         f"compared tensors differ (first: {differ[0] if differ else 'none compared'}); it may "
+                         f"still serve an earlier policy. Stopping before it generates or evaluates")
+    replicated = len(reports[0]["replicated"])
+    return (f"{where}: weights verified ({compared} tensors equal to {policy}'s"
+            + (f"; {packed} packed into CPU kernels, not comparable" if packed else "")
+            + (f"; {replicated} with KV heads copied over tensor-parallel ranks, not comparable" if replicated else "")
+            + (f"; {len(unknown)} not in its record: {unknown[:3]}" if unknown else "") + ")")
 
 
 def sleep(llm):

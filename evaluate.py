@@ -42,7 +42,7 @@ max_response_tokens = 2560
 prompt_template = common.DEFAULT_PROMPT_TEMPLATE
 chat_template = True
 max_problems = 0                # 0: all problems of each benchmark
-seed = 0
+seed = 0                        # the sampling seed of every evaluation (resident mode's generate.py --eval_seed: the same)
 results = ""                    # results table (JSONL) to update; empty: print only
 samples_dir = ""                # graded samples go here (default: next to the results table)
 stage = -1                      # labels for the results row: stage index (-1: the initial policy)
@@ -82,6 +82,7 @@ def sample_and_grade(policies, ev, rank, n):
     for i, path in enumerate(policies):
         if i:
             engine.load_policy(llm, path)
+        print(engine.verify_weights(llm, path, f"evaluation engine {rank}"), flush=True)
         parts.append(engine.sample_and_grade(llm, ev, rank, n))
     return parts
 

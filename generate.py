@@ -78,6 +78,8 @@ eval_data_dir = "data/toy"      # --top_p, --results and --run_start, with this 
 eval_k = 4
 eval_temperature = 1.0
 eval_top_p = 1.0
+eval_seed = 0                   # the evaluation's sampling seed, not the run's: evaluate.py's --seed (its default), so
+                                # a policy's avg@k is the same number whichever mode and training seed evaluated it
 results = ""
 run_start = 0.0
 nnodes = 1                      # nodes generating this stage side by side (run_stages.sh NNODES), each with its
@@ -278,15 +280,17 @@ def finish_reason(completion):
     return reason if reason in rollouts.FINISH_REASONS else "error"
 
 
-def start_engine(path):
-    """This process's vLLM engine on the policy at `path`, its grading processes, and a two-token warm-up (the
-    first request with log-probs compiles vLLM's token-rank kernel, vllm/v1/sample/ops/logprobs.py
-    `batched_count_greater_than`; seconds on CPU), so start-up pays it, not the first shard's tokens/s."""
+def start_engine(path, s):
+    """This process's vLLM engine on the policy at `path` (to generate stage s), its weights verified
+    (engine.verify_weights), its grading processes, and a two-token warm-up (the first request with log-probs
+    compiles vLLM's token-rank kernel, vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`; seconds on
+    CPU), so start-up pays it, not the first shard's tokens/s."""
     from vllm import SamplingParams
     reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
     llm = engine.make_llm(path, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
-                          sleep_mode=resident)
+                          sleep_mode=resident, run_dir=run_dir)      # one compile cache for the run's engines
+    print(engine.verify_weights(llm, path, f"engine {engine_index()}, stage {s}"), flush=True)
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, logprobs=0, flat_logprobs=True,
                                                              detokenize=False), use_tqdm=False)
     return llm
@@ -456,7 +460,7 @@ def one_stage(problems, cluster=None):
         if any(codes):
             sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
     elif todo:
-        generate_shards(start_engine(policy), s, label, common.policy_fingerprint(policy), todo, shards)
+        generate_shards(start_engine(policy, s), s, label, common.policy_fingerprint(policy), todo, shards)
     if cluster is not None:
         cluster.barrier(f"generate_{s}/generated")
     if node0:
@@ -472,7 +476,8 @@ def engine_worker():
     shards = stage_shards(stage, common.load_problems(data), prompts_per_stage)
     mine = engine_shards(shards, worker_rank, stage)
     if mine:
-        generate_shards(start_engine(policy), stage, str(policy), common.policy_fingerprint(policy), mine, shards)
+        generate_shards(start_engine(policy, stage), stage, str(policy), common.policy_fingerprint(policy), mine,
+                        shards)
 
 
 # ----------------------------------------------------------------------------- resident mode
@@ -504,7 +509,7 @@ def evaluation():
                                                        eval_data_dir),
                              k={}, temperature=eval_temperature, top_p=eval_top_p, max_prompt_tokens=max_prompt_tokens,
                              max_response_tokens=max_response_tokens, prompt_template=prompt_template,
-                             chat_template=chat_template, seed=seed, grader_workers=graders,
+                             chat_template=chat_template, seed=eval_seed, grader_workers=graders,
                              grader_timeout_s=grader_timeout_s)
 
 
@@ -549,7 +554,7 @@ def resident_engine(problems, procs=()):
             "run_updates": common.policy_record(policy).get("run_updates", 0), "next_stage_prompts": prompts_per_stage}
     if first > stage:
         flag, _ = partner.wait_for_policy(first - 1)
-    llm = start_engine(flag["path"]) if has_engine else None
+    llm = start_engine(flag["path"], first) if has_engine else None
     started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
     if coordinate:
         partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
@@ -562,6 +567,7 @@ def resident_engine(problems, procs=()):
         row["start"] = mine["start"] = time.time()
         if s > first and has_engine:
             mine["reload_seconds"] = engine.load_policy(llm, flag["path"])
+            print(engine.verify_weights(llm, flag["path"], f"engine {engine_index()}, stage {s}"), flush=True)
         t, prompts = s - 1, flag["next_stage_prompts"]
         if eval_due(t, last=prompts == 0) and not (coordinate and evaluated(t)):
             t0 = time.time()

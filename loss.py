@@ -31,6 +31,11 @@ LOG_RATIO_LIMIT = 20.0  # |ℓ − b| is clamped here before exp (as verl does) 
 # |trainer − engine log-prob| levels whose exceedance counts are kept (summable over micro-batches and ranks,
 # unlike a quantile): the preflight gates on the share of tokens above a level, i.e. on a high quantile
 MISMATCH_LEVELS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
+# the largest mean |trainer − engine log-prob| per token on the same weights, by device (docs/paper-run.md, "Why
+# these bounds": bf16 logits of magnitude ~20 round by up to ~0.06 and two stacks round differently, typical tokens
+# 1e-3..1e-2 nats apart; on a CPU both are float32, ~1e-6): optimize.py stops a stage's first update above it, the
+# preflight gates on it. The GPU value is reasoned, not yet measured on a GPU
+AGREEMENT_MEAN = {"cuda": 0.05, "cpu": 1e-3}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -347,21 +347,39 @@ def weights_fingerprint(path):
     return weights.hexdigest(safetensors_index(path))
 
 
+def engine_weight_hashes(path):
+    """{tensor name: common.tensor_hash} of a saved policy directory's safetensors as the engines hold them (in
+    common.engine_dtype()): what save_policy records in policy_id.json, recomputed from the files."""
+    from safetensors import safe_open
+    held = getattr(torch, common.engine_dtype())
+    hashes = {}
+    for name, file in safetensors_index(path).items():
+        with safe_open(str(file), "pt") as sf:
+            hashes[name] = common.tensor_hash(sf.get_tensor(name).to(held))
+    return hashes
+
+
 def full_state(model, dtype):
-    """({name: full tensor in dtype, on CPU}, WeightsHash of them) on rank 0, (None, None) elsewhere: one
-    parameter gathered at a time, checked for non-finite values on its device as it is gathered (one sync
-    at the end, not a pass over the CPU copies), hashed while the next is gathered; LoRA adapters merged
-    into their base weights without touching the model."""
+    """({name: full tensor in dtype, on CPU}, WeightsHash of them, {name: common.tensor_hash of it as the engines
+    hold it}) on rank 0, (None, None, None) elsewhere: one parameter gathered at a time, checked for non-finite
+    values and hashed for the engines on its device as it is gathered (one sync at the end, not a pass over the CPU
+    copies), hashed while the next is gathered; LoRA adapters merged into their base weights without touching the
+    model. The engines' hashes are of the saved dtype cast to common.engine_dtype(), as vLLM casts a checkpoint's
+    tensors into its parameters (exact from bf16 to fp32; fp32 to bf16 rounds as vLLM's copy_ does)."""
     rank, _, _ = placement()
     lora = hasattr(model, "get_base_model")
     base = _base(model)
-    state, finite, weights = {}, {}, WeightsHash() if rank == 0 else None
+    held = getattr(torch, common.engine_dtype())
+    state, finite, weights, engine_hashes = {}, {}, WeightsHash() if rank == 0 else None, {}
     for name, t in base.state_dict().items():
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if rank == 0 and "lora_" not in name:
             name = name.replace(".base_layer.", ".")
             finite[name] = torch.isfinite(full).all()
-            state[name] = full.detach().to(dtype).cpu()
+            saved = full.detach().to(dtype)
+            if not lora:
+                engine_hashes[name] = common.tensor_hash(saved.to(held))
+            state[name] = saved.cpu()
             if not lora:
                 weights.add(name, state[name])
     if lora:
@@ -373,13 +391,14 @@ def full_state(model, dtype):
                 finite[key] = finite[key] & torch.isfinite(delta).all()
                 state[key] = (state[key].float() + delta.float().cpu()).to(dtype)
     if rank != 0:
-        return None, None
+        return None, None, None
     bad = [k for k, ok in zip(finite, torch.stack(list(finite.values())).tolist()) if not ok]
     if bad:
         raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
     for name, tensor in state.items() if lora else ():      # merged weights: hashed once merged
         weights.add(name, tensor)
-    return state, weights
+        engine_hashes[name] = common.tensor_hash(tensor.to(held))
+    return state, weights, engine_hashes
 
 
 def save_policy(model, source_dir, dtype, directory, identity):
@@ -388,12 +407,14 @@ def save_policy(model, source_dir, dtype, directory, identity):
     fingerprint and `identity`: the stage and the updates done, for curves over updates)."""
     rank, _, _ = placement()
     directory = Path(directory)
-    state, weights = full_state(model, dtype)
+    state, weights, engine_hashes = full_state(model, dtype)
     if rank == 0:
         base = _base(model)
         if getattr(base.config, "tie_word_embeddings", False):  # gathered per rank, the tie is two copies here:
             head = base.get_output_embeddings()                  # save it once, as the source checkpoint did
-            state.pop(next(f"{n}.weight" for n, m in base.named_modules() if m is head), None)
+            head_name = next(f"{n}.weight" for n, m in base.named_modules() if m is head)
+            state.pop(head_name, None)
+            engine_hashes.pop(head_name, None)
         fingerprint = weights.hexdigest(list(state))   # before save_pretrained, which may pop the entries of the
         # dict it is given (transformers/modeling_utils.py:3517)
         tmp = directory.with_name(directory.name + ".tmp")
@@ -407,7 +428,9 @@ def save_policy(model, source_dir, dtype, directory, identity):
             if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".pt")) \
                     and f.name not in ("config.json", common.POLICY_ID_FILE):
                 shutil.copy2(f, tmp / f.name)
-        common.atomic_write_json(tmp / common.POLICY_ID_FILE, {"fingerprint": fingerprint, **identity})
+        hashes = {k: f"{v:016x}" for k, v in engine_hashes.items()}      # what the engines check they hold
+        common.atomic_write_json(tmp / common.POLICY_ID_FILE, {
+            "fingerprint": fingerprint, **identity, "engine_weights": {"dtype": common.engine_dtype(), "hashes": hashes}})
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
         common.fsync_dir(directory.parent)

@@ -15,6 +15,7 @@ continues (--init_state): a run's stages are one optimization whose rollouts are
 caches of the stage (rollout columns, per-stage log-prob passes) go into the stage directory.
 """
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -104,7 +105,11 @@ save_policy_every = 0           # also write the policy every K updates, to <out
 
 # guards and checks
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
-mismatch_warn = 0.05            # warn when the first update's mean |log ratio| exceeds this
+engine_mismatch_bound = -1.0    # before a stage's first update, each engine's responses: mean |ℓ − b| (nats per token)
+                                # between the trainer's and the engine's log-probs at most this, else the run stops
+                                # naming the engine; -1: the device's bound (agreement_bound), 0: no check (a replay
+                                # of a stage with another policy than the one that generated it)
+agreement_responses = 16        # responses per engine in that check (a no-grad pass over them)
 check_packing = False           # update 0: log check/packed_* (the micro-batch packed in two orders) and check/alone_*
                                 # (packed vs one sequence at a time): mean, p99.9, max |Δ log p|
 
@@ -568,10 +573,54 @@ def describe_stage(stage, updates):
     return temp
 
 
+def agreement_bound():
+    """The largest mean |ℓ − b| per token between trainer and engine on the same weights, on this device
+    (loss.AGREEMENT_MEAN: float32 noise on a CPU, measured ~5e-7 on the toy; bf16 rounding on a GPU, reasoned)."""
+    return L.AGREEMENT_MEAN.get(device.type, L.AGREEMENT_MEAN["cuda"])
+
+
+def response_engines(stage):
+    """[n]: the engine that generated each response (its shard's stats.json, generate.py `engine_index`; 0 for a
+    shard without one, written by other code than generate.py)."""
+    stats = [sh.path.with_suffix(".stats.json") for sh in stage.shards]
+    per_shard = [json.loads(p.read_text()).get("engine", 0) if p.exists() else 0 for p in stats]
+    return np.asarray(per_shard, dtype=np.int64)[stage.shard_of] if stage.n else np.zeros(0, np.int64)
+
+
+def engine_agreement(model, stage, temp):
+    """The guard on rollouts that the trainer's policy did not generate (an engine serving other weights, or sampling
+    otherwise than its log-probs say), before a stage's first update: for up to agreement_responses responses of
+    each engine's shards, the mean |ℓ − b| between the trainer's and the stored behavior log-probs; above
+    agreement_bound() the run stops naming the engine and the stage. Returns {metric: value} for update 0's line."""
+    bound = agreement_bound() if engine_mismatch_bound < 0 else engine_mismatch_bound
+    engines = response_engines(stage)
+    n_engines = int(engines.max()) + 1 if engines.size else 0
+    chosen = np.concatenate([np.flatnonzero(engines == e)[:agreement_responses] for e in range(n_engines)])
+    sums = torch.zeros(n_engines, 2, dtype=torch.float64, device=device)          # Σ |ℓ − b|, tokens
+    with torch.no_grad():
+        for mb in micro_batches(stage, chosen[rank::world]):
+            x = forward(model, stage, mb, temp)
+            for j, i in enumerate(mb or []):
+                k = int(stage.response_len[i])
+                sums[engines[i], 0] += (x["lp"][j, :k] - x["behavior"][j, :k]).abs().sum().double()
+                sums[engines[i], 1] += k
+    if distributed:
+        dist.all_reduce(sums)
+    means = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
+    log(f"engine agreement before update 0: mean |log ratio| {', '.join(f'engine {e} {v:.2e}' for e, v in enumerate(means))}"
+        f" (bound {bound:g})")
+    for e, v in enumerate(means):
+        if v > bound:
+            raise SystemExit(f"stage {stage.index}, engine {e}: before any update the trainer's log-probs differ from "
+                             f"the engine's by {v:.3g} nats per token on average (bound {bound:g}): the engine did not "
+                             f"serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k); "
+                             f"stopping before training on its rollouts")
+    return {f"check/engine_{e}_mean_abs_log_ratio": v for e, v in enumerate(means)}
+
+
 def metrics_row(stage, u, groups, counts, lr_now, m, seconds, extra):
     """Update u's line of metrics.jsonl: its place (in the stage: its staleness; in the run; in AdamW's life), its
-    minibatch, loss.metrics' values (the engine/trainer mismatch at update 0 only), timing. Warns at update 0 when
-    the engine's and the trainer's log-probs disagree before any update."""
+    minibatch, loss.metrics' values (the engine/trainer mismatch at update 0 only), timing."""
     batch = stage.groups[groups].ravel()
     tokens = int((stage.prompt_len[batch] + stage.response_len[batch]).sum())
     row = {"update": u, "run_update": counts["run_updates"], "optimizer_update": counts["optimizer_updates"],
@@ -580,10 +629,6 @@ def metrics_row(stage, u, groups, counts, lr_now, m, seconds, extra):
            "groups": [stage.group_keys[i] for i in groups],     # which prompts (stage positions)
            **extra, "time": time.time(), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
     row.update({k: v for k, v in m.items() if u == 0 or not k.startswith("mismatch/")})
-    if u == 0 and m["mismatch/mean_abs_log_ratio"] > mismatch_warn:
-        log(f"WARNING: before any update the mean |log ratio| between trainer and engine is "
-            f"{m['mismatch/mean_abs_log_ratio']:.3f} (> {mismatch_warn}): check the temperature, top_p/top_k "
-            f"and that --policy is the checkpoint that generated the rollouts")
     return {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
 
 
@@ -605,6 +650,9 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         kept = [r for r in rows if r.get("update", 0) < start]
         common.atomic_write_lines(progress.metrics_path, kept)
     neg_ratios = broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal so far
+    agreement = {}
+    if start == 0 and updates and engine_mismatch_bound != 0 and not (temperature and temperature != stage.temperature):
+        agreement = engine_agreement(model, stage, temp)
     if check_packing and start < updates:
         first = stage.groups[schedule[start]].ravel()
         packed_diff = packing_check(model, stage, temp, micro_batches(
@@ -645,7 +693,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         train_seconds += seconds
         row = metrics_row(stage, u, schedule[u], counts, lr_now, m, seconds,
                           {"skipped_nonfinite": skipped_total, "update_skipped": not stepped,
-                           **(packed_diff if u == start and check_packing else {})})
+                           **(packed_diff if u == start and check_packing else {}), **(agreement if u == 0 else {})})
         neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
             common.append_jsonl(progress.metrics_path, row)

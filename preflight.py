@@ -32,7 +32,7 @@ from pathlib import Path
 import common
 import reward
 import rollouts
-from loss import MISMATCH_LEVELS
+from loss import AGREEMENT_MEAN, MISMATCH_LEVELS
 
 ROOT = Path(__file__).resolve().parent
 
@@ -89,7 +89,8 @@ resident_gpu_memory = 0.5       # resident: each engine's share of its GPU (run_
 # Qwen2.5-7B moved 5.6 % of tokens by more than ~0.1 nats through a batch-shape change alone, which would fail a
 # healthy box (that comparison is printed, not gated). These bounds are our reasoning, not yet calibrated on a GPU.
 # CPU, fp32: the same checks at float32 noise (~1e-6 per log-prob).
-agreement_mean = 0.05           # mean |log π_trainer − log π_engine| at update 0 (GPU); CPU fp32 1e-3
+agreement_mean = AGREEMENT_MEAN["cuda"]  # mean |log π_trainer − log π_engine| at update 0 (GPU 0.05; CPU fp32 1e-3:
+                                # loss.AGREEMENT_MEAN, the bound optimize.py stops a stage at)
 agreement_p999 = 1.0            # 99.9th percentile (GPU); CPU 1e-2 (a level of loss.MISMATCH_LEVELS)
 packing_mean = 0.01             # one micro-batch packed in two orders, mean |Δ log p| (GPU); CPU 1e-5
 packing_p999 = 0.25             # its 99.9th percentile (GPU); CPU 1e-4
@@ -102,7 +103,10 @@ on_gpu = n_gpus > 0
 n_engines = engines or max(1, n_gpus)
 n_ranks = train_ranks or max(1, n_gpus)
 if not on_gpu:
-    agreement_mean, agreement_p999, packing_mean, packing_p999 = 1e-3, 1e-2, 1e-5, 1e-4
+    agreement_mean, agreement_p999, packing_mean, packing_p999 = AGREEMENT_MEAN["cpu"], 1e-2, 1e-5, 1e-4
+common.check_choice("stage_end", stage_end, ("fixed", "drift"))
+if stage_updates < 1 or stages < 1:
+    sys.exit(f"--stage_updates={stage_updates} --stages={stages}: a run has at least one stage of at least one update")
 if agreement_p999 not in MISMATCH_LEVELS:
     sys.exit(f"--agreement_p999={agreement_p999}: allowed values are the levels optimize.py counts, {MISMATCH_LEVELS}")
 report_path = Path(out)
@@ -170,9 +174,11 @@ def trainer_launcher():
 
 def optimize_cmd(stage_dir, out_dir, n_updates, *extra):
     """optimize.py as the run calls it (its micro-batch and optimize_args), then this check's own flags, which
-    win (a later --key=value overrides an earlier one)."""
+    win (a later --key=value overrides an earlier one). The trainer's own stop on the engines' agreement is off
+    here: the preflight gates the same mean (and its p99.9) and reports it as a check, with its numbers."""
     return [*trainer_launcher(), "optimize.py", f"--stage_dir={stage_dir}", f"--out={out_dir}",
-            f"--micro_batch_tokens={micro_batch_tokens}", *optimize_args.split(), f"--updates_per_stage={n_updates}",
+            f"--micro_batch_tokens={micro_batch_tokens}", *optimize_args.split(), "--engine_mismatch_bound=0",
+            f"--updates_per_stage={n_updates}",
             f"--prompts_per_update={max(1, prompts // max(1, updates))}", f"--lr={round_trip_lr}", *extra]
 
 
@@ -464,7 +470,6 @@ def clean_up():
 
 def miniature(results, figures, model):
     """The miniature run and its checks (raises PhaseError when a phase fails; a check that raises is its FAIL)."""
-    import model as M
     figures["generate_seconds"] = run("generate_0", generate_cmd(model, 0))
     manifest = json.loads((work / "stage_0" / "rollouts" / rollouts.MANIFEST).read_text())
     rows = [r for f in sorted((work / "stage_0" / "rollouts").glob("shard_*.jsonl")) for r in common.read_jsonl(f)]

@@ -274,3 +274,44 @@ def test_every_engine_gets_a_shard_when_there_are_prompts_for_it(monkeypatch, pr
     assigned = [g.engine_shards(shards, r, 0) for r in range(engines)]
     assert sorted(k for a in assigned for k in a) == list(shards)
     assert sum(bool(a) for a in assigned) == min(engines, len(sizes))
+
+
+def test_the_per_request_seed_is_a_knob_that_stays_on_by_default(monkeypatch):
+    # each prompt's own seed (today's default, kept until a GPU measures its cost) makes a response the same whichever
+    # engine, shard or resumed attempt generates it; --per_request_seed=false leaves sampling to the engine's seed
+    # (vLLM's batched sampler: vllm/v1/sample/ops/topk_topp_sampler.py random_sample draws one row at a time for
+    # seeded requests) and is recorded in the stage's plan, so a rerun with the other setting is refused
+    import types
+
+    import common
+    monkeypatch.setattr(common, "build_prompt_ids", lambda tokenizer, problem, template, chat: [1, 2, 3])
+    monkeypatch.setattr(common, "stop_token_ids", lambda tokenizer, chat: [0])
+    rows = [{"id": f"p{i}", "problem": str(i), "answer": str(i)} for i in range(3)]
+    g = import_generate(monkeypatch, "--seed=7", "--run_dir=/nonexistent")
+    kept, params, skipped = g.shard_requests(types.SimpleNamespace(), 2, rows, [4, 5, 6])
+    assert g.per_request_seed is True
+    assert [p.seed for p in params] == [common.sample_seed(7, 2, pos) for pos in (4, 5, 6)]
+    assert "per_request_seed" not in g.plan_of(2, "policy", 3)      # the default: plans of earlier runs still match
+    g = import_generate(monkeypatch, "--seed=7", "--per_request_seed=false", "--run_dir=/nonexistent")
+    kept, params, skipped = g.shard_requests(types.SimpleNamespace(), 2, rows, [4, 5, 6])
+    assert [p.seed for p in params] == [None, None, None] and len(kept) == 3 and skipped == 0
+    assert g.plan_of(2, "policy", 3)["per_request_seed"] is False
+
+
+@pytest.mark.parametrize("training_seed", ["3", "4"])
+def test_resident_evaluation_samples_with_evaluate_pys_seed_whatever_the_training_seed(toy, monkeypatch, training_seed):
+    # the same policy, benchmark and k gave 0.135 and 0.149 in resident runs of SEED 3 and 4 and 0.143 from evaluate.py:
+    # the resident engines seeded the evaluation's requests with the run's seed. Every request's seed
+    # (engine.sample_and_grade: common.sample_seed(ev.seed, benchmark, problem)) must be evaluate.py's
+    import sys
+    generate = import_generate(monkeypatch, f"--seed={training_seed}", "--resident=true", f"--eval_data_dir={toy}",
+                               "--eval_benchmarks=test", "--results=unused.jsonl")
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", f"--data_dir={toy}", "--benchmarks=test"])
+    sys.modules.pop("evaluate", None)
+    import common
+    import engine
+    import evaluate
+    resident, alone = generate.evaluation(), evaluate.evaluation(engine.benchmark_sets(["test"], str(toy)))
+    assert resident.seed == alone.seed == 0
+    assert [common.sample_seed(resident.seed, "test", j) for j in range(len(resident.sets["test"]))] == \
+        [common.sample_seed(alone.seed, "test", j) for j in range(len(alone.sets["test"]))]
