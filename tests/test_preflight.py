@@ -130,7 +130,8 @@ def test_the_round_trip_fails_on_a_stale_save_and_on_a_train_state_not_loaded(to
     assert round_trip["status"] == "PASS"
     shutil.copytree(work / "stage_1", tmp_path / "stage_1")
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", f"--policy={toy / 'model'}", "--updates_per_stage=1",
-               "--prompts_per_update=4", "--save_train_state=false")
+               "--prompts_per_update=4", "--save_train_state=false", "--engine_mismatch_bound=0")   # as the preflight
+    # runs it: the preflight's gate reports the mismatch; a run's trainer would stop on it (tests/test_weights.py)
     first = read_lines(tmp_path / "stage_1" / "metrics.jsonl")[0]
     results = []
     check_functions.agreement_checks(results, first, "round trip")
@@ -152,7 +153,8 @@ def test_the_packing_check_fails_on_a_leak_and_not_on_shape_dependent_rounding(t
                                                                               check_functions, fault, gated):
     shutil.copytree(passed[0].with_suffix("") / "stage_0", tmp_path / "stage_0")
     args = ["optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", f"--policy={toy / 'model'}", "--updates_per_stage=1",
-            "--prompts_per_update=4", "--micro_batch_tokens=4096", "--save_train_state=false", "--check_packing=true"]
+            "--prompts_per_update=4", "--micro_batch_tokens=4096", "--save_train_state=false", "--check_packing=true",
+            "--engine_mismatch_bound=0"]        # as the preflight runs it: a leak also moves update 0's agreement
     code = f"import runpy, sys; {fault}; sys.argv = {args!r}; runpy.run_path('optimize.py', run_name='__main__')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
