@@ -76,14 +76,20 @@ def probe_wheel(directory):
             wheel.writestr(name, text)
 
 
-@pytest.mark.slow
-def test_two_installers_at_once_into_one_empty_venv_make_one_working_environment(tmp_path):
-    # several nodes start run_stages.sh, and so setup.sh, into one .venv on a shared filesystem at once: one installs,
-    # the other waits for its stamp (before: both ran `python -m venv` and pip into the same site-packages)
+def probe_repository(tmp_path):
+    """A directory with setup.sh and a requirements file of the probe wheel alone: an install of seconds."""
     repo = tmp_path / "repo"
     repo.mkdir()
     shutil.copy2(ROOT / "setup.sh", repo / "setup.sh")
     (repo / "requirements-cpu.txt").write_text("mu-grpo-probe==1.0\n")
+    return repo
+
+
+@pytest.mark.slow
+def test_two_installers_at_once_into_one_empty_venv_make_one_working_environment(tmp_path):
+    # several nodes start run_stages.sh, and so setup.sh, into one .venv on a shared filesystem at once: one installs,
+    # the other waits for its stamp (before: both ran `python -m venv` and pip into the same site-packages)
+    repo = probe_repository(tmp_path)
     probe_wheel(tmp_path / "wheels")
     env = {**without_test_venv(), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "wheels"),
            "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
@@ -106,10 +112,7 @@ def test_two_installers_at_once_into_one_empty_venv_make_one_working_environment
 @pytest.mark.slow
 def test_a_venv_without_lock_support_says_so(tmp_path):
     from test_loop import lockless_flock
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    shutil.copy2(ROOT / "setup.sh", repo / "setup.sh")
-    (repo / "requirements-cpu.txt").write_text("mu-grpo-probe==1.0\n")
+    repo = probe_repository(tmp_path)
     proc = subprocess.run(["bash", "setup.sh", "cpu"], cwd=repo, capture_output=True, text=True, timeout=60,
                           env={**without_test_venv(), "PATH": lockless_flock(tmp_path)})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
