@@ -53,6 +53,9 @@ done
 if (( ONPOLICY_UPDATES > 0 && UPDATES % ONPOLICY_UPDATES != 0 )); then
   echo "UPDATES ($UPDATES) must be a multiple of ONPOLICY_UPDATES ($ONPOLICY_UPDATES)" >&2; exit 2
 fi
+REPORT_TO=${REPORT_TO:-none}    # run_stages.sh's trackers: the replays and the references, one group (this ablation)
+[[ "$REPORT_TO" == none ]] || $PY tracking.py --command=check --report_to="$REPORT_TO" || exit 2
+export TRACKER_GROUP=${TRACKER_GROUP:-$(basename "$OUT")}
 mkdir -p "$OUT/.done" "$OUT/logs"
 exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
@@ -89,6 +92,8 @@ replay() {
       --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
       --save_train_state=false --micro_batch_tokens=4096 $LOSS_ARGS --kl_coef="$KL_COEF"
+  [[ "$REPORT_TO" == none ]] || $PY tracking.py --command=follow --run_dir="$OUT/$variant/seed$seed" \
+      --report_to="$REPORT_TO" --group="$TRACKER_GROUP" --settings="LOSS=$variant"$'\n'"SEED=$seed"
 }
 failed=0
 for variant in $VARIANTS; do

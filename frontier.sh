@@ -98,6 +98,8 @@ for p in $POINTS $BASELINE; do
 done
 SELECTED=(${POINTS:-${ALL[@]}})
 mkdir -p "$OUT"
+# REPORT_TO (run_stages.sh's trackers) passes through to every run; they form one group, this frontier
+export TRACKER_GROUP=${TRACKER_GROUP:-$(basename "$OUT")}
 exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another frontier.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
 T0=$(date +%s)

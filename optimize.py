@@ -33,6 +33,7 @@ import handoff
 import loss as L
 import model as M
 import rollouts
+import tracking
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the stage and its outputs
@@ -984,6 +985,8 @@ def resident_stage(partner, trainer, s, progress, check_all):
     """Stage s in the resident trainer: wait for its rollouts, train on them as a one-stage run would, free the
     gradients (the engine wakes next), hand the policy over. check_all: check the disk for a save even when none
     is due (the first stage: a disk without room for one save stops the run now, not hours in)."""
+    if is_main:          # where the run stands (run_stages.sh prints this line per stage in the other mode)
+        log(tracking.where_line(run_dir, stages * updates_per_stage if stage_end == "fixed" else total_updates, s))
     waited = partner.wait_for_rollouts(s)
     t0 = time.time()
     stage = open_stage(run_stage_dir(s))

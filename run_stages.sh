@@ -53,6 +53,10 @@ DEAD_AFTER=${DEAD_AFTER:-10}    # seconds without a node's heartbeat before the 
 COLLECTIVE_TIMEOUT=${COLLECTIVE_TIMEOUT:-60}  # seconds the trainers' ranks of every node have to reach each other
                                 # right after the join (one all-reduce over NCCL or gloo): a blocked port or a wrong
                                 # interface fails then, not in the first update
+REPORT_TO=${REPORT_TO:-none}    # none | tensorboard | wandb | a comma list: live metrics of every update, stage and
+                                # evaluation in those trackers, read from the run's records by one process beside the
+                                # phases (tracking.py; W&B's mode and project: WANDB_MODE, WANDB_PROJECT)
+TRACKER_GROUP=${TRACKER_GROUP:-}  # the tracker group of this run (frontier.sh and ablate.sh set one per frontier)
 HSDP=${HSDP:-false}             # several nodes: true shards the trainer's model within each node and replicates it
                                 # across nodes (only the gradients' all-reduce crosses them); for models whose weights,
                                 # gradients and AdamW (16 bytes/parameter) fit one node
@@ -154,6 +158,7 @@ for v in GRAD_CKPT RESET_OPTIMIZER KEEP_TRAIN_STATES RESIDENT PREFLIGHT_ONLY HSD
 done
 [[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
 [[ "$PREFLIGHT" == auto ]] && PREFLIGHT=$([[ "$PRESET" == paper ]] && echo 1 || echo 0)
+[[ "$REPORT_TO" == none ]] || $PY tracking.py --command=check --report_to="$REPORT_TO" || exit 2
 [[ "$STAGE_END" == fixed || "$STAGE_END" == drift ]] || { echo "STAGE_END must be fixed or drift, got '$STAGE_END'" >&2; exit 2; }
 : "${TOTAL_UPDATES:=$((STAGES * UPDATES))}" "${DRIFT_MAX_UPDATES:=$((4 * UPDATES))}"
 for v in TOTAL_UPDATES DRIFT_MAX_UPDATES; do
@@ -196,8 +201,16 @@ if (( NNODES > 1 )); then
   # fails (the watch keeps the terminal's stderr: its last words must not wait on the tee it stops with the rest)
   : > "$LOGS/stderr.log"
   exec 2> >(exec tee -i -a "$LOGS/stderr.log" >&2 9>&-)
-  trap 'st=$?; if (( st == 0 )) && [[ -n "$WATCH" ]]; then kill -USR1 "$WATCH"; wait "$WATCH" || st=$?; fi; exit $st' EXIT
 fi
+TRACKING=
+on_exit() {    # the trackers' last pass over the records; several nodes: a successful end tells this node's watch
+  local st=$?
+  if [[ -n "$TRACKING" ]]; then kill -TERM "$TRACKING" 2>/dev/null; wait "$TRACKING" \
+    || echo "[tracking] ended with an error: see $LOGS/tracking.log (the records are complete; a rerun logs them)" >&2; fi
+  if (( st == 0 )) && [[ -n "$WATCH" ]]; then kill -USR1 "$WATCH"; wait "$WATCH" || st=$?; fi
+  exit $st
+}
+trap on_exit EXIT
 # share KEY VALUE: node 0's VALUE on every node (a decision node 0 takes from the filesystem, which another node's
 # NFS cache may not show yet); on one node, VALUE
 share() {
@@ -239,15 +252,15 @@ fi
 if [[ "$MODEL_IS_DIR" == 0 ]]; then  # a hub name: download once (on each node), then every phase reads the local copy
   MODEL=$($PY -c "import common, sys; print(common.local_dir(sys.argv[1]))" "$MODEL")
 fi
+SETTINGS=""          # the run's settings: every node must agree on them (nodes.py join); the trackers' config
+for v in PRESET LOSS LOSS_ARGS RUN MODEL_NAME TRAIN_DATA EVAL_DATA_DIR BENCHMARKS STAGES UPDATES PROMPTS_PER_UPDATE \
+         GROUP_SIZE LR MAX_PROMPT MAX_RESPONSE TEMPERATURE EVAL_K EVAL_TEMPERATURE EVAL_TOP_P EVAL_EVERY SAVE_EVERY \
+         GPUS ENGINES TRAIN_RANKS SHARD_PROMPTS MICRO_BATCH_TOKENS GRAD_CKPT WARMUP SEED TEMPLATE STAGE_END \
+         TOTAL_UPDATES DRIFT_GROWTH DRIFT_MAX_UPDATES DRIFT_ARGS RESET_OPTIMIZER KL_COEF KEEP_TRAIN_STATES PREFLIGHT \
+         NNODES MASTER_PORT HSDP PER_REQUEST_SEED RESIDENT; do
+  SETTINGS+="$v=${!v}"$'\n'
+done
 if (( NNODES > 1 )); then     # before any compute: all nodes here, with the same settings, model and data
-  SETTINGS=""
-  for v in PRESET LOSS LOSS_ARGS RUN MODEL_NAME TRAIN_DATA EVAL_DATA_DIR BENCHMARKS STAGES UPDATES PROMPTS_PER_UPDATE \
-           GROUP_SIZE LR MAX_PROMPT MAX_RESPONSE TEMPERATURE EVAL_K EVAL_TEMPERATURE EVAL_TOP_P EVAL_EVERY SAVE_EVERY \
-           GPUS ENGINES TRAIN_RANKS SHARD_PROMPTS MICRO_BATCH_TOKENS GRAD_CKPT WARMUP SEED TEMPLATE STAGE_END \
-           TOTAL_UPDATES DRIFT_GROWTH DRIFT_MAX_UPDATES DRIFT_ARGS RESET_OPTIMIZER KL_COEF KEEP_TRAIN_STATES PREFLIGHT \
-           NNODES MASTER_PORT HSDP PER_REQUEST_SEED; do
-    SETTINGS+="$v=${!v}"$'\n'
-  done
   $PY nodes.py --command=join "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" --run_dir="$RUN" --model="$MODEL" \
       --data="$TRAIN_DATA$(for b in ${BENCHMARKS//,/ }; do printf ',%s' "$EVAL_DATA_DIR/$b.jsonl"; done)" \
       --settings="$SETTINGS" 9>&-
@@ -276,6 +289,13 @@ elif [[ "$RESIDENT_GPU_MEMORY" == auto ]]; then
 fi
 (( NODE_RANK > 0 )) || [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
 START=$(share start "$( (( NODE_RANK > 0 )) || cat "$RUN/.done/start")")
+if [[ "$REPORT_TO" != none ]] && (( NODE_RANK == 0 )); then   # node 0 alone: its records are the run's
+  $PY tracking.py --command=follow --run_dir="$RUN" --report_to="$REPORT_TO" --pid=$$ --group="$TRACKER_GROUP" \
+      --settings="$SETTINGS" >> "$LOGS/tracking.log" 2>&1 9>&- &
+  TRACKING=$!
+  echo "[tracking] $REPORT_TO: every update, stage and evaluation as it is recorded ($LOGS/tracking.log)"
+fi
+RUN_UPDATES=$([[ "$STAGE_END" == fixed ]] && echo $((STAGES * UPDATES)) || echo "$TOTAL_UPDATES")
 
 # phase NAME STAGE CMD...: skipped when done; its whole output in $RUN/logs/NAME.log, the terminal shows it without
 # the libraries' chatter (progress bars, summaries and errors stay); timed into timeline.jsonl; marked done only
@@ -409,6 +429,7 @@ s=0
 MU=$([[ "$RESIDENT" == true ]] && echo 0 || planned 0)      # resident: every stage is done above
 while (( MU > 0 )); do
   STAGE_DIR=$RUN/stage_$s
+  (( NODE_RANK > 0 )) || $PY tracking.py --command=where --run_dir="$RUN" --total_updates="$RUN_UPDATES" --stage=$s
   phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}" \
       --prompts_per_stage=$((MU * PROMPTS_PER_UPDATE))
   phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" "${OPTIMIZE_ARGS[@]}" \

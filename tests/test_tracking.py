@@ -1,0 +1,197 @@
+"""Watching a run (issue 44): the trackers fed from the run's records (tracking.py), read back with TensorBoard's own
+reader and from W&B's offline run files; the missing-package refusal; the stage line with its ETA."""
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import common
+import tracking
+from conftest import ROOT, kill_when, needs_vllm
+
+
+# ----------------------------------------------------------------------------- reading the trackers back
+
+
+def tensorboard_scalars(run):
+    """{tag: [steps]} of every scalar in <run>/tensorboard, in the order written (TensorBoard's own reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(Path(run) / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def wandb_records(run):
+    """Every record of the W&B offline run files under <run>/tracking/wandb, in order: W&B's transaction log (32 KiB
+    blocks of [crc32c, length, type] records after a 7-byte ':W&B' header; types full, first, middle, last), each
+    record a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    out = []
+    for path in sorted(Path(run, "tracking", "wandb").glob("offline-run-*/run-*.wandb")):
+        data, pos, buf = path.read_bytes(), 7, b""
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+            if kind == 0:                       # a block's zero padding
+                pos += left
+                continue
+            buf = (b"" if kind in (1, 2) else buf) + data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                record = pb.Record()
+                record.ParseFromString(buf)
+                out.append(record)
+    return out
+
+
+def wandb_history(run):
+    """[{metric: value}] of every W&B log call, and the runs' (id, group, config) as they were opened."""
+    rows, runs = [], []
+    for r in wandb_records(run):
+        kind = r.WhichOneof("record_type")
+        if kind == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+        elif kind == "run":
+            runs.append((r.run.run_id, r.run.run_group, {i.key: json.loads(i.value_json) for i in r.run.config.update}))
+    return rows, runs
+
+
+def steps_of(history, metric):
+    return [row["run_update"] for row in history if metric in row]
+
+
+# ----------------------------------------------------------------------------- a run's records, written by hand
+
+
+def write_records(run, stages):
+    """The records a run of `stages` stages of 2 updates leaves (the fields the phases write), 10 s per phase."""
+    (run / ".done").mkdir(parents=True, exist_ok=True)
+    common.atomic_write(run / ".done" / "start", "1000")
+    t = 1000.0
+    for s in range(stages):
+        d = run / f"stage_{s}"
+        (d / "rollouts").mkdir(parents=True, exist_ok=True)
+        common.atomic_write_json(d / "rollouts" / "manifest.json", {
+            "complete": True, "stage": s, "mean_reward": 0.25 * (s + 1), "frac_groups_zero_variance": 0.5,
+            "truncation_rate": 0.0, "mean_response_tokens": 9.5, "wall_tokens_per_s": 100.0, "prompts": 8})
+        common.atomic_write_lines(d / "metrics.jsonl", [
+            {"update": u, "run_update": 2 * s + u, "stage": s, "staleness": u, "lr": 1e-3, "loss/policy": -0.1 * u,
+             "ratio/mean_neg_adv": 1.0, "groups": [0, 1], "update_skipped": False, "time": t + 10 + u}
+            for u in range(2)])
+        common.atomic_write_json(d / "stage_end.json", {"stage": s, "run_updates": 2 * s + 2, "updates": 2})
+        for phase in ("generate", "optimize"):
+            common.append_jsonl(run / "timeline.jsonl", {"phase": phase, "name": f"{phase}_{s}", "stage": s,
+                                                          "start": t, "end": t + 10, "seconds": 10.0})
+            t += 10
+        common.append_jsonl(run / "results.jsonl", {"stage": s, "updates": 2 * s + 2, "policy": str(d / "policy"),
+                                                     "benchmark": "test", "k": 4, "avg_at_k": 0.5 + 0.1 * s,
+                                                     "avg_at_k_stderr": 0.05, "pass_at_k": 0.9, "time": t})
+
+
+def follow_once(run, report, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(tracking, "group", "frontier-x")
+    tracking.follow(run, report, {"LOSS": "mu-grpo", "STAGES": "2"}, 0)
+
+
+def test_every_record_reaches_both_trackers_once_at_its_recorded_update(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    write_records(run, 1)
+    follow_once(run, "tensorboard,wandb", monkeypatch)
+    # a resumed run: stage 0's optimize killed after its first update and resumed (its metrics.jsonl rewritten with
+    # the same rows), stage 1 added; the follower too was killed and starts again
+    write_records(run, 2)
+    follow_once(run, "tensorboard,wandb", monkeypatch)
+    scalars = tensorboard_scalars(run)
+    assert scalars["train/loss/policy"] == [0, 1, 2, 3]             # each update once, at its run update
+    assert scalars["train/staleness"] == [0, 1, 2, 3]
+    assert scalars["rollout/mean_reward"] == [0, 2]                 # stage s at the updates its policy had
+    assert scalars["eval/test/avg_at_4"] == [2, 4] and scalars["eval/test/avg_at_4_stderr"] == [2, 4]
+    assert scalars["time/optimize_seconds"] == [2, 4] and scalars["time/generate_seconds"] == [0, 2]
+    assert "train/groups" not in scalars and "train/update_skipped" not in scalars       # lists, flags
+    history, runs = wandb_history(run)
+    assert steps_of(history, "train/loss/policy") == [0, 1, 2, 3]
+    assert steps_of(history, "eval/test/pass_at_4") == [2, 4] and steps_of(history, "rollout/mean_reward") == [0, 2]
+    hours = [row["train/wall_hours"] for row in history if "train/wall_hours" in row]
+    assert hours == pytest.approx([10 / 3600, 11 / 3600, 30 / 3600, 31 / 3600])        # beside the update, from start
+    assert len({run_id for run_id, _, _ in runs}) == 1 and {g for _, g, _ in runs} == {"frontier-x"}   # one run
+    assert runs[0][2]["run_stages"] == {"LOSS": "mu-grpo", "STAGES": "2"}
+
+
+def test_with_no_tracker_nothing_is_written_or_imported(tmp_path):
+    run = tmp_path / "run"
+    write_records(run, 1)
+    code = ("import sys, tracking; tracking.follow(sys.argv[1], 'none', {}, 0); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'tensorboard', 'torch')))")
+    proc = subprocess.run([sys.executable, "-c", code, str(run)], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
+    assert not (run / "tensorboard").exists() and not (run / "tracking").exists()
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_in_one_line():
+    # python -S: no site-packages, so neither tracker's package is there (tracking.py needs only the standard library)
+    for report, package in (("wandb", "wandb"), ("tensorboard,wandb", "tensorboard")):
+        proc = subprocess.run([sys.executable, "-S", "tracking.py", "--command=check", f"--report_to={report}"],
+                              cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"REPORT_TO={report} needs the {package!r} package, which is not installed")
+    assert tracking.trackers_of("none") == [] and tracking.trackers_of("wandb,tensorboard") == ["wandb", "tensorboard"]
+    for bad in ("tensorbord", "wandb,wandb", "none,wandb,mlflow"):
+        with pytest.raises(SystemExit, match="REPORT_TO must be none, tensorboard, wandb or a comma list"):
+            tracking.trackers_of(bad)
+
+
+def test_the_stage_line_says_the_updates_done_the_last_evaluation_and_an_eta_from_the_measured_phases(tmp_path):
+    run = tmp_path / "run"
+    assert tracking.where_line(run, 8, 0) == "[stage 0] update 0 of 8 · ETA after the first stage"
+    write_records(run, 2)
+    # 4 updates done in 4 phases of 10 s: 10 s per update, 4 updates left → 40 s, said as a minute
+    assert tracking.where_line(run, 8, 2) == ("[stage 2] update 4 of 8 · last evaluation: avg@4 0.600 after 4 updates"
+                                              " · ETA 1 min (1 min measured for 4 updates)")
+    common.append_jsonl(run / "timeline.jsonl", {"phase": "eval", "name": "eval_x", "stage": 1, "start": 0, "end": 0,
+                                                  "seconds": 14360.0})       # 4 h in all: 3 h 20 min per 4 updates
+    assert tracking.where_line(run, 8, 2).endswith("ETA 4 h 00 min (4 h 00 min measured for 4 updates)")
+
+
+# ----------------------------------------------------------------------------- a real run, killed and resumed
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_toy_run_killed_and_resumed_continues_the_same_tracker_runs_without_duplicated_steps(toy, tmp_path):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    env = {"PRESET": "toy", "RUN": str(run), "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"),
+           "EVAL_DATA_DIR": str(toy), "BENCHMARKS": "test", "STAGES": "2", "UPDATES": "4", "PROMPTS_PER_UPDATE": "8",
+           "LR": "5e-4", "MAX_RESPONSE": "12", "EVAL_K": "2", "REPORT_TO": "tensorboard,wandb",
+           "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TRACKER_GROUP": "g"}
+    metrics = run / "stage_1" / "metrics.jsonl"
+    assert kill_when(["bash", "run_stages.sh"], lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
+                     env=env)
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[stage 1] update 4 of 8 · last evaluation: avg@2" in proc.stdout        # the resumed stage's line
+    recorded = [r["run_update"] for s in (0, 1) for r in common.read_jsonl(run / f"stage_{s}" / "metrics.jsonl")]
+    assert recorded == list(range(8))
+    scalars = tensorboard_scalars(run)
+    for tag in ("train/loss/policy", "train/ratio/mean_neg_adv", "train/clip/upper_frac", "train/nav/vetoed_frac",
+                "train/grad_norm", "train/lr", "train/entropy", "train/staleness", "train/tokens_per_s"):
+        assert scalars[tag] == recorded, tag                       # every update once, at its recorded run update
+    assert scalars["rollout/mean_reward"] == [0, 4] and scalars["rollout/frac_groups_zero_variance"] == [0, 4]
+    assert scalars["eval/test/avg_at_2"] == [0, 4, 8]               # the initial policy, then each stage's
+    assert scalars["time/optimize_seconds"] == [4, 8]
+    history, runs = wandb_history(run)
+    assert steps_of(history, "train/loss/policy") == recorded
+    assert steps_of(history, "eval/test/avg_at_2") == [0, 4, 8]
+    assert len(runs) >= 2 and len({run_id for run_id, _, _ in runs}) == 1     # the rerun resumed the same W&B run
+    assert runs[0][2]["run_stages"]["LOSS"] == "mu-grpo" and {g for _, g, _ in runs} == {"g"}
