@@ -6,6 +6,10 @@ matched accuracy, and re-costed for a per-stage switching cost c.
     python bench/frontier.py --runs_dir=runs/frontier-lab-fork
     python bench/frontier.py --jobs=2 --gpus=4      # each of 2 runs at once its GPUs (frontier.sh's JOBS on a GPU box)
 
+Imported (notebooks/results.ipynb), its functions draw a frontier from its records: collect, speedups, accuracy_figure
+and recost_figure, with the frontier's directory, baseline and costs as arguments (the command line is read only when
+it runs as a script).
+
 Reads <runs_dir>/build<b>/seed<s>/<label>-mu<μ>/ (label: the LOSS preset, with -d<δ> for a preset with NAV); writes
 <out>/frontier.md (the table), frontier.json (every number, per run and per point) and plots/frontier_*.png.
 
@@ -37,7 +41,7 @@ total_updates = 0               # its updates per point, and the preflight's sta
 preflight_updates = 0
 jobs = 0                        # with gpus: print each of `jobs` runs at once its CUDA_VISIBLE_DEVICES, one line each
 gpus = 0                        # (gpu_slices; frontier.sh's JOBS on a box of this many GPUs)
-common.apply_overrides(globals(), sys.argv[1:])
+common.apply_overrides(globals(), sys.argv[1:] if __name__ == "__main__" else [])  # imported: not our argv (a kernel's)
 costs_s = [float(c) for c in costs.split(",")]
 
 
@@ -101,9 +105,10 @@ def spread(values):
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)} if values else None
 
 
-def collect():
-    """{point (label, μ): {(build, seed): summary}} of the finished runs (run_stages.sh's .done/all), and the
-    unfinished run directories (a killed or running frontier: their last evaluation is not the point's final)."""
+def collect(runs_dir):
+    """{point (label, μ): {(build, seed): summary}} of the finished runs under runs_dir (run_stages.sh's .done/all),
+    and the unfinished run directories (a killed or running frontier: their last evaluation is not the point's
+    final)."""
     points, unfinished = {}, []
     for run_dir in sorted(p for p in Path(runs_dir).glob("build*/seed*/*-mu*") if p.is_dir()):
         if not (run_dir / ".done" / "all").exists():
@@ -116,10 +121,25 @@ def collect():
     return points, unfinished
 
 
-def speedups(points, base_key):
+def point_key(point):
+    """A point's key (label, μ) from its label:μ (μ a whole number, or "drift")."""
+    label, mu = point.rsplit(":", 1)
+    return label, int(mu) if mu.isdigit() else mu
+
+
+def baseline_key(points, baseline):
+    """The baseline's key (label, μ), refused in one line when the frontier has no runs of it."""
+    key = point_key(baseline)
+    if key not in points:
+        sys.exit(f"baseline {baseline}: no finished runs of it (points: "
+                 f"{', '.join(f'{k[0]}:{k[1]}' for k in sorted(points, key=order))})")
+    return key
+
+
+def speedups(points, base_key, costs):
     """Per point, over the (build, seed) pairs it shares with the baseline: the baseline's time over the point's at
     equal updates, at matched accuracy (the time each first reaches the bottom of the baseline's final accuracies
-    on that build), and re-costed at each c."""
+    on that build), and re-costed at each switching cost c of costs (seconds)."""
     base = points.get(base_key, {})
     targets = {}
     for (build, _), r in base.items():
@@ -132,7 +152,7 @@ def speedups(points, base_key):
             "equal_updates": spread([b["seconds"] / r["seconds"] for r, b, _ in pairs]),
             "matched_accuracy": spread([tb / tp for tb, tp in matched if tb and tp]),
             "never": sum(tp is None for _, tp in matched), "pairs": len(pairs),
-            "recost": {c: spread([recost(b, c) / recost(r, c) for r, b, _ in pairs]) for c in costs_s}}
+            "recost": {c: spread([recost(b, c) / recost(r, c) for r, b, _ in pairs]) for c in costs}}
     return table
 
 
@@ -188,46 +208,68 @@ def markdown(rows):
     return "\n".join(lines)
 
 
-def figures(points, speed, where):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    where.mkdir(parents=True, exist_ok=True)
-    labels = sorted({label for label, _ in points})
-    mus = sorted({mu for _, mu in points}, key=lambda mu: order(("", mu)))
+def point_styles(keys):
+    """{(label, μ): plot keyword arguments}: a colour per μ, a line style per loss."""
+    labels = sorted({label for label, _ in keys})
+    mus = sorted({mu for _, mu in keys}, key=lambda mu: order(("", mu)))
+    return {(label, mu): dict(color=f"C{mus.index(mu) % 10}", ls=("-", "--", ":", "-.")[labels.index(label) % 4])
+            for label, mu in keys}
 
-    def style(label, mu):                        # a colour per μ, a line style per loss
-        return dict(color=f"C{mus.index(mu) % 10}", ls=("-", "--", ":", "-.")[labels.index(label) % 4])
-    fig, (ax_t, ax_u) = plt.subplots(1, 2, figsize=(12, 4.5))
+
+def accuracy_figure(points):
+    """Accuracy (mean over a point's runs) against minutes, evaluations taken out, and against updates: a matplotlib
+    Figure (made without pyplot: no backend is chosen, none is left open)."""
+    from matplotlib.figure import Figure
+    style = point_styles(points)
+    fig = Figure(figsize=(12, 4.5))
+    ax_t, ax_u = fig.subplots(1, 2)
     for (label, mu), runs in sorted(points.items(), key=lambda kv: order(kv[0])):
         curves = [r["curve"] for r in runs.values()]
         n = min(len(c) for c in curves)          # the evaluations every run of the point has
         acc = [np.mean([c[i][2] for c in curves]) for i in range(n)]
         minutes = [np.mean([(c[i][1] or 0.0) / 60 for c in curves]) for i in range(n)]
-        ax_t.plot(minutes, acc, marker="o", ms=3, label=f"{label} μ={mu}", **style(label, mu))
+        ax_t.plot(minutes, acc, marker="o", ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
         ax_u.plot([curves[0][i][0] for i in range(n)], acc, marker="o", ms=3, label=f"{label} μ={mu}",
-                  **style(label, mu))
+                  **style[(label, mu)])
     ax_t.set(xlabel="minutes (evaluations taken out)", ylabel="test accuracy (mean over runs)",
              title="accuracy against wall-clock")
     ax_u.set(xlabel="updates", ylabel="test accuracy (mean over runs)", title="accuracy against updates")
     ax_u.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(where / "frontier_accuracy.png", dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    x = [max(c, 0.1) for c in costs_s]           # c = 0 drawn at 0.1 s on the log axis
+    return fig
+
+
+def recost_figure(speed, baseline, costs):
+    """Each point's speed-up over the baseline (label:μ) at equal updates, re-costed at each switching cost of costs
+    (seconds per stage; speed from speedups at the same costs): a matplotlib Figure, as accuracy_figure's."""
+    from matplotlib.figure import Figure
+    style = point_styles(speed)
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    x = [max(c, 0.1) for c in costs]             # c = 0 drawn at 0.1 s on the log axis
     for (label, mu), sp in sorted(speed.items(), key=lambda kv: order(kv[0])):
-        if all(sp["recost"][c] for c in costs_s):
-            ax.plot(x, [sp["recost"][c]["mean"] for c in costs_s], marker="o", label=f"{label} μ={mu}",
-                    **style(label, mu))
+        if all(sp["recost"][c] for c in costs):
+            ax.plot(x, [sp["recost"][c]["mean"] for c in costs], marker="o", label=f"{label} μ={mu}",
+                    **style[(label, mu)])
     ax.set_xscale("log")
     ax.set(xlabel="switching cost per stage c, seconds (0 at 0.1)", ylabel=f"speed-up over {baseline} at equal updates",
            title="the algorithm apart from the system")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(where / "frontier_recost.png", dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def figures(points, speed, baseline, costs, where):
+    """The accuracy and the re-costing figures, saved in where as frontier_accuracy.png and frontier_recost.png:
+    {path: its Figure}."""
+    where = Path(where)
+    where.mkdir(parents=True, exist_ok=True)
+    drawn = {where / "frontier_accuracy.png": accuracy_figure(points),
+             where / "frontier_recost.png": recost_figure(speed, baseline, costs)}
+    for path, fig in drawn.items():
+        fig.savefig(path, dpi=120)
+    return drawn
 
 
 def estimate(figures, stage_updates, mus):
@@ -243,8 +285,7 @@ def estimate(figures, stage_updates, mus):
 
 def print_estimate():
     report = json.loads(Path(estimate_from).read_text())
-    keys = [(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1]) if p.rsplit(":", 1)[1].isdigit() else p.rsplit(":", 1)[1])
-            for p in estimate_points.split()]
+    keys = [point_key(p) for p in estimate_points.split()]
     hours = estimate(report["figures"], preflight_updates, {mu for _, mu in keys})
     print(f"ESTIMATE from the preflight's throughputs ({estimate_from}), hours per run: compute, plus a switching cost "
           f"c per stage (resident stages cost seconds, processes per phase minutes). It scales one stage's measured "
@@ -276,17 +317,12 @@ def main():
         return print("\n".join(gpu_slices(gpus, jobs, os.environ.get("CUDA_VISIBLE_DEVICES"))))
     if estimate_from:
         return print_estimate()
-    points, unfinished = collect()
+    points, unfinished = collect(runs_dir)
     if unfinished:
         print(f"left out, not finished: {', '.join(str(p.relative_to(runs_dir)) for p in unfinished)}\n")
     if not points:
         sys.exit(f"{runs_dir}: no finished run under build*/seed*/*-mu*: run frontier.sh first")
-    label, mu = baseline.rsplit(":", 1)
-    key = (label, int(mu) if mu.isdigit() else mu)
-    if key not in points:
-        sys.exit(f"--baseline={baseline}: no runs of it in {runs_dir} (points: "
-                 f"{', '.join(f'{k[0]}:{k[1]}' for k in sorted(points))})")
-    speed = speedups(points, key)
+    speed = speedups(points, baseline_key(points, baseline), costs_s)
     rows = point_rows(points, speed)
     where = Path(out or runs_dir)
     where.mkdir(parents=True, exist_ok=True)
@@ -295,7 +331,7 @@ def main():
         "baseline": baseline, "costs": costs_s, "points": rows,
         "runs": {f"{k[0]}:{k[1]}": {f"{b}/{s}": r for (b, s), r in runs.items()} for k, runs in points.items()}})
     common.atomic_write(where / "frontier.md", table + "\n")
-    figures(points, speed, where / "plots")
+    figures(points, speed, baseline, costs_s, where / "plots")
     print(table)
     print(f"\n± SE: the final accuracy's test-set standard error (each run's avg@k over its problems, in quadrature "
           f"over the point's runs); min–max: over builds and seeds.")

@@ -114,13 +114,74 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     assert json.loads((out / "preflight" / "preflight.json").read_text())["passed"]
 
 
+@pytest.fixture(scope="session")
+def finished_frontier(toy, tmp_path_factory):
+    """The smallest frontier: GRPO at μ = 1 and μ = 2 on the toy, 2 updates each (both resident), one seed, evaluated
+    before training and after its 2 updates, re-costed at 0 and 20 s, against μ = 1."""
+    out = tmp_path_factory.mktemp("frontier") / "frontier"
+    run_frontier({**frontier_env(toy, out), "MUS": "1 2", "TOTAL_UPDATES": "2", "EVAL_UPDATES": "2",
+                  "BASELINE": "grpo:1", "ESTIMATE": "false"})
+    return out
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_notebook_draws_a_frontier_from_its_records(finished_frontier, tmp_path, monkeypatch):
+    # the notebook's cells, in order, in a kernel's stead: run from a notebooks/ folder beside bench/ (as in the
+    # repository), with a Jupyter kernel's command line (bench/frontier.py must not read it as its own)
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "bench").symlink_to(ROOT / "bench")
+    monkeypatch.chdir(tmp_path / "notebooks")
+    monkeypatch.setattr(sys, "argv", ["ipykernel_launcher.py", "-f", str(tmp_path / "kernel.json")])
+    monkeypatch.setattr(sys, "path", list(sys.path))             # the cells' path setup is undone after the test
+    monkeypatch.delitem(sys.modules, "frontier", raising=False)   # imported by the cells, not found imported
+    nb = json.loads((ROOT / "notebooks" / "results.ipynb").read_text())
+    settings = {"FRONTIER = '../runs/frontier-lab-fork'": f"FRONTIER = {str(finished_frontier)!r}",
+                "BASELINE = 'grpo:4'": "BASELINE = 'grpo:1'", "COSTS = [0, 2, 20, 180]": "COSTS = [0, 20]"}
+    namespace = {}
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            code = "".join(cell["source"])
+            for default, toy_setting in settings.items():
+                code = code.replace(default, toy_setting)
+            exec(compile(code, "results.ipynb", "exec"), namespace)
+    assert namespace["FRONTIER"] == str(finished_frontier) and namespace["unfinished"] == []
+    assert sorted(namespace["points"]) == [("grpo", 1), ("grpo", 2)]
+    drawn = namespace["drawn"]
+    assert sorted(p.name for p in (tmp_path / "notebooks" / "plots_frontier").iterdir()) == \
+        ["frontier_accuracy.png", "frontier_recost.png"] == sorted(p.name for p in drawn)
+    accuracy, recost = drawn.values()
+    # accuracy against minutes (left) and against updates (right): per point its run's test accuracy before training
+    # and after its 2 updates, as its results.jsonl has them, at the seconds to each evaluation frontier.sh's own
+    # frontier.json has (a resident run evaluates first after its engine's start), in minutes
+    report = json.loads((finished_frontier / "frontier.json").read_text())
+    by_minutes, by_updates = ({line.get_label(): line for line in ax.get_lines()} for ax in accuracy.axes)
+    for mu in (1, 2):
+        results = read_lines(finished_frontier / "build0" / "seed0" / f"grpo-mu{mu}" / "results.jsonl")
+        first, last = min(results, key=lambda r: r["stage"]), max(results, key=lambda r: r["stage"])
+        curve = report["runs"][f"grpo:{mu}"]["build0/seed0"]["curve"]        # [updates, seconds, accuracy]
+        line = by_updates[f"grpo μ={mu}"]
+        assert list(line.get_xdata()) == [0, 2] and list(line.get_ydata()) == [first["avg_at_k"], last["avg_at_k"]]
+        line = by_minutes[f"grpo μ={mu}"]
+        assert list(line.get_ydata()) == [first["avg_at_k"], last["avg_at_k"]]
+        assert list(line.get_xdata()) == pytest.approx([curve[0][1] / 60, curve[1][1] / 60])
+        assert 0 <= curve[0][1] < curve[1][1]
+    # the re-costing: per point its speed-up over grpo:1 at c = 0 and 20 s (0 drawn at 0.1), as frontier.json has it
+    lines = {line.get_label(): line for line in recost.axes[0].get_lines() if line.get_label().startswith("grpo")}
+    speedup = {f"grpo μ={p['mu']}": p["speedup"]["recost"] for p in report["points"]}
+    assert sorted(lines) == ["grpo μ=1", "grpo μ=2"] and list(lines["grpo μ=1"].get_ydata()) == [1.0, 1.0]
+    for label, line in lines.items():
+        assert list(line.get_xdata()) == [0.1, 20]
+        assert list(line.get_ydata()) == pytest.approx([speedup[label]["0.0"]["mean"], speedup[label]["20.0"]["mean"]])
+
+
 def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_switch_per_stage(monkeypatch):
     # the preflight's stage of 1024 updates: generation 1.0 h, optimization 0.5 h. 4096 updates: 4 such stages of
     # compute (6 h) at any μ; μ = 4 adds 1024 switches, μ = 1024 four: at 180 s each 51.2 h and 0.2 h
-    monkeypatch.setattr(sys, "argv", ["frontier.py", "--total_updates=4096", "--costs=0,180"])
     sys.path.insert(0, str(ROOT / "bench"))
-    sys.modules.pop("frontier", None)
-    import frontier
+    import frontier                              # its --total_updates=4096 --costs=0,180
+    monkeypatch.setattr(frontier, "total_updates", 4096)
+    monkeypatch.setattr(frontier, "costs_s", [0.0, 180.0])
     hours = frontier.estimate({"estimated_hours_per_stage": {"generate": 1.0, "optimize": 0.5, "grade": 0.3}}, 1024,
                               [4, 1024, "drift"])
     assert hours[4] == {0.0: 6.0, 180.0: pytest.approx(6.0 + 51.2)}
