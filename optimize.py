@@ -592,7 +592,7 @@ def engine_agreement(model, stage, temp):
     """The guard on rollouts that the trainer's policy did not generate (an engine serving other weights, or sampling
     otherwise than its log-probs say), before a stage's first update: for up to agreement_responses responses of
     each engine's shards, the mean |ℓ − b| between the trainer's and the stored behavior log-probs; above
-    agreement_bound() the run stops naming the engine and the stage. Returns {metric: value} for update 0's line."""
+    agreement_bound() the run stops naming the engine and the stage. Returns {engine: its mean}."""
     bound = agreement_bound() if engine_mismatch_bound < 0 else engine_mismatch_bound
     engines = response_engines(stage)
     n_engines = int(engines.max()) + 1 if engines.size else 0
@@ -616,7 +616,7 @@ def engine_agreement(model, stage, temp):
                              f"the engine's by {v:.3g} nats per token on average (bound {bound:g}): the engine did not "
                              f"serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k); "
                              f"stopping before training on its rollouts")
-    return {f"check/engine_{e}_mean_abs_log_ratio": v for e, v in enumerate(means)}
+    return dict(enumerate(means))
 
 
 def metrics_row(stage, u, groups, counts, lr_now, m, seconds, extra):
@@ -651,9 +651,8 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         kept = [r for r in rows if r.get("update", 0) < start]
         common.atomic_write_lines(progress.metrics_path, kept)
     neg_ratios = broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal so far
-    agreement = {}
     if start == 0 and updates and engine_mismatch_bound != 0 and not (temperature and temperature != stage.temperature):
-        agreement = engine_agreement(model, stage, temp)
+        engine_agreement(model, stage, temp)       # logged, not in the metrics: the engines' count is the mode's
     if check_packing and start < updates:
         first = stage.groups[schedule[start]].ravel()
         packed_diff = packing_check(model, stage, temp, micro_batches(
@@ -694,7 +693,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         train_seconds += seconds
         row = metrics_row(stage, u, schedule[u], counts, lr_now, m, seconds,
                           {"skipped_nonfinite": skipped_total, "update_skipped": not stepped,
-                           **(packed_diff if u == start and check_packing else {}), **(agreement if u == 0 else {})})
+                           **(packed_diff if u == start and check_packing else {})})
         neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
             common.append_jsonl(progress.metrics_path, row)

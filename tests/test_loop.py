@@ -104,9 +104,11 @@ def assert_none_left(run_dir, timeout=60):
 @pytest.fixture(scope="session")
 def box_run(toy, tmp_path_factory):
     """The process-per-phase loop at the box's shape, SIGKILLed (run_stages.sh and its process group) in generation,
-    in optimization and in evaluation, then run to its end."""
+    in optimization and in evaluation, then run to its end; reporting to TensorBoard and W&B (offline) throughout
+    (tests/test_tracking.py reads them back)."""
     run_dir = tmp_path_factory.mktemp("box") / "run"
-    env = {**loop_env(toy, run_dir), **BOX, **SMALL_PREFLIGHT}
+    env = {**loop_env(toy, run_dir), **BOX, **SMALL_PREFLIGHT, "REPORT_TO": "tensorboard,wandb", "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "TRACKER_GROUP": "box"}
     in_generation = lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()  # noqa: E731
     in_optimization = lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()  # noqa: E731
     in_evaluation = lambda: (run_dir / ".done" / "optimize_0").exists()  # noqa: E731
@@ -151,6 +153,31 @@ def test_box_shape_killed_in_each_phase_ends_where_one_engine_and_one_rank_do(to
     assert report["passed"] and report["figures"]["engines_ran"] == 2 and report["figures"]["train_ranks"] == 2
     eval_init = next(r for r in read_lines(box_run / "timeline.jsonl") if r["name"] == "eval_init")
     assert report["time"] < eval_init["start"]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_run_killed_in_every_phase_and_resumed_continues_the_same_tracker_runs_without_duplicated_steps(box_run):
+    # box_run (above): 2 stages × 6 updates at the box's shape with REPORT_TO=tensorboard,wandb, SIGKILLed
+    # in generation, in optimization (after its first metrics line) and in evaluation, then run to its end
+    from test_tracking import steps_of, tensorboard_scalars, wandb_history
+    recorded = [r["run_update"] for s in (0, 1) for r in read_lines(box_run / f"stage_{s}" / "metrics.jsonl")]
+    assert recorded == list(range(12))
+    scalars = tensorboard_scalars(box_run)
+    for tag in ("train/loss/policy", "train/ratio/mean_neg_adv", "train/clip/upper_frac", "train/nav/vetoed_frac",
+                "train/ratio/kl", "train/grad_norm", "train/lr", "train/entropy", "train/staleness",
+                "train/tokens_per_s", "train/wall_hours"):
+        assert scalars[tag] == recorded, tag                       # every update once, at its recorded run update
+    for tag in ("rollout/mean_reward", "rollout/mean_response_tokens", "rollout/truncation_rate",
+                "rollout/frac_groups_zero_variance", "rollout/wall_tokens_per_s"):
+        assert scalars[tag] == [0, 6], tag
+    assert scalars["eval/test/avg_at_4"] == scalars["eval/test/pass_at_4"] == [0, 6, 12]   # initial, then each stage's
+    assert scalars["time/optimize_seconds"] == [6, 12] and scalars["time/generate_seconds"] == [0, 6]
+    history, runs = wandb_history(box_run)
+    assert steps_of(history, "train/loss/policy") == recorded
+    assert steps_of(history, "eval/test/avg_at_4") == [0, 6, 12] and steps_of(history, "rollout/mean_reward") == [0, 6]
+    assert len(runs) >= 4 and len({run_id for run_id, _, _ in runs}) == 1     # every rerun resumed the same W&B run
+    assert runs[0][2]["run_stages"]["LOSS"] == "mu-grpo" and {g for _, g, _ in runs} == {"box"}
 
 
 # ----------------------------------------------------------------------------- several nodes, on localhost

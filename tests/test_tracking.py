@@ -1,7 +1,7 @@
 """Watching a run (issue 44): the trackers fed from the run's records (tracking.py), read back with TensorBoard's own
-reader and from W&B's offline run files; the missing-package refusal; the stage line with its ETA."""
+reader and from W&B's offline run files; the missing-package refusal; the stage line with its ETA. A real run killed in
+every phase and resumed, read back with the functions here: tests/test_loop.py (it shares box_run's run)."""
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import pytest
 
 import common
 import tracking
-from conftest import ROOT, kill_when, needs_vllm
+from conftest import ROOT
 
 
 # ----------------------------------------------------------------------------- reading the trackers back
@@ -159,39 +159,3 @@ def test_the_stage_line_says_the_updates_done_the_last_evaluation_and_an_eta_fro
     common.append_jsonl(run / "timeline.jsonl", {"phase": "eval", "name": "eval_x", "stage": 1, "start": 0, "end": 0,
                                                   "seconds": 14360.0})       # 4 h in all: 3 h 20 min per 4 updates
     assert tracking.where_line(run, 8, 2).endswith("ETA 4 h 00 min (4 h 00 min measured for 4 updates)")
-
-
-# ----------------------------------------------------------------------------- a real run, killed and resumed
-
-
-@pytest.mark.slow
-@needs_vllm
-def test_a_toy_run_killed_and_resumed_continues_the_same_tracker_runs_without_duplicated_steps(toy, tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("wandb")
-    run = tmp_path / "run"
-    env = {"PRESET": "toy", "RUN": str(run), "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"),
-           "EVAL_DATA_DIR": str(toy), "BENCHMARKS": "test", "STAGES": "2", "UPDATES": "4", "PROMPTS_PER_UPDATE": "8",
-           "LR": "5e-4", "MAX_RESPONSE": "12", "EVAL_K": "2", "REPORT_TO": "tensorboard,wandb",
-           "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TRACKER_GROUP": "g"}
-    metrics = run / "stage_1" / "metrics.jsonl"
-    assert kill_when(["bash", "run_stages.sh"], lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2,
-                     env=env)
-    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[stage 1] update 4 of 8 · last evaluation: avg@2" in proc.stdout        # the resumed stage's line
-    recorded = [r["run_update"] for s in (0, 1) for r in common.read_jsonl(run / f"stage_{s}" / "metrics.jsonl")]
-    assert recorded == list(range(8))
-    scalars = tensorboard_scalars(run)
-    for tag in ("train/loss/policy", "train/ratio/mean_neg_adv", "train/clip/upper_frac", "train/nav/vetoed_frac",
-                "train/grad_norm", "train/lr", "train/entropy", "train/staleness", "train/tokens_per_s"):
-        assert scalars[tag] == recorded, tag                       # every update once, at its recorded run update
-    assert scalars["rollout/mean_reward"] == [0, 4] and scalars["rollout/frac_groups_zero_variance"] == [0, 4]
-    assert scalars["eval/test/avg_at_2"] == [0, 4, 8]               # the initial policy, then each stage's
-    assert scalars["time/optimize_seconds"] == [4, 8]
-    history, runs = wandb_history(run)
-    assert steps_of(history, "train/loss/policy") == recorded
-    assert steps_of(history, "eval/test/avg_at_2") == [0, 4, 8]
-    assert len(runs) >= 2 and len({run_id for run_id, _, _ in runs}) == 1     # the rerun resumed the same W&B run
-    assert runs[0][2]["run_stages"]["LOSS"] == "mu-grpo" and {g for _, g, _ in runs} == {"g"}

@@ -147,7 +147,7 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
     net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
     if not stops:
         seen = optimize.engine_agreement(net, stage, 1.0)
-        assert set(seen) == {"check/engine_0_mean_abs_log_ratio", "check/engine_1_mean_abs_log_ratio"}
+        assert set(seen) == {0, 1}
         assert max(seen.values()) < 1e-5                     # float32 noise and the 1e-6 rounding of the stored values
         return
     with pytest.raises(SystemExit) as e:
