@@ -205,8 +205,9 @@ fi
 TRACKING=
 on_exit() {    # the trackers' last pass over the records; several nodes: a successful end tells this node's watch
   local st=$?
-  if [[ -n "$TRACKING" ]]; then kill -TERM "$TRACKING" 2>/dev/null; wait "$TRACKING" \
-    || echo "[tracking] ended with an error: see $LOGS/tracking.log (the records are complete; a rerun logs them)" >&2; fi
+  if [[ -n "$TRACKING" ]]; then touch "$LOGS/tracking.stop.$$"; wait "$TRACKING" \
+    || echo "[tracking] ended with an error: see $LOGS/tracking.log (the records are complete; a rerun logs them)" >&2
+    rm -f "$LOGS/tracking.stop.$$"; fi
   if (( st == 0 )) && [[ -n "$WATCH" ]]; then kill -USR1 "$WATCH"; wait "$WATCH" || st=$?; fi
   exit $st
 }
@@ -291,7 +292,7 @@ fi
 START=$(share start "$( (( NODE_RANK > 0 )) || cat "$RUN/.done/start")")
 if [[ "$REPORT_TO" != none ]] && (( NODE_RANK == 0 )); then   # node 0 alone: its records are the run's
   $PY tracking.py --command=follow --run_dir="$RUN" --report_to="$REPORT_TO" --pid=$$ --group="$TRACKER_GROUP" \
-      --settings="$SETTINGS" >> "$LOGS/tracking.log" 2>&1 9>&- &
+      --stop_file="$LOGS/tracking.stop.$$" --settings="$SETTINGS" >> "$LOGS/tracking.log" 2>&1 9>&- &
   TRACKING=$!
   echo "[tracking] $REPORT_TO: every update, stage and evaluation as it is recorded ($LOGS/tracking.log)"
 fi

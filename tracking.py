@@ -4,9 +4,10 @@ stands (a line per stage: updates done of the total, the last evaluation, an ETA
 The trackers are fed from the run's own records, by one process on node 0 that follows them beside the phases:
 
     python tracking.py --command=check --report_to=tensorboard,wandb   one line, before any phase, if a package is missing
-    python tracking.py --command=follow --run_dir=RUN --report_to=... --pid=PID --settings="KEY=VALUE..."
+    python tracking.py --command=follow --run_dir=RUN --report_to=... --pid=PID --stop_file=F --settings="K=V..."
                                    every poll_s: the records' rows not yet logged go to every tracker; after a last
-                                   pass it ends with run_stages.sh (pid) or on SIGTERM
+                                   pass it ends when F exists (run_stages.sh's exit), run_stages.sh (pid) has ended,
+                                   or on SIGTERM
     python tracking.py --command=where --run_dir=RUN --total_updates=N --stage=S    the stage line
 
 What goes in, each row at the step of the **recorded** run update (never recomputed) with the wall-clock hours
@@ -42,6 +43,7 @@ run_dir = ""                    # the run directory (run_stages.sh RUN)
 report_to = "none"              # none | tensorboard | wandb | a comma list of the last two
 # follow
 pid = 0                         # run_stages.sh's pid: following ends, after a last pass, once it has ended (0: one pass)
+stop_file = ""                  # or once this file exists (run_stages.sh's exit: no signal can come before the handler)
 settings = ""                   # run_stages.sh's knobs as KEY=VALUE lines: the tracker run's config
 group = ""                      # the tracker group of this run (frontier.sh, ablate.sh: one per frontier or ablation)
 poll_s = 2.0                    # seconds between passes over the records
@@ -238,9 +240,9 @@ class Follower:
             tracker.close()
 
 
-def follow(run, report, knobs, parent):
-    """Log the run's records as they are written until the parent process has ended or a SIGTERM comes, then a last
-    pass; parent 0: one pass."""
+def follow(run, report, knobs, parent, stop_path=""):
+    """Log the run's records as they are written until stop_path exists, the parent process has ended or a SIGTERM
+    comes, then a last pass; parent 0: one pass."""
     if not trackers_of(report):
         return
     stop = []
@@ -249,11 +251,11 @@ def follow(run, report, knobs, parent):
     try:
         while True:
             follower.sync()
-            if not parent or stop or not _alive(parent):
+            if not parent or stop or not _alive(parent) or (stop_path and os.path.exists(stop_path)):
                 follower.sync()
                 return
             deadline = time.monotonic() + poll_s
-            while time.monotonic() < deadline and not stop:
+            while time.monotonic() < deadline and not stop and not (stop_path and os.path.exists(stop_path)):
                 time.sleep(0.1)
     finally:
         follower.close()
@@ -309,4 +311,4 @@ if __name__ == "__main__":
     elif command == "where":
         print(where_line(run_dir, total_updates, stage), flush=True)
     else:
-        follow(run_dir, report_to, parse_settings(settings), pid)
+        follow(run_dir, report_to, parse_settings(settings), pid, stop_file)

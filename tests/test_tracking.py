@@ -2,6 +2,7 @@
 reader and from W&B's offline run files; the missing-package refusal; the stage line with its ETA. A real run killed in
 every phase and resumed, read back with the functions here: tests/test_loop.py (it shares box_run's run)."""
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -159,3 +160,21 @@ def test_the_stage_line_says_the_updates_done_the_last_evaluation_and_an_eta_fro
     common.append_jsonl(run / "timeline.jsonl", {"phase": "eval", "name": "eval_x", "stage": 1, "start": 0, "end": 0,
                                                   "seconds": 14360.0})       # 4 h in all: 3 h 20 min per 4 updates
     assert tracking.where_line(run, 8, 2).endswith("ETA 4 h 00 min (4 h 00 min measured for 4 updates)")
+
+
+def test_following_ends_after_a_last_pass_once_run_stages_sh_says_it_exits(tmp_path, monkeypatch):
+    # run_stages.sh's exit creates the stop file and waits for the follower: a file, not a signal, since the exit may
+    # come before the follower has set its handler (a rerun of a finished run exits at once). Rows written just before
+    # the stop still go in
+    import threading
+    pytest.importorskip("tensorboard")
+    run, stop = tmp_path / "run", tmp_path / "tracking.stop"
+    write_records(run, 1)
+    monkeypatch.setattr(tracking, "poll_s", 60.0)
+
+    def finish():
+        write_records(run, 2)
+        stop.touch()
+    threading.Timer(0.5, finish).start()
+    tracking.follow(run, "tensorboard", {}, os.getpid(), str(stop))       # returns: the parent (this process) lives on
+    assert tensorboard_scalars(run)["train/loss/policy"] == [0, 1, 2, 3]
