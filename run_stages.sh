@@ -290,8 +290,10 @@ elif [[ "$RESIDENT_GPU_MEMORY" == auto ]]; then
 fi
 (( NODE_RANK > 0 )) || [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
 START=$(share start "$( (( NODE_RANK > 0 )) || cat "$RUN/.done/start")")
-if [[ "$REPORT_TO" != none ]] && (( NODE_RANK == 0 )); then   # node 0 alone: its records are the run's
-  $PY tracking.py --command=follow --run_dir="$RUN" --report_to="$REPORT_TO" --pid=$$ --group="$TRACKER_GROUP" \
+# the trackers' follower: node 0 alone (its records are the run's), in a session of its own, so that a kill of this
+# script's process group leaves it its last pass and the trackers' close (tracking.py)
+if [[ "$REPORT_TO" != none ]] && (( NODE_RANK == 0 )); then
+  setsid $PY tracking.py --command=follow --run_dir="$RUN" --report_to="$REPORT_TO" --pid=$$ --group="$TRACKER_GROUP" \
       --stop_file="$LOGS/tracking.stop.$$" --settings="$SETTINGS" >> "$LOGS/tracking.log" 2>&1 9>&- &
   TRACKING=$!
   echo "[tracking] $REPORT_TO: every update, stage and evaluation as it is recorded ($LOGS/tracking.log)"

@@ -22,9 +22,12 @@ The run's settings (run_stages.sh's knobs, then the first stage's optimize_confi
 
 One tracker run per run directory: TensorBoard's event files in <run>/tensorboard, W&B's run id kept in
 <run>/tracking/wandb_id, so a killed and resumed run continues the same curves. Which rows went to the trackers is
-written to <run>/tracking/logged.json *before* they are logged, so a resumed follower never logs a step twice (a
-kill inside that millisecond leaves those rows out of the tracker; the JSONL records keep every row). With
-REPORT_TO=none nothing here is imported by any phase: the trackers are optional dependencies.
+written to <run>/tracking/logged.json *before* they are logged, so a resumed follower never logs a step twice. The
+follower runs in a session of its own: a kill of run_stages.sh's process group (Ctrl-C, a scheduler's SIGKILL) leaves
+it to notice, make its last pass and close its trackers, which then hold every row sent (a tracker's buffered rows
+die with a process killed outright); the next follower of the run waits for it (<run>/tracking/.lock). Only a
+follower itself killed outright loses the rows it had sent but its tracker had not written; the JSONL records keep
+every row. With REPORT_TO=none nothing here is imported by any phase: the trackers are optional dependencies.
 """
 import importlib.util
 import json
@@ -245,8 +248,12 @@ def follow(run, report, knobs, parent, stop_path=""):
     comes, then a last pass; parent 0: one pass."""
     if not trackers_of(report):
         return
+    import fcntl
     stop = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+    (Path(run) / "tracking").mkdir(parents=True, exist_ok=True)
+    lock = open(Path(run) / "tracking" / ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)        # a killed attempt's follower makes its last pass first
     follower = Follower(run, report, knobs)
     try:
         while True:
@@ -259,6 +266,7 @@ def follow(run, report, knobs, parent, stop_path=""):
                 time.sleep(0.1)
     finally:
         follower.close()
+        lock.close()
 
 
 def _alive(process):
