@@ -22,6 +22,7 @@ import torch
 
 import common
 import loss as L
+import rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 import lab  # noqa: E402  (the worked solutions)
@@ -107,7 +108,7 @@ def checkpoint_path(root, variant, seed, u, model):
     if u == 0:
         return model
     d = root / variant / f"seed{seed}"
-    candidates = [d / f"policy_u{u:05d}", d / "policy"]
+    candidates = [d / f"{rollouts.POLICY}_u{u:05d}", d / rollouts.POLICY]
     for c in candidates:
         meta = c / common.POLICY_ID_FILE
         if meta.exists() and json.loads(meta.read_text()).get("stage_updates") == u:
@@ -141,10 +142,11 @@ def deltas(root, variant_seeds):
 def main():
     from transformers import AutoTokenizer
     root = Path(ablation_dir)
-    manifest = json.loads((root / "stage_0" / "rollouts" / "manifest.json").read_text())
+    stage_rollouts = rollouts.stage_dir(root, 0) / rollouts.ROLLOUTS
+    manifest = json.loads((stage_rollouts / rollouts.MANIFEST).read_text())
     model = manifest["policy"]
     tokenizer = AutoTokenizer.from_pretrained(model)
-    all_rows = [r for name in manifest["shards"] for r in common.read_jsonl(root / "stage_0" / "rollouts" / name)]
+    all_rows = [r for name in manifest["shards"] for r in common.read_jsonl(stage_rollouts / name)]
     negative_groups = sorted({r["group"] for r in all_rows if r["advantage"] < 0})[:groups]
     rows = [r for r in all_rows if r["group"] in set(negative_groups)]
     table = []

@@ -31,17 +31,17 @@ def load_run(path):
     """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
     path = Path(path)
     metrics, manifests, stage_ends = [], {}, {}
-    for stage_dir in sorted(path.glob("stage_*"), key=lambda p: int(p.name.split("_")[1])):
+    for _, stage_dir in rollouts.stage_dirs(path):
         s = int(stage_dir.name.split("_")[1])
-        for row in _rows(stage_dir / "metrics.jsonl"):
+        for row in _rows(stage_dir / rollouts.METRICS):
             metrics.append({**row, "stage": s})
         if (stage_dir / rollouts.STAGE_END).exists():      # where training on the stage ended, and why
             stage_ends[s] = json.loads((stage_dir / rollouts.STAGE_END).read_text())
-        if (stage_dir / "rollouts" / rollouts.MANIFEST).exists():
-            manifests[s] = json.loads((stage_dir / "rollouts" / rollouts.MANIFEST).read_text())
-    for row in _rows(path / "metrics.jsonl"):   # an ablation replay: optimize.py --out=<path>/policy
+        if (stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).exists():
+            manifests[s] = json.loads((stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).read_text())
+    for row in _rows(path / rollouts.METRICS):   # an ablation replay: optimize.py --out=<path>/policy
         metrics.append(row)
-    return {"name": path.name, "results": _rows(path / "results.jsonl"), "timeline": _rows(path / "timeline.jsonl"),
+    return {"name": path.name, "results": _rows(path / rollouts.RESULTS), "timeline": _rows(path / rollouts.TIMELINE),
             "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
 
 
@@ -177,7 +177,7 @@ def load_ablation(path):
     the on-policy reference is the variant "onpolicy-<loss>", its curve the stage policies'. The initial
     policy (updates 0) starts every curve."""
     path = Path(path).resolve()
-    rows = _rows(path / "results.jsonl")
+    rows = _rows(path / rollouts.RESULTS)
     initial = [r["avg_at_k"] for r in rows if path not in Path(r["policy"]).resolve().parents]
     out = {}
     for r in rows:
@@ -191,7 +191,7 @@ def load_ablation(path):
     for variant, v in out.items():
         for seed, curve in v["curves"].items():
             v["curves"][seed] = sorted(([(0, initial[0])] if initial else []) + curve)
-            v["metrics"][seed] = _rows(path / variant / f"seed{seed}" / "metrics.jsonl")
+            v["metrics"][seed] = _rows(path / variant / f"seed{seed}" / rollouts.METRICS)
     return out, (initial[0] if initial else float("nan"))
 
 

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import common
+import processes
 import reward
 import rollouts
 from loss import AGREEMENT_MEAN, MISMATCH_LEVELS
@@ -47,10 +48,10 @@ run_dir = ""                    # the run directory whose free disk is checked a
                                 # this report's directory)
 # the run's shape, for that disk estimate (run_stages.sh passes them): what the run keeps follows from these
 stages = 4                      # STAGES (STAGE_END=drift: the stages come from the plan, stage_plan)
-stage_updates = 1024            # UPDATES: μ of every stage (STAGE_END=drift: of the first)
+updates_per_stage = 1024        # UPDATES_PER_STAGE: μ of every stage (STAGE_END=drift: of the first)
 stage_end = "fixed"             # STAGE_END: fixed | drift
-total_updates = 0               # TOTAL_UPDATES, drift: the run's updates (0: stages × stage_updates)
-drift_max_updates = 0           # DRIFT_MAX_UPDATES (0: 4 × stage_updates, run_stages.sh's default)
+total_updates = 0               # TOTAL_UPDATES, drift: the run's updates (0: stages × updates_per_stage)
+drift_max_updates = 0           # DRIFT_MAX_UPDATES (0: 4 × updates_per_stage: rollouts.StagePlan's default)
 drift_min_updates = 16          # μ_min, no stage ends on drift before it (optimize.py's default; run_stages.sh passes
                                 # DRIFT_ARGS's --drift_min_updates)
 save_every = 1                  # SAVE_EVERY, resident: a policy and train state kept every N stages and the last (0:
@@ -81,7 +82,7 @@ resident_gpu_memory = 0.5       # resident: each engine's share of its GPU (run_
 # the mean by > 0.05; a fault that touches a minority of tokens (positions past some length, the end of a packed
 # row seeing the row before) is diluted in the mean but puts far more than 1 token in 1000 above 1 nat (a logit
 # difference > 0.5).
-# Packing is checked differentially: one micro-batch packed in two orders (optimize.py packing_check). Both rows
+# Packing is checked differentially: one micro-batch packed in two orders (update.py packing_check). Both rows
 # are as long, so every GEMM has the same shape, tiling and reduction order and each row rounds alike (cuBLAS gives
 # bit-identical results for one shape on one GPU); the attention kernels work per sequence. A correct packing
 # differs by ~0 there, while a sequence that sees its predecessors sees other ones in the other order. Not packed
@@ -105,8 +106,9 @@ n_ranks = train_ranks or max(1, n_gpus)
 if not on_gpu:
     agreement_mean, agreement_p999, packing_mean, packing_p999 = AGREEMENT_MEAN["cpu"], 1e-2, 1e-5, 1e-4
 common.check_choice("stage_end", stage_end, ("fixed", "drift"))
-if stage_updates < 1 or stages < 1:
-    sys.exit(f"--stage_updates={stage_updates} --stages={stages}: a run has at least one stage of at least one update")
+if updates_per_stage < 1 or stages < 1:
+    sys.exit(f"--updates_per_stage={updates_per_stage} --stages={stages}: a run has at least one stage of at least one "
+             f"update")
 if agreement_p999 not in MISMATCH_LEVELS:
     sys.exit(f"--agreement_p999={agreement_p999}: allowed values are the levels optimize.py counts, {MISMATCH_LEVELS}")
 report_path = Path(out)
@@ -244,7 +246,7 @@ def agreement_checks(results, first, what):
 
 
 def packing_checks(results, first):
-    """optimize.py's packing_check of update 0: gated on one micro-batch packed in two orders (every rank's packs
+    """update.py's packing_check of update 0: gated on one micro-batch packed in two orders (every rank's packs
     at least 2 sequences, or nothing was compared); packed vs one sequence alone is printed."""
     mean, p999 = first.get("check/packed_mean_abs_diff"), first.get("check/packed_p999_abs_diff")
     fewest = first.get("check/packed_sequences_min") or 0
@@ -307,16 +309,12 @@ def run_resident(run_dir, model):
                    f"--micro_batch_tokens={micro_batch_tokens}", *optimize_args.split(), "--updates_per_stage=1",
                    f"--prompts_per_update={prompts_per_stage}", f"--lr={round_trip_lr}"]
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    with open(work / "logs" / "resident_engine.log", "w") as e_log, open(work / "logs" / "resident_trainer.log", "w") as t_log:
-        procs = [subprocess.Popen([str(c) for c in cmd], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-                 for cmd, log in ((engine_cmd, e_log), (trainer_cmd, t_log))]
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.2)
-        if any(p.poll() not in (None, 0) for p in procs):     # one failed: the other is stopped, not waited for
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        codes = [p.wait() for p in procs]
+    logs = {role: work / "logs" / f"resident_{role}.log" for role in ("engine", "trainer")}
+    for path in logs.values():
+        path.write_text("")
+    _, codes = processes.run_together({"engine": [str(c) for c in engine_cmd], "trainer": [str(c) for c in trainer_cmd]},
+                                      logs, cwd=ROOT)
+    codes = [codes["engine"], codes["trainer"]]
     if any(codes):
         raise PhaseError("resident", f"engine exit {codes[0]}, trainer exit {codes[1]}")
 
@@ -328,12 +326,12 @@ def resident_checks(results, run_dir):
     row says it reloaded (and, on a GPU, what its sleep freed); a figure missing from a row is a FAIL."""
     import handoff
     flag = handoff.Partner(run_dir, "engine").trained(0)
-    manifest = json.loads((run_dir / "stage_1" / "rollouts" / rollouts.MANIFEST).read_text())
-    rows = common.read_jsonl(run_dir / "timeline.jsonl")
+    manifest = json.loads((rollouts.stage_dir(run_dir, 1) / rollouts.ROLLOUTS / rollouts.MANIFEST).read_text())
+    rows = common.read_jsonl(run_dir / rollouts.TIMELINE)
     engine_rows = {s: {r["engine"]: r for r in rows if r["phase"] == "engine" and r["stage"] == s} for s in (0, 1)}
     reloads = [engine_rows[1].get(r, {}).get("reload_seconds") for r in range(n_engines)]
     reloaded = all(x is not None and x > 0 for x in reloads)
-    handed = manifest["policy_id"] == flag["fingerprint"] and (run_dir / "stage_1" / "policy" / "model.safetensors").exists()
+    handed = manifest["policy_id"] == flag["fingerprint"] and (rollouts.stage_dir(run_dir, 1) / rollouts.POLICY / "model.safetensors").exists()
     check(results, f"resident hand-off: stage 1 generated by the policy trained on stage 0, loaded in place by every "
           f"engine ({n_engines})", handed and reloaded, "none" if not any(reloads) else
           round(min(x or 0.0 for x in reloads), 3), "reloaded", "s (slowest engine's reload: the least)")
@@ -351,7 +349,7 @@ def resident_checks(results, run_dir):
 
 def stage_plan(first, total, max_updates, min_updates, growth=2.0):
     """The μ of every stage of a run with STAGE_END=drift whose stages each train `growth` times the updates of the
-    stage before (rollouts.planned_updates: twice μ after a stage without a drift warning), at least μ_min, at most
+    stage before (rollouts.StagePlan: twice μ after a stage without a drift warning), at least μ_min, at most
     max_updates and the updates left, until `total` updates."""
     plan = [min(first, total)]
     while sum(plan) < total:
@@ -381,7 +379,7 @@ def disk_check(results, rows, model):
     updates of the one before)) is printed for information."""
     import handoff
     import model as M
-    stage_dir = work / "stage_0" / "rollouts"
+    stage_dir = rollouts.stage_dir(work, 0) / rollouts.ROLLOUTS
     response_bytes = sum(f.stat().st_size for f in stage_dir.rglob("*") if f.is_file()) / max(1, len(rows))
     n = M.parameter_count(model)
     policy_bytes, state_bytes = n * M.checkpoint_dtype(model).itemsize, 12 * n
@@ -390,22 +388,24 @@ def disk_check(results, rows, model):
     # resident: the two handed-over policies go to the run's disk when /dev/shm has no room for them
     handed = 2 * policy_bytes if resident and \
         handoff.fast_dir(where, policy_bytes)[0] == handoff.state_dir(where) / "policies" else 0
-    responses_per_update = estimate_stage_prompts / stage_updates * group_size
-    total = total_updates or stages * stage_updates
-    plan = [stage_updates] * stages if stage_end == "fixed" else \
-        stage_plan(stage_updates, total, drift_max_updates or 4 * stage_updates, drift_min_updates)
-    keeps, policies, states = kept_bytes(plan, response_bytes, responses_per_update, policy_bytes, state_bytes)
+    responses_per_update = estimate_stage_prompts / updates_per_stage * group_size
+    plan = rollouts.StagePlan(updates_per_stage, stages, stage_end, total_updates=total_updates,
+                              drift_max_updates=drift_max_updates)     # the run's plan, its defaults resolved there
+    total = plan.total_updates
+    stages_kept = [updates_per_stage] * stages if stage_end == "fixed" else \
+        stage_plan(updates_per_stage, total, plan.drift_max_updates, drift_min_updates)
+    keeps, policies, states = kept_bytes(stages_kept, response_bytes, responses_per_update, policy_bytes, state_bytes)
     free = shutil.disk_usage(where).free
-    what = f"{len(plan)} stages' rollouts ({sum(plan)} updates), {policies} policies and {states} train states" + \
+    what = f"{len(stages_kept)} stages' rollouts ({sum(stages_kept)} updates), {policies} policies and {states} train states" + \
         (" and the 2 handed-over policies" if handed else "")
     fewest = " (drift: the fewest stages, none ended on drift)" if stage_end == "drift" else ""
     check(results, f"disk: free space in {where} for {what}{fewest}", free >= keeps + handed, round(free / 1e9, 1),
           f">= {(keeps + handed) / 1e9:.1f}", "GB")
     if stage_end == "drift":
-        step = max(1, min(drift_min_updates, drift_max_updates or 4 * stage_updates))
-        most_stages = 1 + math.ceil(max(0, total - min(plan[0], drift_min_updates)) / step)
-        most_updates = min(plan[0] + (most_stages - 1) * drift_min_updates + 2 * total,
-                           plan[0] + (most_stages - 1) * (drift_max_updates or 4 * stage_updates))
+        step = max(1, min(drift_min_updates, plan.drift_max_updates))
+        most_stages = 1 + math.ceil(max(0, total - min(stages_kept[0], drift_min_updates)) / step)
+        most_updates = min(stages_kept[0] + (most_stages - 1) * drift_min_updates + 2 * total,
+                           stages_kept[0] + (most_stages - 1) * plan.drift_max_updates)
         most = kept_bytes([most_updates] + [0] * (most_stages - 1), response_bytes, responses_per_update,
                           policy_bytes, state_bytes)[0]
         check(results, f"disk: what a drift run keeps at most, every stage ended at μ_min={drift_min_updates} "
@@ -462,25 +462,27 @@ def clean_up():
     passes; keep its logs, rollouts and metrics."""
     import handoff
     handoff.clear_policies(work / "resident")
-    for d in [work / "stage_0" / "train_state", work / "stage_0" / "train_state.tmp", *work.glob("stage_*/policy*"),
-              *work.glob("stage_*/logprobs"), *work.glob("ckpt_*/policy*"), *work.glob("ckpt_*/train_state*"),
-              *work.glob("resident/stage_*/policy*"), *work.glob("resident/stage_*/train_state*")]:
+    for d in [*work.glob(f"stage_*/{rollouts.POLICY}*"), *work.glob(f"stage_*/{rollouts.TRAIN_STATE}*"),
+              *work.glob("stage_*/logprobs"), *work.glob(f"ckpt_*/{rollouts.POLICY}*"),
+              *work.glob(f"ckpt_*/{rollouts.TRAIN_STATE}*"), *work.glob(f"resident/stage_*/{rollouts.POLICY}*"),
+              *work.glob(f"resident/stage_*/{rollouts.TRAIN_STATE}*")]:
         shutil.rmtree(d, ignore_errors=True)
 
 
 def miniature(results, figures, model):
     """The miniature run and its checks (raises PhaseError when a phase fails; a check that raises is its FAIL)."""
+    stage0, stage1 = rollouts.stage_dir(work, 0), rollouts.stage_dir(work, 1)
     figures["generate_seconds"] = run("generate_0", generate_cmd(model, 0))
-    manifest = json.loads((work / "stage_0" / "rollouts" / rollouts.MANIFEST).read_text())
-    rows = [r for f in sorted((work / "stage_0" / "rollouts").glob("shard_*.jsonl")) for r in common.read_jsonl(f)]
+    manifest = json.loads((stage0 / rollouts.ROLLOUTS / rollouts.MANIFEST).read_text())
+    rows = [r for f in sorted((stage0 / rollouts.ROLLOUTS).glob("shard_*.jsonl")) for r in common.read_jsonl(f)]
     with guarded(results, "stop tokens"):
         stop_token_check(results, rows, model)
     with guarded(results, "disk"):
         disk_check(results, rows, model)
 
-    run("optimize_0", optimize_cmd(work / "stage_0", work / "stage_0" / "policy", updates, f"--policy={model}",
+    run("optimize_0", optimize_cmd(stage0, stage0 / rollouts.POLICY, updates, f"--policy={model}",
                                    "--check_packing=true"))
-    metrics = common.read_jsonl(work / "stage_0" / "metrics.jsonl")
+    metrics = common.read_jsonl(stage0 / rollouts.METRICS)
     with guarded(results, "engine/trainer agreement"):
         agreement_checks(results, metrics[0], "engine/trainer agreement")
     with guarded(results, "packed attention"):
@@ -490,10 +492,10 @@ def miniature(results, figures, model):
     saved = {}
     for ckpt in (False, True):
         d = work / f"ckpt_{'on' if ckpt else 'off'}"
-        run(f"optimize_ckpt_{ckpt}", optimize_cmd(work / "stage_0", d / "policy", 1, f"--policy={model}",
+        run(f"optimize_ckpt_{ckpt}", optimize_cmd(stage0, d / rollouts.POLICY, 1, f"--policy={model}",
                                                   f"--gradient_checkpointing={ckpt}", f"--micro_batch_tokens={small}",
                                                   "--save_train_state=false"))
-        m = common.read_jsonl(d / "metrics.jsonl")[0]
+        m = common.read_jsonl(d / rollouts.METRICS)[0]
         saved[ckpt] = (m["memory/saved_activations_gib"], m.get("memory/peak_gib"))
     check(results, "gradient checkpointing: saved activations with / without", saved[True][0] < 0.5 * saved[False][0],
           round(saved[True][0] / max(saved[False][0], 1e-12), 4), 0.5, "ratio")
@@ -501,22 +503,22 @@ def miniature(results, figures, model):
     # round trip: the saved policy is the trained one; vLLM samples from it; the next stage's trainer starts from the
     # fp32 train state with --policy the *initial* model, so a train state that is not loaded shows as a mismatch
     with guarded(results, "round trip"):
-        round_trip_checks(results, model, work / "stage_0" / "policy", work / "stage_0" / "train_state")
-    run("generate_1", generate_cmd(work / "stage_0" / "policy", 1))
-    run("optimize_1", optimize_cmd(work / "stage_1", work / "stage_1" / "policy", 1, f"--policy={model}",
-                                   f"--init_state={work / 'stage_0' / 'train_state'}", "--save_train_state=false"))
+        round_trip_checks(results, model, stage0 / rollouts.POLICY, stage0 / rollouts.TRAIN_STATE)
+    run("generate_1", generate_cmd(stage0 / rollouts.POLICY, 1))
+    run("optimize_1", optimize_cmd(stage1, stage1 / rollouts.POLICY, 1, f"--policy={model}",
+                                   f"--init_state={stage0 / rollouts.TRAIN_STATE}", "--save_train_state=false"))
     with guarded(results, "round trip"):
-        agreement_checks(results, common.read_jsonl(work / "stage_1" / "metrics.jsonl")[0],
+        agreement_checks(results, common.read_jsonl(stage1 / rollouts.METRICS)[0],
                          "round trip: vLLM on the saved policy vs the trainer's state")
 
     (work / "eval").mkdir(parents=True, exist_ok=True)
     shutil.copy(data, work / "eval" / "train.jsonl")
-    run("evaluate", [sys.executable, "evaluate.py", f"--policy={work / 'stage_0' / 'policy'}", "--benchmarks=train",
+    run("evaluate", [sys.executable, "evaluate.py", f"--policy={stage0 / rollouts.POLICY}", "--benchmarks=train",
                      f"--data_dir={work / 'eval'}", "--max_problems=16", "--k=2", f"--gpus={n_gpus}",
                      f"--engines={n_engines}", f"--max_prompt_tokens={max_prompt_tokens}",
                      f"--max_response_tokens={max_response_tokens}", f"--prompt_template={prompt_template}",
-                     f"--results={work / 'eval' / 'results.jsonl'}"])
-    ev = common.read_jsonl(work / "eval" / "results.jsonl")[0]
+                     f"--results={work / 'eval' / rollouts.RESULTS}"])
+    ev = common.read_jsonl(work / "eval" / rollouts.RESULTS)[0]
     check(results, "evaluation: avg@2 of the saved policy on 16 training problems", True, round(ev["avg_at_k"], 4), "runs")
     if resident:
         run_resident(work / "resident", model)

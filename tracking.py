@@ -39,6 +39,7 @@ import uuid
 from pathlib import Path
 
 import common
+import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
 command = ""                    # check | follow | where
@@ -89,14 +90,14 @@ def _numbers(row, prefix, skip=()):
 
 
 def _stage_dirs(run):
-    return sorted((p for p in Path(run).glob("stage_*") if p.name[6:].isdigit()), key=lambda p: int(p.name[6:]))
+    return [d for _, d in rollouts.stage_dirs(run)]
 
 
 def _updates_after(run, s):
     """The run updates recorded when stage s ended (its stage_end.json), 0 before the first stage, None if unknown."""
     if s < 0:
         return 0
-    path = Path(run) / f"stage_{s}" / "stage_end.json"
+    path = rollouts.stage_dir(run, s) / rollouts.STAGE_END
     return json.loads(path.read_text())["run_updates"] if path.exists() else None
 
 
@@ -111,24 +112,24 @@ def rows(run):
     the record the row comes from, so a row is logged once whatever happens to its file."""
     run, out = Path(run), []
     # an ablation replay's directory holds its metrics.jsonl (ablate.sh: optimize.py --out=<dir>/policy); a run's stages
-    for metrics in [run / "metrics.jsonl", *(d / "metrics.jsonl" for d in _stage_dirs(run))]:
+    for metrics in [run / rollouts.METRICS, *(d / rollouts.METRICS for d in _stage_dirs(run))]:
         for r in common.read_jsonl(metrics) if metrics.exists() else []:
             out.append((f"train/{r['run_update']}", r["run_update"], r.get("time"),
                         _numbers(r, "train/", skip=("update", "run_update", "stage", "time"))))
     for d in _stage_dirs(run):
         s = int(d.name[6:])
-        manifest = d / "rollouts" / "manifest.json"
+        manifest = d / rollouts.ROLLOUTS / rollouts.MANIFEST
         if manifest.exists() and (step := _updates_after(run, s - 1)) is not None:
             m = json.loads(manifest.read_text())
             out.append((f"rollout/{s}", step, manifest.stat().st_mtime, _numbers(
                 m, "rollout/", skip=("complete", "stage", "engines_ran", "max_response_tokens", "prompts", "responses"))))
-    results = run / "results.jsonl"
+    results = run / rollouts.RESULTS
     for r in common.read_jsonl(results) if results.exists() else []:
         b = r["benchmark"]
         out.append((f"eval/{r['stage']}/{b}/{r.get('policy')}", r["updates"], r.get("time"), {
             f"eval/{b}/avg_at_{r['k']}": r["avg_at_k"], f"eval/{b}/pass_at_{r['k']}": r["pass_at_k"],
             **({f"eval/{b}/avg_at_{r['k']}_stderr": r["avg_at_k_stderr"]} if r.get("avg_at_k_stderr") else {})}))
-    timeline, totals = run / "timeline.jsonl", {}
+    timeline, totals = run / rollouts.TIMELINE, {}
     for r in common.read_jsonl(timeline) if timeline.exists() else []:
         after = r["phase"] in ("optimize", "eval")         # at the updates the phase ended with, else began with
         step = _updates_after(run, r["stage"] if after else r["stage"] - 1)
@@ -143,7 +144,7 @@ def rows(run):
 def run_config(run, knobs):
     """The tracker run's config: run_stages.sh's knobs, and the first stage's optimize.py settings once written."""
     config = {"run_stages": knobs, "group": group}
-    first = Path(run) / "stage_0" / "optimize_config.json"
+    first = rollouts.stage_dir(run, 0) / "optimize_config.json"
     if first.exists():
         config["optimize"] = json.loads(first.read_text())
     return config
@@ -291,14 +292,14 @@ def where_line(run, total, s):
     run = Path(run)
     done = _updates_after(run, s - 1) or 0
     parts = [f"[stage {s}] update {done} of {total}"]
-    results = common.read_jsonl(run / "results.jsonl") if (run / "results.jsonl").exists() else []
+    results = common.read_jsonl(run / rollouts.RESULTS) if (run / rollouts.RESULTS).exists() else []
     if results:
         last = max(results, key=lambda r: r["time"])
         same = [r for r in results if r["stage"] == last["stage"] and r.get("policy") == last.get("policy")]
         mean = sum(r["avg_at_k"] for r in same) / len(same)
         parts.append(f"last evaluation: avg@{last['k']} {mean:.3f} after {last['updates']} updates"
                      + (f" (mean of {len(same)} benchmarks)" if len(same) > 1 else ""))
-    timeline = common.read_jsonl(run / "timeline.jsonl") if (run / "timeline.jsonl").exists() else []
+    timeline = common.read_jsonl(run / rollouts.TIMELINE) if (run / rollouts.TIMELINE).exists() else []
     spent = sum(r["seconds"] for r in timeline)
     if done and total > done:
         parts.append(f"ETA {_duration(spent / done * (total - done))} ({_duration(spent)} measured for {done} updates)")

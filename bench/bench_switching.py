@@ -2,7 +2,7 @@
 the toy task, measured from the runs' own records (timeline.jsonl, the manifests, metrics.jsonl,
 optimize_timing.json).
 
-    python bench/bench_switching.py                              # STAGES=32 UPDATES=2, both modes (~25 min, 2 cores)
+    python bench/bench_switching.py                              # STAGES=32 UPDATES_PER_STAGE=2, both modes (~25 min, 2 cores)
     python bench/bench_switching.py --stages=8 --modes=resident
 
 With both modes it also checks that they give the same run (same seeds): the final weights bit-identical and the
@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import plot  # noqa: E402
+import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 stages = 32                     # stages of each run
@@ -47,10 +48,11 @@ def rows(path):
 
 def measure(run):
     """Wall, compute and overhead parts (seconds) of a finished run directory."""
-    timeline = rows(run / "timeline.jsonl")
-    manifests = [json.loads(p.read_text()) for p in run.glob("stage_*/rollouts/manifest.json")]
-    metrics = [m for p in run.glob("stage_*/metrics.jsonl") for m in rows(p)]
-    timing = [json.loads(p.read_text()) for p in run.glob("stage_*/optimize_timing.json")]
+    dirs = [d for _, d in rollouts.stage_dirs(run)]
+    timeline = rows(run / rollouts.TIMELINE)
+    manifests = [json.loads(p.read_text()) for d in dirs if (p := d / rollouts.ROLLOUTS / rollouts.MANIFEST).exists()]
+    metrics = [m for d in dirs for m in rows(d / rollouts.METRICS)]
+    timing = [json.loads(p.read_text()) for d in dirs if (p := d / "optimize_timing.json").exists()]
     wall = sum(t["seconds"] for t in timeline if "process" not in t)
     generation = sum(m["generation_seconds"] for m in manifests)
     training = sum(m["seconds"] for m in metrics)
@@ -80,11 +82,12 @@ def same_runs(phases, resident):
     (the same rows once each run's own directory is taken out of them). Returns (same weights, same rollouts)."""
     import torch
     from safetensors.torch import load_file
-    last = f"stage_{stages - 1}/policy/model.safetensors"
+    last = rollouts.stage_dir("", stages - 1) / rollouts.POLICY / "model.safetensors"
     w1, w2 = load_file(phases / last), load_file(resident / last)
     same_weights = w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
     text = lambda path, run: path.read_text().replace(str(run), "RUN")  # noqa: E731
-    shards = sorted(p.relative_to(phases) for p in phases.glob("stage_*/rollouts/shard_*.jsonl"))
+    shards = sorted(p.relative_to(phases) for _, d in rollouts.stage_dirs(phases)
+                    for p in (d / rollouts.ROLLOUTS).glob("shard_*.jsonl"))
     same_rollouts = len(shards) >= stages and all(
         (resident / p).exists() and text(phases / p, phases) == text(resident / p, resident) for p in shards)
     return same_weights, same_rollouts
@@ -93,7 +96,7 @@ def same_runs(phases, resident):
 def run_mode(mode, out):
     env = {**os.environ, "PRESET": "toy", "LOSS": "grpo", "RUN": str(out), "MODEL": f"{toy_dir}/model",
            "TRAIN_DATA": f"{toy_dir}/train.jsonl", "EVAL_DATA_DIR": toy_dir, "STAGES": str(stages),
-           "UPDATES": str(updates), "PROMPTS_PER_UPDATE": str(prompts_per_update), "EVAL_EVERY": "0",
+           "UPDATES_PER_STAGE": str(updates), "PROMPTS_PER_UPDATE": str(prompts_per_update), "EVAL_EVERY": "0",
            "RESIDENT": "true" if mode == "resident" else "false"}
     subprocess.run(["rm", "-rf", str(out)], check=True)
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, env=env, capture_output=True, text=True)

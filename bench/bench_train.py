@@ -22,6 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 shape = "qwen2.5-1.5b"      # qwen2.5-1.5b | qwen2.5-7b | tiny
@@ -86,10 +87,10 @@ def write_stage(stage, vocab):
                          "finish_reason": "length", "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0,
                          "stage": 0, "policy": "bench"})
             lengths.append((len(prompt), n))
-    out = stage / "rollouts"
+    out = stage / rollouts.ROLLOUTS
     out.mkdir(parents=True, exist_ok=True)
-    common.atomic_write_lines(out / "shard_00000.jsonl", rows)
-    common.atomic_write_json(out / "manifest.json", {"complete": True, "stage": 0, "policy": "bench",
+    common.atomic_write_lines(rollouts.shard_path(out, 0), rows)
+    common.atomic_write_json(out / rollouts.MANIFEST, {"complete": True, "stage": 0, "policy": "bench",
                                                      "shards": ["shard_00000.jsonl"],
                                                      "sampling": {"n": 8, "temperature": 1.0, "max_tokens": max_response_tokens}})
     return lengths
@@ -132,7 +133,7 @@ if __name__ == "__main__":
         if proc.returncode != 0:
             table.append((ckpt, None, proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"))
             continue
-        metrics = [json.loads(line) for line in open(stage / "metrics.jsonl")]
+        metrics = [json.loads(line) for line in open(stage / rollouts.METRICS)]
         timing = json.loads((stage / "optimize_timing.json").read_text())
         if n_params is None:
             n_params = count_parameters(model_dir)

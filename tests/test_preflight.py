@@ -367,7 +367,7 @@ def test_the_disk_row_counts_what_the_run_keeps_from_its_settings(check_function
     # GRPO μ = 4 resident on the paper frontier: 1024 stages of 4 updates × 1000 prompts × G=2, a policy (and train
     # state) saved every SAVE_EVERY = 64 stages (the last is one of them): 16 policies, not 1024; two train states
     # (the newest written beside the one it replaces)
-    mu4 = dict(**base, stages=1024, stage_updates=4, estimate_stage_prompts=4000)
+    mu4 = dict(**base, stages=1024, updates_per_stage=4, estimate_stage_prompts=4000)
     assert need(**{**mu4, "resident": True, "save_every": 64}) == pytest.approx(8.192 + 16 * 0.4 + 2 * 1.2, abs=0.051)
     assert need(**{**mu4, "resident": True, "save_every": 0}) == pytest.approx(8.192 + 0.4 + 2 * 1.2, abs=0.051)
     # no room in /dev/shm: the two handed-over policies go to the run's disk
@@ -380,12 +380,12 @@ def test_the_disk_row_counts_what_the_run_keeps_from_its_settings(check_function
         pytest.approx(0.064 + 8 * 0.4 + 9 * 1.2, abs=0.051)
     # STAGE_END=drift, TOTAL_UPDATES=4096 from a first stage of 64 (the preset's STAGES=4 says nothing): without a drift
     # warning the stages double, 64, 128, ..., 2048, then the 64 left: 7 stages, every update's rollouts
-    drift = dict(**{**base, "stage_end": "drift"}, stages=4, stage_updates=64, estimate_stage_prompts=64000,
+    drift = dict(**{**base, "stage_end": "drift"}, stages=4, updates_per_stage=64, estimate_stage_prompts=64000,
                  total_updates=4096, drift_max_updates=4096, drift_min_updates=16)
     assert need(**drift) == pytest.approx(8.192 + 7 * 0.4 + 2 * 1.2, abs=0.051)
     # and at most (every stage ended on drift at μ_min = 16, the first too): 1 + (4096 − 16) / 16 = 256 stages, whose
     # rollouts are at most the first's 64 updates, μ_min per later stage and twice the updates trained
-    # (rollouts.planned_updates: 64 + 255 · 16 + 2 · 4096 = 12336 updates)
+    # (rollouts.StagePlan: 64 + 255 · 16 + 2 · 4096 = 12336 updates)
     _, rows = disk_need(check_functions, toy, tmp_path, monkeypatch, **drift)
     assert rows[1]["status"] == "INFO" and "drift" in rows[1]["check"]
     assert rows[1]["value"] == pytest.approx(12336 * 2e-3 + 256 * 0.4 + 2 * 1.2, abs=0.051)

@@ -1,5 +1,5 @@
 """Stages that end on drift (optimize.py --stage_end=drift) and the next stage planned from where the last one ended
-(rollouts.planned_updates): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
+(rollouts.StagePlan): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
 import json
 import math
 import shutil
@@ -41,9 +41,10 @@ def write_end(run_dir, s, reason, updates, generated, run_updates, min_updates=1
 
 
 def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
-    plan = lambda s, **kw: rollouts.planned_updates(tmp_path, s, **{"first": 64, "growth": 1.25,  # noqa: E731
-                                                                     "max_updates": 100, "total": 1000, **kw})
-    assert plan(0) == 64 and plan(0, total=10) == 10
+    plan = lambda s, **kw: rollouts.StagePlan(**{  # noqa: E731
+        "updates_per_stage": 64, "stages": 0, "stage_end": "drift", "drift_growth": 1.25, "drift_max_updates": 100,
+        "total_updates": 1000, **kw}).updates_per_stage_at(tmp_path, s)
+    assert plan(0) == 64 and plan(0, total_updates=10) == 10
     with pytest.raises(FileNotFoundError, match="stage_0/stage_end.json is missing"):
         plan(1)
     write_end(tmp_path, 0, "drift", 47, 64, 47)
@@ -53,7 +54,18 @@ def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
     write_end(tmp_path, 2, "drift", 5, 100, 111, min_updates=16)
     assert plan(3) == 16                                  # ceil(6.25) = 7, at least μ_min
     write_end(tmp_path, 3, "drift", 16, 16, 995)
-    assert plan(4) == 5 and plan(4, total=995) == 0       # the run's updates left; none: the run is over
+    assert plan(4) == 5 and plan(4, total_updates=995) == 0       # the run's updates left; none: the run is over
+
+
+def test_a_fixed_plan_and_the_drift_defaults():
+    fixed = rollouts.StagePlan(updates_per_stage=8, stages=3)
+    assert [fixed.updates_per_stage_at("/nonexistent", s) for s in range(4)] == [8, 8, 8, 0]
+    assert fixed.run_updates == 24 and fixed.may_end_run(2, 16, 8) and not fixed.may_end_run(1, 8, 8)
+    drift = rollouts.StagePlan(updates_per_stage=8, stages=3, stage_end="drift")
+    assert (drift.total_updates, drift.drift_max_updates, drift.run_updates) == (24, 32, 24)   # 3 · 8, 4 · 8
+    assert drift.may_end_run(1, 16, 8) and not drift.may_end_run(1, 15, 8)
+    with pytest.raises(ValueError, match="stage_end"):
+        rollouts.StagePlan(updates_per_stage=8, stages=3, stage_end="early")
 
 
 def test_a_stages_prompts_follow_the_previous_stages_as_its_plan_records_them(monkeypatch, tmp_path):
@@ -94,10 +106,10 @@ def test_a_stage_that_ended_on_drift_resumes_to_the_same_end_and_weights(toy, tm
 
 
 def drift_env(toy, run, **more):
-    """A run_stages.sh run of stages that end on drift: UPDATES=4 for the first stage, 7 updates in all, the warning
+    """A run_stages.sh run of stages that end on drift: UPDATES_PER_STAGE=4 for the first stage, 7 updates in all, the warning
     always on from update 2."""
     from test_loop import loop_env
-    return {**loop_env(toy, run), "STAGE_END": "drift", "UPDATES": "4", "TOTAL_UPDATES": "7", "PROMPTS_PER_UPDATE": "4",
+    return {**loop_env(toy, run), "STAGE_END": "drift", "UPDATES_PER_STAGE": "4", "TOTAL_UPDATES": "7", "PROMPTS_PER_UPDATE": "4",
             "EVAL_EVERY": "2", "DRIFT_ARGS": " ".join([*ALWAYS_WARN[1:], "--drift_min_updates=2"]), **more}
 
 
