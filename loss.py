@@ -260,7 +260,7 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
     dual_clip                 c > 1: for A < 0 the per-token loss is capped at −c·A
     nav_delta, nav_scope      NAV trigger threshold (None: off) and scope (see nav_mask)
     m2po_tau, m2po_cutoff     M2PO second-moment threshold (None: off); the cutoff is computed from
-                              this call's tokens unless given (optimize.py: the whole minibatch's)
+                              this call's tokens unless given (update.py: the whole minibatch's)
     tis_cap, old_logprobs     truncated importance weight min(exp(old − behavior), cap), detached,
                               for engine/trainer mismatch; old_logprobs are the trainer's log-probs
                               of the behavior policy and become the ratio's denominator
@@ -276,7 +276,7 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
     num_tokens, num_seqs      the whole minibatch's token-mean denominator and response count, so that
                               a micro-batch's loss is its exact share (default: this call's). With
                               token_normalizer="kept" the minibatch's count is only known once every
-                              micro-batch's ratios are: optimize.py passes num_tokens=1 (a sum) and
+                              micro-batch's ratios are: update.py passes num_tokens=1 (a sum) and
                               divides the gradient by the kept count afterwards
     norm_len                  Dr. GRPO's constant length (default: T, the padded width)
     """
@@ -322,23 +322,27 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
     norm = keepf if token_normalizer == "kept" else maskf               # the tokens a mean divides by
 
     # aggregation
-    B, T = mask.shape
     kept_loss = token_loss * keepf
-    n_seq = B if num_seqs is None else num_seqs
-    if agg == "token-mean":
-        denominator = norm.sum() if num_tokens is None else num_tokens
-        loss = kept_loss.sum() / torch.clamp(torch.as_tensor(denominator, dtype=torch.float32), min=1.0)
-    elif agg == "seq-mean-token-mean":
-        per_seq = kept_loss.sum(1) / norm.sum(1).clamp(min=1)           # [B]
-        loss = per_seq.sum() / max(float(n_seq), 1.0)
-    else:
-        length = T if norm_len is None else norm_len
-        loss = kept_loss.sum() / (max(float(n_seq), 1.0) * length)
-
+    loss = aggregate(kept_loss, norm, agg, num_tokens, num_seqs, norm_len)
     stats = _stats(loss, kept_loss, ratio.detach(), log_ratio.detach(), advantages.detach(), mask, keep,
                    nav_keep, m2po_keep, clip_low, clip_high, dual_clip, nav_delta, m2po_tau, kl, kl_coef,
                    logprobs.detach().float() - behavior_logprobs.float())
     return loss, stats
+
+
+def aggregate(kept_loss, norm, agg="token-mean", num_tokens=None, num_seqs=None, norm_len=None):
+    """policy_loss's aggregation (agg, num_tokens, num_seqs, norm_len as there) of the kept tokens' losses [B, T]
+    (0 elsewhere), with norm [B, T] the tokens a mean divides by."""
+    B, T = kept_loss.shape
+    n_seq = B if num_seqs is None else num_seqs
+    if agg == "token-mean":
+        denominator = norm.sum() if num_tokens is None else num_tokens
+        return kept_loss.sum() / torch.clamp(torch.as_tensor(denominator, dtype=torch.float32), min=1.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = kept_loss.sum(1) / norm.sum(1).clamp(min=1)           # [B]
+        return per_seq.sum() / max(float(n_seq), 1.0)
+    length = T if norm_len is None else norm_len
+    return kept_loss.sum() / (max(float(n_seq), 1.0) * length)
 
 
 @torch.no_grad()

@@ -3,8 +3,9 @@ from an HF checkpoint (each rank reads only its own rows), saved as an HF direct
 resumable train state (fp32 weights and AdamW moments, DCP). Also the packed-attention kernels and a
 meter of the activations autograd saves.
 
-Placement (rank, world size, device) is read from torch (`placement()`); everything else is an argument.
-This module reads no script's globals: optimize.py holds the hyperparameters and the update loop.
+Placement (rank, world size, device) is read from torch (`placement()`), and so are the trainer's collectives
+built on it (barrier, gathers, broadcast, the stats' sum); everything else is an argument. This module reads no
+script's globals: optimize.py holds the hyperparameters and the stage loop, update.py the update.
 """
 import contextlib
 import datetime
@@ -38,6 +39,54 @@ def barrier():
         dist.barrier()
 
 
+def gather_values(values):
+    """Every rank's 1-D tensor of values, concatenated in rank order (ranks may hold different numbers)."""
+    _, world, device = placement()
+    if world == 1:
+        return values
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()], device=device))
+    longest = max(int(n) for n in sizes)
+    parts = [torch.zeros(longest, device=device) for _ in range(world)]
+    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
+    return torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
+
+
+def gather_lists(items):
+    """Every rank's list of picklable items, concatenated in rank order."""
+    _, world, _ = placement()
+    if world == 1:
+        return list(items)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, list(items))
+    return [x for part in everyone for x in part]
+
+
+def broadcast(obj):
+    """Rank 0's picklable object, on every rank (decisions taken from the filesystem: one rank decides)."""
+    if placement()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def reduce_stats(stats):
+    """Sum the ranks' stats (extremes: min/max), two collectives in all."""
+    if placement()[1] == 1:
+        return stats
+    names = sorted(stats)
+    sums = [n for n in names if not n.endswith(("_min", "_max"))]
+    extremes = [n for n in names if n.endswith(("_min", "_max"))]
+    total = torch.stack([stats[n].double() for n in sums])
+    dist.all_reduce(total)
+    ext = torch.stack([(stats[n] if n.endswith("_max") else -stats[n]).double() for n in extremes])
+    dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+    out = {n: total[i].float() for i, n in enumerate(sums)}
+    out.update({n: (ext[i] if n.endswith("_max") else -ext[i]).float() for i, n in enumerate(extremes)})
+    return out
+
+
 # every collective's limit: rank 0 may build rollout columns or save a 15 GB policy while the others wait
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(hours=1)
 
@@ -67,6 +116,16 @@ def process_group_hint(backend, error, shm_free_bytes):
     return (f"the {backend} process group could not start ({type(error).__name__}: {first}). NCCL puts its "
             f"shared-memory buffers in /dev/shm ({shm}): in Docker run the container with --ipc=host or a large "
             f"--shm-size (e.g. 16g); NCCL_DEBUG=INFO says which transport failed")
+
+
+def end_process_group():
+    """FSDP2's device mesh holds the process groups: the caller drops the model and optimizer first, so the
+    groups' gloo/NCCL threads are shut down and joined here, by destroy_process_group, and not during
+    interpreter teardown (a 3-rank gloo run once aborted there: "terminate called without an active exception")."""
+    if placement()[1] > 1:
+        release_memory()
+        barrier()
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- packed attention
@@ -506,8 +565,9 @@ COUNTS = ("run_updates", "optimizer_updates")
 def newest_state(run_dir):
     """(stage, progress.json) of the newest train state in a run directory's stage_<s>/ (a resident trainer's
     resume), or (None, None)."""
-    states = [(int(p.parts[-3].removeprefix("stage_")), p) for p in Path(run_dir).glob("stage_*/train_state/progress.json")
-              if p.parts[-3].removeprefix("stage_").isdigit()]
+    import rollouts
+    states = [(s, d / rollouts.TRAIN_STATE / "progress.json") for s, d in rollouts.stage_dirs(run_dir)
+              if (d / rollouts.TRAIN_STATE / "progress.json").exists()]
     if not states:
         return None, None
     s, path = max(states)

@@ -5,8 +5,9 @@
 
 The stage's groups are put once in a seeded order and cut into `updates_per_stage` minibatches of
 `prompts_per_update` groups: update u trains on minibatch u, data exactly u updates stale, no
-response used twice (docs/design.md §1). An update is one AdamW step on loss.policy_loss: the loss is
-summed over packed micro-batches and ranks and divided by the minibatch's kept-token count.
+response used twice (docs/design.md §1). An update (update.py) is one AdamW step on loss.policy_loss: the loss
+is summed over packed micro-batches and ranks and divided by the minibatch's kept-token count. With --resident, one
+process trains a run's every stage, each of the μ that rollouts.StagePlan gives it.
 
 Writes next to --out (default <stage_dir>/policy): the next policy (an HF directory vLLM loads, in the
 initial model's dtype), metrics.jsonl (one line per update), optimize_timing.json, and train_state/
@@ -15,7 +16,6 @@ continues (--init_state): a run's stages are one optimization whose rollouts are
 caches of the stage (rollout columns, per-stage log-prob passes) go into the stage directory.
 """
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import common
 import handoff
@@ -34,6 +33,7 @@ import loss as L
 import model as M
 import rollouts
 import tracking
+import update
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the stage and its outputs
@@ -108,7 +108,7 @@ save_policy_every = 0           # also write the policy every K updates, to <out
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
 engine_mismatch_bound = -1.0    # before a stage's first update, each engine's responses: mean |ℓ − b| (nats per token)
                                 # between the trainer's and the engine's log-probs at most this, else the run stops
-                                # naming the engine; -1: the device's bound (agreement_bound), 0: no check (a replay
+                                # naming the engine; -1: the device's bound (update.agreement_bound), 0: no check (a replay
                                 # of a stage with another policy than the one that generated it)
 agreement_responses = 16        # responses per engine in that check (a no-grad pass over them)
 check_packing = False           # update 0: log check/packed_* (the micro-batch packed in two orders) and check/alone_*
@@ -120,7 +120,7 @@ resident = False                # keep the model and AdamW for a run's every sta
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
 stages = 0                      # resident, stage_end=fixed: the run's stages, each of updates_per_stage updates
 total_updates = 0               # resident, stage_end=drift: the run's updates (0: stages × updates_per_stage) in stages
-drift_growth = 1.25             # planned as run_stages.sh plans them (rollouts.planned_updates with its DRIFT_GROWTH
+drift_growth = 1.25             # planned as run_stages.sh plans them (rollouts.StagePlan with its DRIFT_GROWTH
 drift_max_updates = 0           # and DRIFT_MAX_UPDATES; 0: 4 × updates_per_stage)
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
                                 # last (0: the last only); the engine gets every policy through the fast hand-off dir
@@ -128,6 +128,10 @@ save_every = 0                  # resident: policy and train state into stage_<s
 common.apply_overrides(globals(), sys.argv[1:])
 common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
 common.check_choice("stage_end", stage_end, ("fixed", "drift"))
+# μ of each stage (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
+stage_plan = rollouts.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
+                                total_updates=total_updates, drift_growth=drift_growth,
+                                drift_max_updates=drift_max_updates)
 common.check_choice("agg", agg, L.AGG_MODES)
 common.check_choice("token_normalizer", token_normalizer, L.TOKEN_NORMALIZERS)
 common.check_choice("kl_estimator", kl_estimator, L.KL_ESTIMATORS)
@@ -135,8 +139,6 @@ common.check_choice("attn_implementation", attn_implementation, M.ATTENTION)
 betas = tuple(float(b) for b in adam_betas.split(","))
 if updates_per_stage < 0 or prompts_per_update < 1 or micro_batch_tokens < 1:
     sys.exit("--updates_per_stage must be >= 0, --prompts_per_update and --micro_batch_tokens >= 1")
-total_updates = total_updates or stages * updates_per_stage        # resident drift defaults, resolved
-drift_max_updates = drift_max_updates or 4 * updates_per_stage
 deferred_norm = agg == "token-mean" and token_normalizer == "kept"   # divide by the kept count at the end
 
 # distributed is an if: torchrun sets WORLD_SIZE
@@ -174,7 +176,7 @@ barrier = M.barrier
 class Progress:
     """Where a stage's training starts and where its outputs go."""
     out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go next to it
-    updates: int                # μ: the stage's minibatches (its updates unless it ends on drift)
+    updates_per_stage: int      # μ: the stage's minibatches (its updates unless it ends on drift)
     start: int = 0              # the first update to run (a resumed stage: its state's)
     before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (model.py's records)
     start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
@@ -204,13 +206,13 @@ class Progress:
 
 def open_stage(directory):
     try:
-        return rollouts.open_stage(Path(directory) / "rollouts", rank, world, barrier, decide=broadcast)
+        return rollouts.open_stage(Path(directory) / "rollouts", rank, world, barrier, decide=M.broadcast)
     except rollouts.RolloutError as e:
         raise SystemExit(str(e)) from None
 
 
-def minibatch_schedule(stage, updates):
-    """[updates, prompts_per_update] group indices: the stage's groups in one seeded order, cut into
+def minibatch_schedule(stage, updates_per_stage):
+    """[updates_per_stage, prompts_per_update] group indices: the stage's groups in one seeded order, cut into
     consecutive minibatches, so update u sees groups it alone sees, u updates stale. A stage with too few
     groups wraps into a new seeded order (said loudly: responses are then reused)."""
     candidates = np.arange(len(stage.groups))
@@ -218,21 +220,21 @@ def minibatch_schedule(stage, updates):
         candidates = candidates[~stage.zero_variance]
         log(f"skip_zero_variance: leaving out {int(stage.zero_variance.sum())} of {len(stage.groups)} groups "
             f"with zero reward variance")
-    need = updates * prompts_per_update
+    need = updates_per_stage * prompts_per_update
     if need == 0:
         return np.zeros((0, prompts_per_update), dtype=np.int64)
     if len(candidates) < prompts_per_update:
         raise SystemExit(f"{stage.directory}: {len(candidates)} usable groups, fewer than --prompts_per_update="
                          f"{prompts_per_update}")
     if need > len(candidates):
-        log(f"WARNING: {updates} updates × {prompts_per_update} prompts need {need} groups but the stage "
+        log(f"WARNING: {updates_per_stage} updates × {prompts_per_update} prompts need {need} groups but the stage "
             f"has {len(candidates)} usable: the schedule wraps into {need / len(candidates):.2f} passes, so responses "
             f"are reused and update u is no longer exactly u updates stale")
     elif need < len(candidates):
         log(f"note: {len(candidates) - need} of the stage's {len(candidates)} groups are left unused "
-            f"({updates} updates × {prompts_per_update} prompts)")
+            f"({updates_per_stage} updates × {prompts_per_update} prompts)")
     order = common.shuffled_window(candidates.tolist(), 0, need, seed)
-    return np.asarray(order, dtype=np.int64).reshape(updates, prompts_per_update)
+    return np.asarray(order, dtype=np.int64).reshape(updates_per_stage, prompts_per_update)
 
 
 def drift_warning(neg_ratios):
@@ -252,131 +254,7 @@ def stage_ends_before(u, neg_ratios):
     return stage_end == "drift" and u >= drift_min_updates and drift_warning(neg_ratios)[1]
 
 
-def micro_batches(stage, responses):
-    """This rank's micro-batches of at most micro_batch_tokens tokens (prompt + response), longest first,
-    each packed into one row (no compute goes to padding); under torchrun padded with None to the largest
-    count over the ranks, since FSDP's collectives need every rank to run as many passes."""
-    responses = np.asarray(responses, dtype=np.int64)
-    lengths = stage.prompt_len[responses] + stage.response_len[responses]
-    order = np.argsort(-lengths, kind="stable")
-    batches, current, tokens = [], [], 0
-    for i, n in zip(responses[order].tolist(), lengths[order].tolist()):
-        if current and tokens + n > micro_batch_tokens:
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(i)
-        tokens += n
-    batches += [current] if current else []
-    if distributed:
-        count = torch.tensor([len(batches)], device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        batches += [None] * (int(count) - len(batches))
-    return batches
-
-
-def pack(stage, mb, columns):
-    """One packed row for the model and per-response tensors for the loss, on the device.
-
-    input_ids, position_ids [1, N]: the sequences back to back, positions restarting at 0 for each;
-    keep [R]: the positions whose logits predict a response token; targets [R]; behavior and each
-    extra column (TIS old, KL reference) [b, T]; mask [b, T]; advantages [b]."""
-    parts = [stage.tokens(i) for i in mb]
-    seq = [len(p) + len(r) for p, r, _ in parts]
-    start = np.concatenate([[0], np.cumsum(seq)[:-1]])
-    ids = np.concatenate([np.concatenate([p, r]) for p, r, _ in parts]).astype(np.int64)
-    pos = np.concatenate([np.arange(n) for n in seq])
-    keep = np.concatenate([np.arange(s + len(p) - 1, s + len(p) + len(r) - 1) for s, (p, r, _) in zip(start, parts)])
-    lens = np.array([len(r) for _, r, _ in parts])
-    mask = np.arange(lens.max())[None, :] < lens[:, None]                    # [b, T]
-
-    def per_token(values):
-        out = np.zeros(mask.shape, dtype=np.float32)
-        out[mask] = np.concatenate(values)
-        return torch.from_numpy(out).to(device)
-
-    def t(a):
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-    targets = np.concatenate([r for _, r, _ in parts]).astype(np.int64)
-    return dict(ids=t(ids)[None], pos=t(pos)[None], keep=t(keep), targets=t(targets),
-                behavior=per_token([b for _, _, b in parts]), mask=t(mask), adv=t(stage.advantage[mb]),
-                **{name: per_token([col.get(stage, i) for i in mb]) for name, col in columns.items()})
-
-
-def forward(model, stage, mb, temp, columns=None, with_entropy=False):
-    """Current log-probs [b, T] (0 on padding) of micro-batch `mb`'s response tokens at temperature temp,
-    with the packed tensors; mb None (a padding pass) runs response 0. Logits are computed only at
-    response positions ([R, V], bf16 on GPU); token_logprobs upcasts them chunk by chunk."""
-    x = pack(stage, mb if mb is not None else [0], columns or {})
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not distributed):
-        logits = model(input_ids=x["ids"], position_ids=x["pos"], logits_to_keep=x["keep"], use_cache=False).logits[0]
-    lp_flat = L.token_logprobs(logits, x["targets"], temp)                          # [R] fp32
-    x["lp"] = torch.zeros(x["mask"].shape, device=device).masked_scatter(x["mask"], lp_flat)
-    if with_entropy:
-        x["entropy_sum"] = L.token_entropy(logits.detach(), temp).sum()
-    return x
-
-
-# ----------------------------------------------------------------------------- per-stage log-prob passes
-
-
-def logprob_pass(model, stage, temp, name, key, progress, may_compute=True):
-    """A model's log-probs of every response token of the stage, computed once: one no-grad pass
-    (sharded like training) before the first update, stored as a TokenColumn in the stage's logprobs/
-    and read like the behavior log-probs, so a resume or a replay with the same model reuses it. TIS's
-    old log-probs (the stage policy) and KL's reference log-probs are both such passes. Returns the column
-    and the seconds spent."""
-    stage_path = stage.directory.parent
-    root = stage_path / "logprobs" if os.access(stage_path, os.W_OK) else progress.work_dir / "logprobs"
-    path = root / f"{name}-{key}-T{temp}.f32"
-    n_tokens = int(stage.token_offset[-1])
-    column = None
-    if is_main:          # rank 0 alone writes the column: a killed pass's parts first
-        column = rollouts.TokenColumn(path, n_tokens, create=True)
-        if not column.complete and (parts := column.parts()):
-            log(f"{name} log-probs: {column.merge_parts(stage, parts)} responses from a killed pass kept")
-    complete, missing = broadcast((column.complete, column.missing(stage)) if is_main else None)
-    if complete:
-        log(f"{name} log-probs: stored in {path}")
-        return stored_column(path, n_tokens), 0.0
-    if not may_compute:
-        raise SystemExit(f"{path} is incomplete but training already started: the stage policy's log-probs cannot "
-                         f"be recomputed from moved weights; delete {progress.state_dir} to restart the stage")
-    t0 = time.perf_counter()
-    mine = np.arange(rank, stage.n, world)
-    todo = mine[missing[mine]]
-    log(f"{name} log-probs: one pass over {stage.n} responses ({len(todo)} still to do on rank 0) → {path}")
-    from tqdm import tqdm
-    written, indices, values = [], [], []
-    with torch.no_grad():
-        for k, mb in enumerate(tqdm(micro_batches(stage, todo), disable=not is_main, desc=f"{name} pass")):
-            x = forward(model, stage, mb, temp)
-            for j, i in enumerate(mb or []):
-                indices.append(i)
-                values.append(x["lp"][j, :stage.response_len[i]].cpu().numpy())
-            if k % 64 == 63:                     # a killed pass keeps what its parts hold
-                written.append(rollouts.write_column_part(path, rank, len(written), indices, values))
-                indices, values = [], []
-    if indices:
-        written.append(rollouts.write_column_part(path, rank, len(written), indices, values))
-    everyone = gather_lists([str(p) for p in written])
-    if is_main:
-        common.wait_visible(everyone)           # other nodes' parts
-        column.merge_parts(stage, [Path(p) for p in everyone])
-        if (left := int(column.missing(stage).sum())):
-            raise SystemExit(f"{path}: {left} responses have no {name} log-probs after the pass (a rank's part lost?)")
-        column.mark_complete({"model": key, "temperature": temp, "responses": stage.n})
-    barrier()
-    return stored_column(path, n_tokens), time.perf_counter() - t0
-
-
-def stored_column(path, n_tokens):
-    """A complete column, read-only (rank 0 wrote it; on other nodes, once visible)."""
-    common.wait_visible([Path(str(path) + ".complete")])
-    return rollouts.TokenColumn(path, n_tokens, create=False, readonly=True)
-
-
-# ----------------------------------------------------------------------------- one update
+# ----------------------------------------------------------------------------- one stage
 
 
 def loss_options(stage):
@@ -387,178 +265,13 @@ def loss_options(stage):
                 norm_len=norm_len or stage.max_response_tokens)
 
 
-def m2po_minibatch_cutoff(model, stage, temp, mbs, columns):
-    """M2PO's cutoff over the whole minibatch: a no-grad pass over this rank's micro-batches, then every
-    rank's harmful (log ρ)² gathered, so the mask does not depend on the number of GPUs."""
-    sq = [torch.zeros(0, device=device)]
-    with torch.no_grad():
-        for mb in mbs:
-            x = forward(model, stage, mb, temp, columns)
-            if mb is None:
-                continue
-            reference = x["old"] if "old" in x and tis_cap is not None else x["behavior"]
-            log_ratio = torch.clamp(x["lp"] - reference, -L.LOG_RATIO_LIMIT, L.LOG_RATIO_LIMIT) * x["mask"]
-            sq.append((log_ratio ** 2)[L.m2po_harmful(log_ratio, x["adv"], x["mask"])])
-    return L.m2po_cutoff(gather_values(torch.cat(sq)), m2po_tau)
-
-
-def gather_values(values):
-    """Every rank's 1-D tensor of values, concatenated in rank order (ranks may hold different numbers)."""
-    if not distributed:
-        return values
-    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([values.numel()], device=device))
-    longest = max(int(n) for n in sizes)
-    parts = [torch.zeros(longest, device=device) for _ in range(world)]
-    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
-    return torch.cat([p[:int(n)] for p, n in zip(parts, sizes)])
-
-
-def gather_lists(items):
-    """Every rank's list of picklable items, concatenated in rank order."""
-    if not distributed:
-        return list(items)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, list(items))
-    return [x for part in everyone for x in part]
-
-
-def broadcast(obj):
-    """Rank 0's picklable object, on every rank (decisions taken from the filesystem: one rank decides)."""
-    if not distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def reduce_stats(stats):
-    """Sum the ranks' stats (extremes: min/max), two collectives in all."""
-    if not distributed:
-        return stats
-    names = sorted(stats)
-    sums = [n for n in names if not n.endswith(("_min", "_max"))]
-    extremes = [n for n in names if n.endswith(("_min", "_max"))]
-    total = torch.stack([stats[n].double() for n in sums])
-    dist.all_reduce(total)
-    ext = torch.stack([(stats[n] if n.endswith("_max") else -stats[n]).double() for n in extremes])
-    dist.all_reduce(ext, op=dist.ReduceOp.MAX)
-    out = {n: total[i].float() for i, n in enumerate(sums)}
-    out.update({n: (ext[i] if n.endswith("_max") else -ext[i]).float() for i, n in enumerate(extremes)})
-    return out
-
-
-def packing_check(model, stage, temp, mb):
-    """Whether the packed attention keeps sequences apart, measured two ways on micro-batch `mb` (every rank's):
-    - differential (check/packed_*): the same sequences packed in the order given and in reverse. Both rows have
-      the same length, so every GEMM has the same shape and rounds alike; a sequence that saw the ones packed
-      before it sees other ones in the other order, which moves its log-probs by far more than rounding;
-    - packed vs each of its first 8 sequences alone (check/alone_*, for information): on a GPU the bf16 GEMMs of
-      a 16k-row micro-batch and of one sequence's rows are tiled differently (cuBLAS tile shapes, split-K), which
-      moves a few tokens in a hundred by ~0.1 nats with no fault at all.
-    The mean, the 99.9th percentile and the max of |Δ log p| over every rank's tokens."""
-    with torch.no_grad():
-        packed = forward(model, stage, mb, temp)
-        backwards = forward(model, stage, mb[::-1] if mb else None, temp)
-        n = len(mb or [])
-        reordered = [(packed["lp"][j] - backwards["lp"][n - 1 - j]).abs()[:int(stage.response_len[i])]
-                     for j, i in enumerate(mb or [])]
-        alone = [torch.zeros(0, device=device)]
-        singles = (mb or [])[:8]
-        count = torch.tensor([len(singles)], device=device)
-        if distributed:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        for j in range(int(count)):
-            if j < len(singles):
-                one = forward(model, stage, [singles[j]], temp)["lp"][0]
-                k = int(stage.response_len[singles[j]])
-                alone.append((one[:k] - packed["lp"][j, :k]).abs())
-            else:
-                forward(model, stage, None, temp)
-    fewest = torch.tensor([n], device=device)       # a micro-batch of one sequence compares nothing: said so
-    if distributed:
-        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
-    out = {"check/packed_sequences_min": int(fewest)}
-    for name, diffs in (("packed", reordered), ("alone", alone)):
-        # a few thousand values per rank: gathered whole, the quantile exact
-        values = gather_values(torch.cat(diffs) if diffs else torch.zeros(0, device=device))
-        if values.numel():
-            out.update({f"check/{name}_mean_abs_diff": values.mean().item(),
-                        f"check/{name}_max_abs_diff": values.max().item(),
-                        f"check/{name}_p999_abs_diff": torch.quantile(values.double(), 0.999).item()})
-    return out
-
-
-def empty_stats(loss_kw, columns, cutoff):
-    """policy_loss's stats of no tokens (zeros; extremes ±inf), with the same names as a real call's."""
-    zero, none = torch.zeros(1, 1, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
-    stats = L.policy_loss(zero, zero, zero[0], none, **loss_kw, m2po_cutoff=cutoff,
-                          old_logprobs=zero if tis_cap is not None else None,
-                          ref_logprobs=zero if "ref" in columns else None)[1]
-    stats["entropy_sum"] = stats["saved_activations_gib_max"] = torch.zeros((), device=device)
-    return stats
-
-
-def run_update(model, optimizer, stage, batch, temp, loss_kw, columns, measure_memory=False):
-    """One AdamW update on the minibatch `batch` (response indices). Returns (metrics, stepped)."""
-    lengths = stage.prompt_len[batch] + stage.response_len[batch]
-    mbs = micro_batches(stage, batch[np.argsort(-lengths, kind="stable")][rank::world])   # balanced by length
-    cutoff = m2po_minibatch_cutoff(model, stage, temp, mbs, columns) if m2po_tau is not None else None
-    # the parameters as the optimizer holds them, not model.parameters(): after a no-grad forward (the M2PO or TIS
-    # pass) FSDP2 leaves the root module's parameters unsharded (the root does not reshard after forward:
-    # torch/distributed/fsdp/_fully_shard/_fsdp_state.py:203) and registers those on the modules
-    # (_fsdp_param.py, _setattr_on_modules), so model.parameters() would name tensors that are not the sharded
-    # ones the optimizer steps
-    trainable = [p for group in optimizer.param_groups for p in group["params"]]
-    optimizer.zero_grad(set_to_none=True)
-    n_tokens = int(stage.response_len[batch].sum())
-    stats = empty_stats(loss_kw, columns, cutoff)     # a rank may have no response of this minibatch
-    for k, mb in enumerate(mbs):
-        with M.SavedActivations(enabled=measure_memory and k == 0) as saved:
-            x = forward(model, stage, mb, temp, columns, with_entropy=True)
-        if mb is None:                 # padding pass: keeps FSDP's collectives in step, adds nothing
-            (x["lp"].sum() * 0.0).backward()
-            continue
-        part, s = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], **loss_kw, m2po_cutoff=cutoff,
-                                old_logprobs=x.get("old") if tis_cap is not None else None, ref_logprobs=x.get("ref"),
-                                num_tokens=1.0 if deferred_norm else n_tokens, num_seqs=len(batch))
-        (part * world).backward()      # FSDP averages gradients over ranks; ×world makes it the sum
-        s["entropy_sum"] = x["entropy_sum"]
-        s["saved_activations_gib_max"] = torch.tensor(saved.bytes / 2**30, device=device)
-        stats = L.merge_stats(stats, s)
-    if device.type == "cuda":
-        stats["memory_peak_gib_max"] = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
-    stats = reduce_stats(stats)
-    if deferred_norm:              # Σ kept loss / N_kept: the count is known only now (NAV uses the current ratios)
-        scale = 1.0 / stats["kept"].clamp(min=1.0)
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in trainable if p.grad is not None]
-        torch._foreach_mul_(grads, scale)
-        stats["loss"] = stats["loss"] * scale
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    extra = {"grad_norm": grad_norm, "entropy": stats["entropy_sum"] / stats["tokens"].clamp(min=1.0),
-             "memory/saved_activations_gib": stats["saved_activations_gib_max"]}
-    if "memory_peak_gib_max" in stats:
-        extra["memory/peak_gib"] = stats["memory_peak_gib_max"]
-    m = L.metrics(stats, extra)                                                   # the one host sync
-    stepped = math.isfinite(m["grad_norm"]) and math.isfinite(m["loss/policy"])
-    if stepped:
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
-    return m, stepped
-
-
-# ----------------------------------------------------------------------------- one stage
-
-
 def logprob_temperature(stage):
     """The temperature of the trainer's log-probs: --temperature, else the stage's sampling temperature."""
     return temperature or stage.temperature
 
 
-def describe_stage(stage, updates):
-    """Log what the stage trains on (`updates` minibatches) and with which loss; returns logprob_temperature."""
+def describe_stage(stage, updates_per_stage):
+    """Log what the stage trains on (updates_per_stage minibatches) and with which loss; returns logprob_temperature."""
     temp = logprob_temperature(stage)
     if temperature and temperature != stage.temperature:
         log(f"WARNING: --temperature={temperature} differs from the sampling temperature {stage.temperature}: "
@@ -566,57 +279,12 @@ def describe_stage(stage, updates):
     G = stage.group_size
     tokens_per_group = stage.response_len.sum() / max(1, len(stage.groups))
     log(f"stage {stage.index}: {len(stage.groups)} groups × G={G} ({int(stage.zero_variance.sum())} with zero reward "
-        f"variance, kept: zero advantage); {updates} updates of {prompts_per_update} prompts")
+        f"variance, kept: zero advantage); {updates_per_stage} updates of {prompts_per_update} prompts")
     log(f"  minibatch: {prompts_per_update * G} responses, ~{tokens_per_group * prompts_per_update:.0f} response "
-        f"tokens; staleness 0..{max(updates - 1, 0)} updates; temperature {temp}")
+        f"tokens; staleness 0..{max(updates_per_stage - 1, 0)} updates; temperature {temp}")
     log(f"  loss: clip [{clip_low}, {clip_high}], dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, "
         f"M2PO τ={m2po_tau}, TIS cap {tis_cap}, KL β={kl_coef} ({kl_estimator}), {agg} over {token_normalizer} tokens")
     return temp
-
-
-def agreement_bound():
-    """The largest mean |ℓ − b| per token between trainer and engine on the same weights, on this device
-    (loss.AGREEMENT_MEAN: float32 noise on a CPU, measured ~5e-7 on the toy; bf16 rounding on a GPU, reasoned)."""
-    return L.AGREEMENT_MEAN.get(device.type, L.AGREEMENT_MEAN["cuda"])
-
-
-def response_engines(stage):
-    """[n]: the engine that generated each response (its shard's stats.json, generate.py `engine_index`; 0 for a
-    shard without one, written by other code than generate.py)."""
-    stats = [sh.path.with_suffix(".stats.json") for sh in stage.shards]
-    per_shard = [json.loads(p.read_text()).get("engine", 0) if p.exists() else 0 for p in stats]
-    return np.asarray(per_shard, dtype=np.int64)[stage.shard_of] if stage.n else np.zeros(0, np.int64)
-
-
-def engine_agreement(model, stage, temp):
-    """The guard on rollouts that the trainer's policy did not generate (an engine serving other weights, or sampling
-    otherwise than its log-probs say), before a stage's first update: for up to agreement_responses responses of
-    each engine's shards, the mean |ℓ − b| between the trainer's and the stored behavior log-probs; above
-    agreement_bound() the run stops naming the engine and the stage. Returns {engine: its mean}."""
-    bound = agreement_bound() if engine_mismatch_bound < 0 else engine_mismatch_bound
-    engines = response_engines(stage)
-    n_engines = int(engines.max()) + 1 if engines.size else 0
-    chosen = np.concatenate([np.flatnonzero(engines == e)[:agreement_responses] for e in range(n_engines)])
-    sums = torch.zeros(n_engines, 2, dtype=torch.float64, device=device)          # Σ |ℓ − b|, tokens
-    with torch.no_grad():
-        for mb in micro_batches(stage, chosen[rank::world]):
-            x = forward(model, stage, mb, temp)
-            for j, i in enumerate(mb or []):
-                k = int(stage.response_len[i])
-                sums[engines[i], 0] += (x["lp"][j, :k] - x["behavior"][j, :k]).abs().sum().double()
-                sums[engines[i], 1] += k
-    if distributed:
-        dist.all_reduce(sums)
-    means = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
-    log(f"engine agreement before update 0: mean |log ratio| {', '.join(f'engine {e} {v:.2e}' for e, v in enumerate(means))}"
-        f" (bound {bound:g})")
-    for e, v in enumerate(means):
-        if v > bound:
-            raise SystemExit(f"stage {stage.index}, engine {e}: before any update the trainer's log-probs differ from "
-                             f"the engine's by {v:.3g} nats per token on average (bound {bound:g}): the engine did not "
-                             f"serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k); "
-                             f"stopping before training on its rollouts")
-    return dict(enumerate(means))
 
 
 def metrics_row(stage, u, groups, counts, lr_now, m, seconds, extra):
@@ -634,29 +302,14 @@ def metrics_row(stage, u, groups, counts, lr_now, m, seconds, extra):
 
 
 def train_stage(model, optimizer, stage, progress, columns, start_policy, save_dtype):
-    """The stage's updates from progress.start on: the TIS pass, the schedule, the loop (metrics lines,
-    intermediate policies and resumable states), then the final train state and policy. `columns`: the
-    stored per-stage passes computed so far (KL's reference); start_policy: its tokenizer files go with
-    every saved policy. Returns its timing."""
-    temp, updates = describe_stage(stage, progress.updates), progress.updates
-    loss_kw, schedule, start, timing = loss_options(stage), minibatch_schedule(stage, updates), progress.start, {}
-    if tis_cap is not None:
-        columns = {**columns}
-        columns["old"], timing["old_pass_seconds"] = logprob_pass(model, stage, temp, "old", progress.start_weights,
-                                                                  progress, may_compute=start == 0)
-    kept = None
-    if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
-        progress.work_dir.mkdir(parents=True, exist_ok=True)
-        rows = common.read_jsonl(progress.metrics_path) if progress.metrics_path.exists() else []
-        kept = [r for r in rows if r.get("update", 0) < start]
-        common.atomic_write_lines(progress.metrics_path, kept)
-    neg_ratios = broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal so far
-    if start == 0 and updates and engine_mismatch_bound != 0 and not (temperature and temperature != stage.temperature):
-        engine_agreement(model, stage, temp)       # logged, not in the metrics: the engines' count is the mode's
-    if check_packing and start < updates:
-        first = stage.groups[schedule[start]].ravel()
-        packed_diff = packing_check(model, stage, temp, micro_batches(
-            stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world])[0])
+    """The stage's updates from progress.start on: the schedule, what comes before the first update (the TIS pass,
+    the guards), the loop (metrics lines, intermediate policies and resumable states), then the final train state
+    and policy. `columns`: the stored per-stage passes computed so far (KL's reference); start_policy: its
+    tokenizer files go with every saved policy. Returns its timing."""
+    updates_per_stage, start = progress.updates_per_stage, progress.start
+    temp, loss_kw = describe_stage(stage, updates_per_stage), loss_options(stage)
+    schedule = minibatch_schedule(stage, updates_per_stage)
+    columns, timing, neg_ratios, packed_diff = before_first_update(model, stage, progress, columns, temp, schedule)
 
     def save_policy(directory, done):
         M.save_policy(model, start_policy, save_dtype, directory,
@@ -670,9 +323,9 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
 
     nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
     from tqdm import tqdm
-    bar = tqdm(range(start, updates), disable=not is_main, desc=f"stage {stage.index} updates",
-               initial=start, total=updates)
-    done = updates
+    bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {stage.index} updates",
+               initial=start, total=updates_per_stage)
+    done = updates_per_stage
     for u in bar:
         if stage_ends_before(u, neg_ratios):
             done = u
@@ -683,7 +336,9 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         for group in optimizer.param_groups:
             group["lr"] = lr_now
         batch = stage.groups[schedule[u]].ravel()           # whole groups: response indices
-        m, stepped = run_update(model, optimizer, stage, batch, temp, loss_kw, columns, measure_memory=u == start)
+        m, stepped = update.run_update(model, optimizer, stage, batch, temp, loss_kw, columns,
+                                       micro_batch_tokens=micro_batch_tokens, deferred_norm=deferred_norm,
+                                       grad_clip=grad_clip, measure_memory=u == start)
         nonfinite_in_row = 0 if stepped else nonfinite_in_row + 1
         skipped_total += not stepped
         if nonfinite_in_row >= max_nonfinite:
@@ -693,15 +348,15 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         train_seconds += seconds
         row = metrics_row(stage, u, schedule[u], counts, lr_now, m, seconds,
                           {"skipped_nonfinite": skipped_total, "update_skipped": not stepped,
-                           **(packed_diff if u == start and check_packing else {})})
+                           **(packed_diff if u == start else {})})
         neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
             common.append_jsonl(progress.metrics_path, row)
             bar.set_postfix(loss=f"{m['loss/policy']:.4f}", reward=f"{row['reward/mean']:.2f}",
                             ratio_neg=f"{m['ratio/mean_neg_adv']:.3f}")
-        if save_policy_every and (u + 1) % save_policy_every == 0 and u + 1 < updates:
+        if save_policy_every and (u + 1) % save_policy_every == 0 and u + 1 < updates_per_stage:
             save_policy(progress.out_dir.with_name(f"{progress.out_dir.name}_u{u + 1:05d}"), u + 1)
-        if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates:
+        if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates_per_stage:
             save_state(u + 1)
     bar.close()
     t_save = time.perf_counter()
@@ -721,19 +376,51 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             "updates_this_run": done - start}
 
 
+def before_first_update(model, stage, progress, columns, temp, schedule):
+    """What a stage needs before its first update (of this run: a resumed stage's, progress.start): TIS's stored
+    pass of the stage policy, added to `columns`; the metrics lines of the updates already done, and their drift
+    signal (lines after the resumed update are dropped, so the file matches an unbroken run); at update 0 the
+    engines' agreement; with check_packing the packing check. Returns (columns, timing, the drift signal so far,
+    the packing check's values for the first update's metrics line)."""
+    start, updates_per_stage, timing = progress.start, progress.updates_per_stage, {}
+    if tis_cap is not None:
+        columns = {**columns}
+        columns["old"], timing["old_pass_seconds"] = update.logprob_pass(
+            model, stage, temp, "old", progress.start_weights, progress.work_dir, micro_batch_tokens,
+            resumed_state=progress.state_dir if start else None)
+    kept = None
+    if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
+        progress.work_dir.mkdir(parents=True, exist_ok=True)
+        rows = common.read_jsonl(progress.metrics_path) if progress.metrics_path.exists() else []
+        kept = [r for r in rows if r.get("update", 0) < start]
+        common.atomic_write_lines(progress.metrics_path, kept)
+    neg_ratios = M.broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal
+    resampled = temperature and temperature != stage.temperature        # log-probs at another temperature than b's
+    if start == 0 and updates_per_stage and engine_mismatch_bound != 0 and not resampled:
+        # logged, not in the metrics: the engines' count is the mode's
+        update.engine_agreement(model, stage, temp, engine_mismatch_bound, agreement_responses, micro_batch_tokens)
+    packed_diff = {}
+    if check_packing and start < updates_per_stage:
+        first = stage.groups[schedule[start]].ravel()
+        packed_diff = update.packing_check(model, stage, temp, update.micro_batches(
+            stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world], micro_batch_tokens)[0])
+    return columns, timing, neg_ratios, packed_diff
+
+
 def record_stage_end(stage, schedule, done, neg_ratios, progress):
     """stage_end.json beside metrics.jsonl: where the stage ended and why, the drift signal there, and the groups
     (prompts) generated for it but never trained on; the next stage's size is planned from it
-    (rollouts.planned_updates)."""
+    (rollouts.StagePlan)."""
     average, warned = drift_warning(neg_ratios)
     unused = schedule[done:].ravel().tolist()
-    if done < progress.updates:
-        log(f"stage {stage.index} ends on drift after {done} of {progress.updates} updates: the average 1 − E[ρ | A<0] "
-            f"of the last {drift_window} updates is {average:.4f} > {drift_threshold}; {len(unused)} prompts unused")
+    if done < progress.updates_per_stage:
+        log(f"stage {stage.index} ends on drift after {done} of {progress.updates_per_stage} updates: the average "
+            f"1 − E[ρ | A<0] of the last {drift_window} updates is {average:.4f} > {drift_threshold}; "
+            f"{len(unused)} prompts unused")
     if is_main:
         common.atomic_write_json(progress.work_dir / rollouts.STAGE_END, {
-            "stage": stage.index, "reason": "drift" if done < progress.updates else "all minibatches",
-            "updates": done, "generated_updates": progress.updates, "stage_end": stage_end,
+            "stage": stage.index, "reason": "drift" if done < progress.updates_per_stage else "all minibatches",
+            "updates": done, "generated_updates": progress.updates_per_stage, "stage_end": stage_end,
             "drift_signal": average, "drift_warning": warned, "drift_window": drift_window,
             "drift_threshold": drift_threshold, "drift_min_updates": drift_min_updates,
             "unused_prompts": len(unused), "unused_groups": [stage.group_keys[g] for g in unused],
@@ -749,7 +436,8 @@ def reference_pass(stage, temp, reference, attention, progress):
     if not reference:
         return {}, {}
     ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks())
-    column, seconds = logprob_pass(ref_model, stage, temp, "ref", common.policy_fingerprint(reference), progress)
+    column, seconds = update.logprob_pass(ref_model, stage, temp, "ref", common.policy_fingerprint(reference),
+                                          progress.work_dir, micro_batch_tokens)
     del ref_model
     M.release_memory()
     return {"ref": column}, {"ref_pass_seconds": seconds}
@@ -762,7 +450,7 @@ def check_disk(stage, start_policy, progress, passes, saves_state, saves_policy=
     (4 bytes per response token each)."""
     n = M.parameter_count(start_policy)
     state = (4 if lora_rank else 12) * n if saves_state else 0
-    policies = int(saves_policy) + (max(progress.updates - 1, 0) // save_policy_every if save_policy_every else 0)
+    policies = int(saves_policy) + (max(progress.updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
     policy_bytes = policies * n * M.checkpoint_dtype(start_policy).itemsize
     pass_bytes = passes * 4 * int(stage.token_offset[-1])
     common.require_free_disk(progress.work_dir, state + policy_bytes + pass_bytes,
@@ -776,17 +464,15 @@ def write_settings(progress, resolved):
     if is_main:
         progress.work_dir.mkdir(parents=True, exist_ok=True)
         common.atomic_write_json(progress.work_dir / "optimize_config.json", {
-            "hyperparameters": common.hyperparameters(globals()), "resolved": resolved, "world": world,
+            # the stage plan's defaults as resolved (total_updates, drift_max_updates)
+            "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
+            "resolved": resolved, "world": world,
             "device": str(device), "versions": common.versions(), "argv": sys.argv})
 
 
 def write_timing(progress, timing):
     """optimize_timing.json (rank 0), with every rank's peak RSS."""
-    peak_rss = torch.tensor([common.peak_rss_gib()], device=device)
-    if distributed:
-        parts = [torch.zeros(1, device=device) for _ in range(world)]
-        dist.all_gather(parts, peak_rss)
-        peak_rss = torch.cat(parts)
+    peak_rss = M.gather_values(torch.tensor([common.peak_rss_gib()], device=device))
     if is_main:
         timing = {**timing, "world": world, "peak_rss_gib_per_rank": peak_rss.tolist()}
         common.atomic_write_json(progress.work_dir / "optimize_timing.json", timing)
@@ -820,16 +506,6 @@ def build_trainer(start_policy, attention, weights):
     return model, optimizer
 
 
-def teardown():
-    """FSDP2's device mesh holds the process groups: the caller drops the model and optimizer first, so the
-    groups' gloo/NCCL threads are shut down and joined here, by destroy_process_group, and not during
-    interpreter teardown (a 3-rank gloo run once aborted there: "terminate called without an active exception")."""
-    if distributed:
-        M.release_memory()
-        barrier()
-        dist.destroy_process_group()
-
-
 def kl_reference(start_policy):
     """π_ref of the KL term: --ref_policy, else the stage policy when kl_coef > 0 (said: the usual π_ref is the
     run's first model), else none."""
@@ -854,7 +530,7 @@ def main():
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
         + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
-    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", updates=updates_per_stage,
+    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", updates_per_stage=updates_per_stage,
                         save_state=save_train_state)
     reference = kl_reference(start_policy)
     check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
@@ -862,7 +538,7 @@ def main():
     record_settings(progress, stage, start_policy, reference, attention)
     torch.manual_seed(seed)
     columns, timing = reference_pass(stage, logprob_temperature(stage), reference, attention, progress)
-    source = broadcast(M.state_source(progress.state_dir, init_state) if is_main else None)   # resume? rank 0 decides
+    source = M.broadcast(M.state_source(progress.state_dir, init_state) if is_main else None)   # resume? rank 0 decides
     model, optimizer = build_trainer(start_policy, attention, weights=source is None)
     progress.start, progress.before, progress.start_weights, said = M.restore(
         model, optimizer, source, resume=source == progress.state_dir, start_weights=common.policy_fingerprint(start_policy),
@@ -874,7 +550,7 @@ def main():
                               M.checkpoint_dtype(start_policy)))       # every policy keeps the initial dtype
     write_timing(progress, {**timing, "attention": attention})
     del model, optimizer
-    teardown()
+    M.end_process_group()
 
 
 # ----------------------------------------------------------------------------- resident mode
@@ -901,19 +577,9 @@ def run_stage_dir(s):
     return Path(run_dir) / f"stage_{s}"
 
 
-def stage_updates(s):
-    """μ of stage s in a resident run, 0 once the run is over: updates_per_stage for each of the `stages` stages, or
-    with stage_end=drift planned from where stage s − 1 ended (its stage_end.json), as run_stages.sh plans a run of
-    processes per phase. The trainer plans; each policy it hands over tells the engines the next stage's size."""
-    if stage_end == "fixed":
-        return updates_per_stage if s < stages else 0
-    return rollouts.planned_updates(run_dir, s, first=updates_per_stage, growth=drift_growth,
-                                    max_updates=drift_max_updates, total=total_updates)
-
-
 def resident_main():
     """Resident mode: the model, AdamW (and KL's reference model) built once and kept for the stages from the first
-    untrained one until the run is over (stage_updates); each stage's rollouts are waited for, trained on
+    untrained one until the run is over (stage_plan); each stage's rollouts are waited for, trained on
     (train_stage, as a one-stage run would), and the policy handed to the engine process through the fast hand-off
     directory. A resumed run starts from the newest train state in the run directory and trains again the stages
     after it (their rollouts are on disk), which gives the same weights as an unbroken run."""
@@ -926,8 +592,10 @@ def resident_main():
     resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / "policy")
     if meta is not None and meta["complete"] and not resave:
         publish(partner, last, run_stage_dir(last) / "policy")   # the engine resumes from it
-    if stage_updates(first) and not resave:   # the engine's first rollouts: it is asleep before this process takes
-        partner.wait_for_rollouts(first)      # memory (to resave, no: the engine waits for that policy, holding none)
+    # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
+    # that policy, holding none)
+    if stage_plan.updates_per_stage_at(run_dir, first) and not resave:
+        partner.wait_for_rollouts(first)
     t_start = time.time()
     start_policy = common.local_dir(policy)
     trainer = build_resident(start_policy, weights=meta is None)
@@ -948,20 +616,20 @@ def resident_main():
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     s = first
-    while updates := stage_updates(s):
+    while updates_per_stage := stage_plan.updates_per_stage_at(run_dir, s):
         # saved into the run directory: every save_every-th stage, and any stage that may be the last (one that reaches
         # the run's updates unless it ends on drift)
-        may_end_run = s == stages - 1 if stage_end == "fixed" else before["run_updates"] + updates >= total_updates
-        due = may_end_run or bool(save_every and (s + 1) % save_every == 0)
-        progress = Progress(out_dir=run_stage_dir(s) / "policy", updates=updates, start=start if s == first else 0,
-                            before=before,
+        due = stage_plan.may_end_run(s, before["run_updates"], updates_per_stage) or bool(
+            save_every and (s + 1) % save_every == 0)
+        progress = Progress(out_dir=run_stage_dir(s) / "policy", updates_per_stage=updates_per_stage,
+                            start=start if s == first else 0, before=before,
                             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
                             policy_dirs=(trainer.fast / f"policy_{s}", *([run_stage_dir(s) / "policy"] if due else [])))
         resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
         s += 1
     del trainer
-    teardown()
+    M.end_process_group()
 
 
 def build_resident(start_policy, weights):
@@ -975,7 +643,7 @@ def build_resident(start_policy, weights):
     model, optimizer = build_trainer(start_policy, attention, weights=weights)
     trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model)
     policy_bytes = M.parameter_count(start_policy) * trainer.dtype.itemsize
-    trainer.fast, why = broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
+    trainer.fast, why = M.broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
     log(f"policies are handed over through {trainer.fast}: {why}")
     return trainer
 
@@ -985,7 +653,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     gradients (the engine wakes next), hand the policy over. check_all: check the disk for a save even when none
     is due (the first stage: a disk without room for one save stops the run now, not hours in)."""
     if is_main:          # where the run stands (run_stages.sh prints this line per stage in the other mode)
-        log(tracking.where_line(run_dir, stages * updates_per_stage if stage_end == "fixed" else total_updates, s))
+        log(tracking.where_line(run_dir, stage_plan.run_updates, s))
     waited = partner.wait_for_rollouts(s)
     t0 = time.time()
     stage = open_stage(run_stage_dir(s))
@@ -999,9 +667,9 @@ def resident_stage(partner, trainer, s, progress, check_all):
         shutil.rmtree(trainer.fast / f"policy_{s - 2}", ignore_errors=True)
     columns, timing = {}, {}
     if trainer.ref_model is not None:
-        columns["ref"], timing["ref_pass_seconds"] = logprob_pass(
-            trainer.ref_model, stage, logprob_temperature(stage), "ref",
-            common.policy_fingerprint(trainer.reference), progress)
+        columns["ref"], timing["ref_pass_seconds"] = update.logprob_pass(
+            trainer.ref_model, stage, logprob_temperature(stage), "ref", common.policy_fingerprint(trainer.reference),
+            progress.work_dir, micro_batch_tokens)
     timing.update(train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
                               trainer.dtype))
     # this process keeps only its resident state (fp32 weights, AdamW), not the gradients (4 bytes per parameter)
@@ -1024,7 +692,7 @@ def publish(partner, s, directory):
         record = common.policy_record(directory)
         partner.publish_policy(s, directory, Path(run_dir) / f"stage_{s}" / "policy", record["fingerprint"],
                                run_updates=record["run_updates"],
-                               next_stage_prompts=stage_updates(s + 1) * prompts_per_update)
+                               next_stage_prompts=stage_plan.updates_per_stage_at(run_dir, s + 1) * prompts_per_update)
 
 
 if __name__ == "__main__":

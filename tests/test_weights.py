@@ -1,8 +1,6 @@
 """Which weights an engine serves (issue 45, item 15): the layout-free weight hash the trainer records and each
 engine's worker recomputes (common.tensor_hash, engine.verify_weights), and the trainer's per-engine agreement
-with the rollouts' log-probs before a stage's first update (optimize.engine_agreement)."""
-import sys
-
+with the rollouts' log-probs before a stage's first update (update.engine_agreement)."""
 import pytest
 import torch
 
@@ -134,24 +132,25 @@ def write_two_engine_stage(stage_dir, model_dir, shift_engine_1=0.0):
 
 @pytest.mark.parametrize("shift,stops", [(0.0, False), (2e-3, True)])
 def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_not_reproduce(
-        toy, tmp_path, monkeypatch, shift, stops):
+        toy, tmp_path, shift, stops):
     # engine 1's behavior log-probs 2e-3 nats per token off (as a stale or otherwise sampled engine's would be) are
     # twice the CPU bound; engine 0's agree to float32 noise. The stop names the engine and the stage
-    monkeypatch.setattr(sys, "argv", ["optimize.py"])
-    sys.modules.pop("optimize", None)
     import model as M
-    import optimize
+    import rollouts
+    import update
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", shift)
-    stage = optimize.open_stage(tmp_path / "stage_3")
-    assert optimize.response_engines(stage).tolist() == [0] * 4 + [1] * 4
+    stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
+    assert update.response_engines(stage).tolist() == [0] * 4 + [1] * 4
     net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
+    # optimize.py's defaults: the device's bound (engine_mismatch_bound=-1), 16 responses per engine
+    check = dict(bound=-1.0, responses=16, micro_batch_tokens=16384)
     if not stops:
-        seen = optimize.engine_agreement(net, stage, 1.0)
+        seen = update.engine_agreement(net, stage, 1.0, **check)
         assert set(seen) == {0, 1}
         assert max(seen.values()) < 1e-5                     # float32 noise and the 1e-6 rounding of the stored values
         return
     with pytest.raises(SystemExit) as e:
-        optimize.engine_agreement(net, stage, 1.0)
+        update.engine_agreement(net, stage, 1.0, **check)
     assert "\n" not in str(e.value) and str(e.value).startswith(
         "stage 3, engine 1: before any update the trainer's log-probs differ from the engine's by 0.002 nats")
 
@@ -184,7 +183,7 @@ def test_a_stale_engine_stops_the_run_naming_the_engine_and_stage(toy, tmp_path,
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": f"{fault}:{ROOT}", "PRESET": "toy", "RUN": str(run),
            "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"), "EVAL_DATA_DIR": str(toy),
-           "BENCHMARKS": "test", "STAGES": "2", "UPDATES": "2", "PROMPTS_PER_UPDATE": "8", "LR": "5e-4",
+           "BENCHMARKS": "test", "STAGES": "2", "UPDATES_PER_STAGE": "2", "PROMPTS_PER_UPDATE": "8", "LR": "5e-4",
            "MAX_RESPONSE": "12", "EVAL_EVERY": "0", "RESIDENT": str(mode == "resident").lower()}
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     shown = proc.stdout + proc.stderr

@@ -1,0 +1,228 @@
+"""update.py in process, on a tiny random Llama and a 12-response stage written here: the micro-batches and the
+packed row by hand, the packed update against the loss of each response computed alone, the stored log-prob
+passes, the stats of a rank without responses. Seconds, no subprocess."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import loss as L
+import model as M
+import rollouts
+import update
+
+G = 4
+PROMPT_LEN = (4, 2, 3)                                            # per group
+RESPONSE_LEN = ((6, 3, 1, 5), (8, 5, 1, 2), (4, 7, 2, 3))          # per group, per sample
+REWARDS = ((1, 0, 0, 1), (0, 1, 0, 0), (1, 1, 0, 0))
+
+
+def alone(model, prompt, response, temp=1.0):
+    """The log-probs of one response's tokens from a forward of its sequence alone (no packing)."""
+    ids = torch.tensor(np.concatenate([prompt, response]), dtype=torch.long)[None]
+    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1]
+    return L.token_logprobs(logits, torch.tensor(response, dtype=torch.long), temp)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(a random 2-layer Llama's checkpoint, a stage of 3 groups × G=4 random responses of RESPONSE_LEN tokens whose
+    behavior log-probs are the checkpoint's own, moved by N(0, 0.5²) noise so the ratios spread around 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    root = tmp_path_factory.mktemp("update")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    net = LlamaForCausalLM(config).eval()
+    net.save_pretrained(root / "policy")
+    rng = np.random.default_rng(0)
+    rows = []
+    for g, (p_len, lens, rewards) in enumerate(zip(PROMPT_LEN, RESPONSE_LEN, REWARDS)):
+        prompt = rng.integers(3, 64, p_len).tolist()
+        advantages, _ = L.group_advantages(list(map(float, rewards)), G)
+        for k, n in enumerate(lens):
+            response = rng.integers(3, 64, n).tolist()
+            with torch.no_grad():
+                behavior = alone(net, prompt, response).numpy() + rng.normal(0, 0.5, n)
+            rows.append({"prompt_id": f"p{g}", "group": g, "sample_idx": k, "prompt_token_ids": prompt,
+                         "response_token_ids": response, "behavior_logprobs": behavior.tolist(),
+                         "finish_reason": "stop", "reward": float(rewards[k]), "advantage": float(advantages[k]),
+                         "stage": 0, "policy": str(root / "policy")})
+    directory = root / "stage_0" / "rollouts"
+    directory.mkdir(parents=True)
+    common.atomic_write_lines(directory / "shard_00000.jsonl", rows)
+    common.atomic_write_json(directory / "manifest.json", {
+        "complete": True, "stage": 0, "policy": str(root / "policy"), "shards": ["shard_00000.jsonl"],
+        "sampling": {"n": G, "temperature": 1.0, "top_p": 1.0, "max_tokens": 12}})
+    return root / "policy", rollouts.open_stage(directory, workers=1)
+
+
+def trainer(policy):
+    return M.build(policy, attention=M.choose_attention("auto", torch.device("cpu")))
+
+
+def test_micro_batches_fill_the_budget_longest_first_and_hold_each_response_once(tiny):
+    _, stage = tiny
+    # responses 0, 1, 2 (prompt 4; responses 6, 3, 1) and 4, 5, 6 (prompt 2; responses 8, 5, 1): 10, 7, 5, 10, 7, 3
+    # tokens; longest first (ties in the order given): 10 10 | 7 7 5 | 3 under 20 tokens (a batch may reach the budget)
+    assert (stage.prompt_len + stage.response_len)[[0, 1, 2, 4, 5, 6]].tolist() == [10, 7, 5, 10, 7, 3]
+    assert update.micro_batches(stage, [0, 1, 2, 4, 5, 6], 20) == [[0, 4], [1, 5, 2], [6]]
+    # under 9 a response longer than the budget is a micro-batch of its own
+    assert update.micro_batches(stage, [0, 1, 2, 4, 5, 6], 9) == [[0], [4], [1], [5], [2, 6]]
+    assert update.micro_batches(stage, [], 9) == []
+    for budget in (1, 12, 30, 1000):       # the whole stage: every response exactly once, under the budget if it can
+        batches = update.micro_batches(stage, np.arange(stage.n), budget)
+        assert sorted(i for mb in batches for i in mb) == list(range(stage.n))
+        tokens = [int((stage.prompt_len[mb] + stage.response_len[mb]).sum()) for mb in batches]
+        assert all(t <= budget or len(mb) == 1 for t, mb in zip(tokens, batches))
+
+
+def test_the_packed_row_restarts_positions_and_keeps_the_response_predictions(tiny):
+    _, stage = tiny
+    x = update.pack(stage, [0, 1], {})                 # prompt 4 + response 6, then prompt 4 + response 3
+    (p0, r0, b0), (p1, r1, b1) = stage.tokens(0), stage.tokens(1)
+    assert x["ids"][0].tolist() == [*p0, *r0, *p1, *r1]
+    assert x["pos"][0].tolist() == [*range(10), *range(7)]
+    # the logits at position t predict token t + 1: the response of the first sequence starts at 4, so 3..8;
+    # the second sequence starts at 10, its response at 14: 13..15
+    assert x["keep"].tolist() == [3, 4, 5, 6, 7, 8, 13, 14, 15]
+    assert x["targets"].tolist() == [*r0, *r1]
+    assert x["mask"].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+    assert x["behavior"][0].tolist() == b0.tolist() and x["behavior"][1].tolist() == [*b1, 0.0, 0.0, 0.0]
+    assert x["adv"].tolist() == stage.advantage[[0, 1]].tolist()
+
+
+def test_packed_log_probs_are_each_responses_alone(tiny):
+    policy, stage = tiny
+    model = trainer(policy)
+    with torch.no_grad():
+        x = update.forward(model, stage, [4, 0, 9, 2], 0.7)
+        for j, i in enumerate([4, 0, 9, 2]):
+            p, r, _ = stage.tokens(i)
+            torch.testing.assert_close(x["lp"][j, :len(r)], alone(model, p, r, 0.7), rtol=0, atol=1e-5)
+            assert (x["lp"][j, len(r):] == 0).all()
+
+
+def reference_update(policy, stage, batch, loss_kw):
+    """The loss and gradients of one update computed the plain way: each response's log-probs from a forward of
+    its sequence alone, padded into one [b, T] batch, loss.policy_loss over it in one call (its own token counts)."""
+    model = trainer(policy)
+    lps = [alone(model, *stage.tokens(i)[:2]) for i in batch]
+    T = max(len(lp) for lp in lps)
+    lp = torch.stack([torch.nn.functional.pad(v, (0, T - len(v))) for v in lps])
+    behavior = torch.stack([torch.nn.functional.pad(torch.from_numpy(np.array(stage.tokens(i)[2])), (0, T - len(v)))
+                            for i, v in zip(batch, lps)])
+    mask = torch.arange(T)[None, :] < torch.tensor([len(v) for v in lps])[:, None]
+    loss, stats = L.policy_loss(lp, behavior, torch.from_numpy(stage.advantage[batch]), mask, **loss_kw)
+    loss.backward()
+    return loss, stats, {n: p.grad for n, p in model.named_parameters()}
+
+
+# μ-GRPO's clip with NAV (a trigger at ρ < 0.5 fires here), GRPO's clip with M2PO (τ = 0.2: it masks 2 harmful
+# tokens of the minibatch here, where a cutoff of each micro-batch's own would mask 5), the sequence means
+LOSSES = {
+    "mu-grpo": dict(clip_low=0.0, clip_high=5.0, nav_delta=0.5, nav_scope="H"),
+    "grpo-m2po": dict(clip_low=0.8, clip_high=1.2, m2po_tau=0.2),
+    "seq-mean": dict(clip_low=0.8, clip_high=1.2, nav_delta=0.5, agg="seq-mean-token-mean"),
+    "dr-grpo": dict(clip_low=0.8, clip_high=1.2, agg="seq-mean-token-sum-norm", norm_len=12),
+}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("micro_batch_tokens", [12, 1000])
+def test_the_packed_update_is_the_plain_one(tiny, name, micro_batch_tokens):
+    # micro-batches of at most 12 tokens (one to three responses each) or one for the minibatch: the loss and every
+    # gradient those of the plain computation, up to float noise; a response lost or counted twice, a micro-batch
+    # divided by its own token count or the wrong kept count would move them by far more
+    policy, stage = tiny
+    loss_kw = LOSSES[name]
+    batch = stage.groups[[0, 1]].ravel()
+    ref_loss, ref_stats, ref_grads = reference_update(policy, stage, batch, loss_kw)
+    model = trainer(policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)             # steps nothing: the gradients stay to read
+    m, stepped = update.run_update(model, optimizer, stage, batch, 1.0, loss_kw, {},
+                                   micro_batch_tokens=micro_batch_tokens, grad_clip=1e9,
+                                   deferred_norm=loss_kw.get("agg", "token-mean") == "token-mean")
+    assert stepped and m["loss/tokens"] == int(stage.response_len[batch].sum()) == 31   # 6+3+1+5 + 8+5+1+2
+    assert m["loss/kept_tokens"] == ref_stats["kept"].item()
+    if name in ("mu-grpo", "grpo-m2po"):              # the masks take tokens out, so the kept count matters
+        assert m["loss/kept_tokens"] < 31
+    assert m["loss/policy"] == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-7)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-7, msg=n)
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+    assert m["grad_norm"] == pytest.approx(ref_norm.item(), rel=1e-4)
+
+
+def test_the_first_update_of_mu_grpo_is_its_equation_by_hand(tiny):
+    # the loss without NAV, from the docstring of loss.py: −Σ_t min(ρ_t A, clip(ρ_t, 0, 5) A) / N over the 31
+    # tokens, ρ_t = exp(ℓ_t − b_t) from each response alone; nothing of loss.policy_loss in the reference
+    policy, stage = tiny
+    model = trainer(policy)
+    batch = stage.groups[[0, 1]].ravel()
+    total = 0.0
+    with torch.no_grad():
+        for i in batch:
+            p, r, b = stage.tokens(i)
+            rho = torch.exp(alone(model, p, r) - torch.from_numpy(np.array(b)))
+            adv = float(stage.advantage[i])
+            total += -torch.minimum(rho * adv, rho.clamp(0.0, 5.0) * adv).sum().item()
+    m, _ = update.run_update(model, torch.optim.SGD(model.parameters(), lr=0.0), stage, batch, 1.0,
+                             dict(clip_low=0.0, clip_high=5.0), {}, micro_batch_tokens=12, deferred_norm=True,
+                             grad_clip=1.0)
+    assert m["loss/policy"] == pytest.approx(total / 31, rel=1e-5)
+
+
+def test_a_stored_pass_is_each_responses_log_probs_computed_once(tiny, tmp_path):
+    policy, stage = tiny
+    model = trainer(policy)
+    with torch.no_grad():
+        column, seconds = update.logprob_pass(model, stage, 0.7, "old", "k1", tmp_path, micro_batch_tokens=12)
+        for i in range(stage.n):
+            p, r, _ = stage.tokens(i)
+            np.testing.assert_allclose(column.get(stage, i), alone(model, p, r, 0.7).numpy(), rtol=0, atol=1e-5)
+    path = stage.directory.parent / "logprobs" / "old-k1-T0.7.f32"        # beside the rollouts, the stage's cache
+    assert seconds > 0 and column.path == path and column.values.mode == "r"
+    assert json.loads((path.parent / "old-k1-T0.7.f32.complete").read_text()) == {
+        "model": "k1", "temperature": 0.7, "responses": 12}
+    again, seconds = update.logprob_pass(None, stage, 0.7, "old", "k1", tmp_path, micro_batch_tokens=12)  # stored:
+    assert seconds == 0.0 and np.array_equal(again.values, column.values)                           # no model run
+    with pytest.raises(SystemExit, match=f"delete {tmp_path / 'train_state'} to restart the stage"):
+        update.logprob_pass(None, stage, 0.7, "old", "k2", tmp_path, 12, resumed_state=tmp_path / "train_state")
+
+
+def test_a_stored_column_is_read_only(tiny, tmp_path):
+    _, stage = tiny
+    n = int(stage.token_offset[-1])
+    column = rollouts.TokenColumn(tmp_path / "c.f32", n, create=True)
+    column.values[:] = np.arange(n)
+    column.mark_complete({})
+    stored = update.stored_column(tmp_path / "c.f32", n)
+    assert stored.values.tolist() == list(range(n)) and stored.values.mode == "r"
+    with pytest.raises(ValueError, match="read-only"):
+        stored.values[0] = 1.0
+
+
+@pytest.mark.parametrize("loss_kw,columns", [(LOSSES["mu-grpo"], {}), ({**LOSSES["grpo-m2po"], "tis_cap": 2.0,
+                                                                         "kl_coef": 0.1}, {"ref": None})])
+def test_a_rank_without_responses_adds_nothing(tiny, loss_kw, columns):
+    # the stats a rank starts from (and sends when it has no response of the minibatch): the names of a real call's
+    # (plus the update's own), sums zero, so that merging them with any stats leaves those stats as they were; but
+    # kl_in_loss, a flag (> 0 after merging: the KL is in the loss), not a count
+    _, stage = tiny
+    empty = update.empty_stats(loss_kw, columns, cutoff=None)
+    x = update.pack(stage, [0, 5], {})
+    lp = x["behavior"] + 0.3 * x["mask"]
+    extra = {"old_logprobs": x["behavior"]} if "tis_cap" in loss_kw else {}
+    real = L.policy_loss(lp, x["behavior"], x["adv"], x["mask"], **loss_kw, **extra,
+                         ref_logprobs=x["behavior"] if columns else None)[1]
+    assert set(empty) == set(real) | {"entropy_sum", "saved_activations_gib_max"}
+    counts = [k for k in empty if not k.endswith(("_min", "_max")) and k != "kl_in_loss"]
+    assert {k: empty[k].item() for k in counts} == dict.fromkeys(counts, 0.0)
+    assert empty["ratio_min"].item() == np.inf and empty["ratio_max"].item() == -np.inf
+    merged = L.merge_stats(empty, {**real, "entropy_sum": torch.tensor(2.0),
+                                   "saved_activations_gib_max": torch.tensor(0.5)})
+    assert all(torch.equal(merged[k], real[k]) for k in real if k != "kl_in_loss")
+    assert merged.get("kl_in_loss", 1) > 0

@@ -1,0 +1,343 @@
+"""One update of the policy on a minibatch of a stage's responses (docs/design.md §2): the responses packed into
+micro-batches of at most a token budget, each micro-batch one row through the model (no compute goes to padding),
+loss.policy_loss summed over micro-batches and ranks, one AdamW step. Also the policy's other packed passes over
+the stage: the per-stage log-prob passes (TIS's old, KL's reference), stored once as columns of the stage; M2PO's
+minibatch-wide cutoff; the checks that the engines' log-probs are the trainer's and that packing keeps sequences
+apart.
+
+Placement (rank, world size, device) is read from torch (model.placement()); the knobs (the token budget, the
+loss's options, the gradient clip) are arguments. This module reads no script's globals: optimize.py holds the
+hyperparameters and the stage loop.
+"""
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import common
+import loss as L
+import model as M
+import rollouts
+
+
+def log(*args):
+    if M.placement()[0] == 0:
+        print(*args, flush=True)
+
+
+# ----------------------------------------------------------------------------- packed micro-batches
+
+
+def micro_batches(stage, responses, micro_batch_tokens):
+    """This rank's micro-batches of at most micro_batch_tokens tokens (prompt + response), longest first,
+    each packed into one row (no compute goes to padding); under torchrun padded with None to the largest
+    count over the ranks, since FSDP's collectives need every rank to run as many passes."""
+    _, world, device = M.placement()
+    responses = np.asarray(responses, dtype=np.int64)
+    lengths = stage.prompt_len[responses] + stage.response_len[responses]
+    order = np.argsort(-lengths, kind="stable")
+    batches, current, tokens = [], [], 0
+    for i, n in zip(responses[order].tolist(), lengths[order].tolist()):
+        if current and tokens + n > micro_batch_tokens:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    batches += [current] if current else []
+    if world > 1:
+        count = torch.tensor([len(batches)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        batches += [None] * (int(count) - len(batches))
+    return batches
+
+
+def pack(stage, mb, columns):
+    """One packed row for the model and per-response tensors for the loss, on the device.
+
+    input_ids, position_ids [1, N]: the sequences back to back, positions restarting at 0 for each;
+    keep [R]: the positions whose logits predict a response token; targets [R]; behavior and each
+    extra column (TIS old, KL reference) [b, T]; mask [b, T]; advantages [b]."""
+    _, _, device = M.placement()
+    parts = [stage.tokens(i) for i in mb]
+    seq = [len(p) + len(r) for p, r, _ in parts]
+    start = np.concatenate([[0], np.cumsum(seq)[:-1]])
+    ids = np.concatenate([np.concatenate([p, r]) for p, r, _ in parts]).astype(np.int64)
+    pos = np.concatenate([np.arange(n) for n in seq])
+    keep = np.concatenate([np.arange(s + len(p) - 1, s + len(p) + len(r) - 1) for s, (p, r, _) in zip(start, parts)])
+    lens = np.array([len(r) for _, r, _ in parts])
+    mask = np.arange(lens.max())[None, :] < lens[:, None]                    # [b, T]
+
+    def per_token(values):
+        out = np.zeros(mask.shape, dtype=np.float32)
+        out[mask] = np.concatenate(values)
+        return torch.from_numpy(out).to(device)
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    targets = np.concatenate([r for _, r, _ in parts]).astype(np.int64)
+    return dict(ids=t(ids)[None], pos=t(pos)[None], keep=t(keep), targets=t(targets),
+                behavior=per_token([b for _, _, b in parts]), mask=t(mask), adv=t(stage.advantage[mb]),
+                **{name: per_token([col.get(stage, i) for i in mb]) for name, col in columns.items()})
+
+
+def forward(model, stage, mb, temp, columns=None, with_entropy=False):
+    """Current log-probs [b, T] (0 on padding) of micro-batch `mb`'s response tokens at temperature temp,
+    with the packed tensors; mb None (a padding pass) runs response 0. Logits are computed only at
+    response positions ([R, V], bf16 on GPU); token_logprobs upcasts them chunk by chunk."""
+    _, world, device = M.placement()
+    x = pack(stage, mb if mb is not None else [0], columns or {})
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and world == 1):
+        logits = model(input_ids=x["ids"], position_ids=x["pos"], logits_to_keep=x["keep"], use_cache=False).logits[0]
+    lp_flat = L.token_logprobs(logits, x["targets"], temp)                          # [R] fp32
+    x["lp"] = torch.zeros(x["mask"].shape, device=device).masked_scatter(x["mask"], lp_flat)
+    if with_entropy:
+        x["entropy_sum"] = L.token_entropy(logits.detach(), temp).sum()
+    return x
+
+
+# ----------------------------------------------------------------------------- per-stage log-prob passes
+
+
+def logprob_pass(model, stage, temp, name, key, work_dir, micro_batch_tokens, resumed_state=None):
+    """A model's log-probs of every response token of the stage, computed once: one no-grad pass
+    (sharded like training) before the first update, stored as a TokenColumn in the stage's logprobs/
+    (or work_dir's, when the stage directory is read-only) and read like the behavior log-probs, so a
+    resume or a replay with the same model reuses it. TIS's old log-probs (the stage policy) and KL's
+    reference log-probs are both such passes. resumed_state: the train state of a stage already under
+    way, whose weights have moved, so an incomplete pass cannot be computed any more. Returns the column
+    and the seconds spent."""
+    rank, world, _ = M.placement()
+    stage_path = stage.directory.parent
+    root = stage_path / "logprobs" if os.access(stage_path, os.W_OK) else work_dir / "logprobs"
+    path = root / f"{name}-{key}-T{temp}.f32"
+    n_tokens = int(stage.token_offset[-1])
+    column = None
+    if rank == 0:        # rank 0 alone writes the column: a killed pass's parts first
+        column = rollouts.TokenColumn(path, n_tokens, create=True)
+        if not column.complete and (parts := column.parts()):
+            log(f"{name} log-probs: {column.merge_parts(stage, parts)} responses from a killed pass kept")
+    complete, missing = M.broadcast((column.complete, column.missing(stage)) if rank == 0 else None)
+    if complete:
+        log(f"{name} log-probs: stored in {path}")
+        return stored_column(path, n_tokens), 0.0
+    if resumed_state is not None:
+        raise SystemExit(f"{path} is incomplete but training already started: the stage policy's log-probs cannot "
+                         f"be recomputed from moved weights; delete {resumed_state} to restart the stage")
+    t0 = time.perf_counter()
+    mine = np.arange(rank, stage.n, world)
+    todo = mine[missing[mine]]
+    log(f"{name} log-probs: one pass over {stage.n} responses ({len(todo)} still to do on rank 0) → {path}")
+    from tqdm import tqdm
+    written, indices, values = [], [], []
+    with torch.no_grad():
+        batches = micro_batches(stage, todo, micro_batch_tokens)
+        for k, mb in enumerate(tqdm(batches, disable=rank != 0, desc=f"{name} pass")):
+            x = forward(model, stage, mb, temp)
+            for j, i in enumerate(mb or []):
+                indices.append(i)
+                values.append(x["lp"][j, :stage.response_len[i]].cpu().numpy())
+            if k % 64 == 63:                     # a killed pass keeps what its parts hold
+                written.append(rollouts.write_column_part(path, rank, len(written), indices, values))
+                indices, values = [], []
+    if indices:
+        written.append(rollouts.write_column_part(path, rank, len(written), indices, values))
+    everyone = M.gather_lists([str(p) for p in written])
+    if rank == 0:
+        common.wait_visible(everyone)           # other nodes' parts
+        column.merge_parts(stage, [Path(p) for p in everyone])
+        if (left := int(column.missing(stage).sum())):
+            raise SystemExit(f"{path}: {left} responses have no {name} log-probs after the pass (a rank's part lost?)")
+        column.mark_complete({"model": key, "temperature": temp, "responses": stage.n})
+    M.barrier()
+    return stored_column(path, n_tokens), time.perf_counter() - t0
+
+
+def stored_column(path, n_tokens):
+    """A complete column, read-only (rank 0 wrote it; on other nodes, once visible)."""
+    common.wait_visible([Path(str(path) + ".complete")])
+    return rollouts.TokenColumn(path, n_tokens, create=False, readonly=True)
+
+
+# ----------------------------------------------------------------------------- checks: engines' log-probs, packing
+
+
+def agreement_bound():
+    """The largest mean |ℓ − b| per token between trainer and engine on the same weights, on this device
+    (loss.AGREEMENT_MEAN: float32 noise on a CPU, measured ~5e-7 on the toy; bf16 rounding on a GPU, reasoned)."""
+    return L.AGREEMENT_MEAN.get(M.placement()[2].type, L.AGREEMENT_MEAN["cuda"])
+
+
+def response_engines(stage):
+    """[n]: the engine that generated each response (its shard's stats.json, generate.py `engine_index`; 0 for a
+    shard without one, written by other code than generate.py)."""
+    stats = [sh.path.with_suffix(".stats.json") for sh in stage.shards]
+    per_shard = [json.loads(p.read_text()).get("engine", 0) if p.exists() else 0 for p in stats]
+    return np.asarray(per_shard, dtype=np.int64)[stage.shard_of] if stage.n else np.zeros(0, np.int64)
+
+
+def engine_agreement(model, stage, temp, bound, responses, micro_batch_tokens):
+    """The guard on rollouts that the trainer's policy did not generate (an engine serving other weights, or sampling
+    otherwise than its log-probs say), before a stage's first update: for up to `responses` responses of each
+    engine's shards, the mean |ℓ − b| between the trainer's and the stored behavior log-probs; above `bound`
+    (negative: agreement_bound(), the device's) the run stops naming the engine and the stage. Returns {engine: its
+    mean}."""
+    rank, world, device = M.placement()
+    bound = agreement_bound() if bound < 0 else bound
+    engines = response_engines(stage)
+    n_engines = int(engines.max()) + 1 if engines.size else 0
+    chosen = np.concatenate([np.flatnonzero(engines == e)[:responses] for e in range(n_engines)])
+    sums = torch.zeros(n_engines, 2, dtype=torch.float64, device=device)          # Σ |ℓ − b|, tokens
+    with torch.no_grad():
+        for mb in micro_batches(stage, chosen[rank::world], micro_batch_tokens):
+            x = forward(model, stage, mb, temp)
+            for j, i in enumerate(mb or []):
+                k = int(stage.response_len[i])
+                sums[engines[i], 0] += (x["lp"][j, :k] - x["behavior"][j, :k]).abs().sum().double()
+                sums[engines[i], 1] += k
+    if world > 1:
+        dist.all_reduce(sums)
+    means = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
+    log(f"engine agreement before update 0: mean |log ratio| {', '.join(f'engine {e} {v:.2e}' for e, v in enumerate(means))}"
+        f" (bound {bound:g})")
+    for e, v in enumerate(means):
+        if v > bound:
+            raise SystemExit(f"stage {stage.index}, engine {e}: before any update the trainer's log-probs differ from "
+                             f"the engine's by {v:.3g} nats per token on average (bound {bound:g}): the engine did not "
+                             f"serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k); "
+                             f"stopping before training on its rollouts")
+    return dict(enumerate(means))
+
+
+def packing_check(model, stage, temp, mb):
+    """Whether the packed attention keeps sequences apart, measured two ways on micro-batch `mb` (every rank's):
+    - differential (check/packed_*): the same sequences packed in the order given and in reverse. Both rows have
+      the same length, so every GEMM has the same shape and rounds alike; a sequence that saw the ones packed
+      before it sees other ones in the other order, which moves its log-probs by far more than rounding;
+    - packed vs each of its first 8 sequences alone (check/alone_*, for information): on a GPU the bf16 GEMMs of
+      a 16k-row micro-batch and of one sequence's rows are tiled differently (cuBLAS tile shapes, split-K), which
+      moves a few tokens in a hundred by ~0.1 nats with no fault at all.
+    The mean, the 99.9th percentile and the max of |Δ log p| over every rank's tokens."""
+    _, world, device = M.placement()
+    with torch.no_grad():
+        packed = forward(model, stage, mb, temp)
+        backwards = forward(model, stage, mb[::-1] if mb else None, temp)
+        n = len(mb or [])
+        reordered = [(packed["lp"][j] - backwards["lp"][n - 1 - j]).abs()[:int(stage.response_len[i])]
+                     for j, i in enumerate(mb or [])]
+        alone = [torch.zeros(0, device=device)]
+        singles = (mb or [])[:8]
+        count = torch.tensor([len(singles)], device=device)
+        if world > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        for j in range(int(count)):
+            if j < len(singles):
+                one = forward(model, stage, [singles[j]], temp)["lp"][0]
+                k = int(stage.response_len[singles[j]])
+                alone.append((one[:k] - packed["lp"][j, :k]).abs())
+            else:
+                forward(model, stage, None, temp)
+    fewest = torch.tensor([n], device=device)       # a micro-batch of one sequence compares nothing: said so
+    if world > 1:
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+    out = {"check/packed_sequences_min": int(fewest)}
+    for name, diffs in (("packed", reordered), ("alone", alone)):
+        # a few thousand values per rank: gathered whole, the quantile exact
+        values = M.gather_values(torch.cat(diffs) if diffs else torch.zeros(0, device=device))
+        if values.numel():
+            out.update({f"check/{name}_mean_abs_diff": values.mean().item(),
+                        f"check/{name}_max_abs_diff": values.max().item(),
+                        f"check/{name}_p999_abs_diff": torch.quantile(values.double(), 0.999).item()})
+    return out
+
+
+# ----------------------------------------------------------------------------- one update
+
+
+def m2po_minibatch_cutoff(model, stage, temp, mbs, columns, tau, tis_cap):
+    """M2PO's cutoff over the whole minibatch: a no-grad pass over this rank's micro-batches, then every
+    rank's harmful (log ρ)² gathered, so the mask does not depend on the number of GPUs."""
+    _, _, device = M.placement()
+    sq = [torch.zeros(0, device=device)]
+    with torch.no_grad():
+        for mb in mbs:
+            x = forward(model, stage, mb, temp, columns)
+            if mb is None:
+                continue
+            reference = x["old"] if "old" in x and tis_cap is not None else x["behavior"]
+            log_ratio = torch.clamp(x["lp"] - reference, -L.LOG_RATIO_LIMIT, L.LOG_RATIO_LIMIT) * x["mask"]
+            sq.append((log_ratio ** 2)[L.m2po_harmful(log_ratio, x["adv"], x["mask"])])
+    return L.m2po_cutoff(M.gather_values(torch.cat(sq)), tau)
+
+
+def empty_stats(loss_kw, columns, cutoff):
+    """policy_loss's stats of no tokens (zeros; extremes ±inf), with the same names as a real call's."""
+    _, _, device = M.placement()
+    zero, none = torch.zeros(1, 1, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
+    stats = L.policy_loss(zero, zero, zero[0], none, **loss_kw, m2po_cutoff=cutoff,
+                          old_logprobs=zero if loss_kw.get("tis_cap") is not None else None,
+                          ref_logprobs=zero if "ref" in columns else None)[1]
+    stats["entropy_sum"] = stats["saved_activations_gib_max"] = torch.zeros((), device=device)
+    return stats
+
+
+def run_update(model, optimizer, stage, batch, temp, loss_kw, columns, *, micro_batch_tokens, deferred_norm, grad_clip,
+               measure_memory=False):
+    """One AdamW update on the minibatch `batch` (response indices). loss_kw: loss.policy_loss's options; columns:
+    the stored per-stage passes ("old": TIS's, "ref": KL's); deferred_norm: the loss is a token mean over the kept
+    tokens, whose count is known only once every micro-batch has run, so the micro-batches' losses are sums and the
+    gradient is divided by the count at the end; grad_clip: the max global grad norm. Returns (metrics, stepped)."""
+    rank, world, device = M.placement()
+    tis_cap, m2po_tau = loss_kw.get("tis_cap"), loss_kw.get("m2po_tau")
+    lengths = stage.prompt_len[batch] + stage.response_len[batch]
+    mine = batch[np.argsort(-lengths, kind="stable")][rank::world]       # this rank's responses, balanced by length
+    mbs = micro_batches(stage, mine, micro_batch_tokens)
+    cutoff = None if m2po_tau is None else m2po_minibatch_cutoff(model, stage, temp, mbs, columns, m2po_tau, tis_cap)
+    # the parameters as the optimizer holds them, not model.parameters(): after a no-grad forward (the M2PO or TIS
+    # pass) FSDP2 leaves the root module's parameters unsharded (the root does not reshard after forward:
+    # torch/distributed/fsdp/_fully_shard/_fsdp_state.py:203) and registers those on the modules
+    # (_fsdp_param.py, _setattr_on_modules), so model.parameters() would name tensors that are not the sharded
+    # ones the optimizer steps
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.zero_grad(set_to_none=True)
+    n_tokens = int(stage.response_len[batch].sum())
+    stats = empty_stats(loss_kw, columns, cutoff)     # a rank may have no response of this minibatch
+    for k, mb in enumerate(mbs):
+        with M.SavedActivations(enabled=measure_memory and k == 0) as saved:
+            x = forward(model, stage, mb, temp, columns, with_entropy=True)
+        if mb is None:                 # padding pass: keeps FSDP's collectives in step, adds nothing
+            (x["lp"].sum() * 0.0).backward()
+            continue
+        part, s = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], **loss_kw, m2po_cutoff=cutoff,
+                                old_logprobs=x.get("old") if tis_cap is not None else None, ref_logprobs=x.get("ref"),
+                                num_tokens=1.0 if deferred_norm else n_tokens, num_seqs=len(batch))
+        (part * world).backward()      # FSDP averages gradients over ranks; ×world makes it the sum
+        s["entropy_sum"] = x["entropy_sum"]
+        s["saved_activations_gib_max"] = torch.tensor(saved.bytes / 2**30, device=device)
+        stats = L.merge_stats(stats, s)
+    if device.type == "cuda":
+        stats["memory_peak_gib_max"] = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+    stats = M.reduce_stats(stats)
+    if deferred_norm:              # Σ kept loss / N_kept: the count is known only now (NAV uses the current ratios)
+        scale = 1.0 / stats["kept"].clamp(min=1.0)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in trainable if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
+        stats["loss"] = stats["loss"] * scale
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    extra = {"grad_norm": grad_norm, "entropy": stats["entropy_sum"] / stats["tokens"].clamp(min=1.0),
+             "memory/saved_activations_gib": stats["saved_activations_gib_max"]}
+    if "memory_peak_gib_max" in stats:
+        extra["memory/peak_gib"] = stats["memory_peak_gib_max"]
+    m = L.metrics(stats, extra)                                                   # the one host sync
+    stepped = math.isfinite(m["grad_norm"]) and math.isfinite(m["loss/policy"])
+    if stepped:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    return m, stepped
