@@ -1,27 +1,21 @@
-"""The vLLM engine that generate.py and evaluate.py share: building it, data-parallel engine processes, a new
-policy loaded in place, sleep and wake (resident mode), and the evaluation protocol (avg@k / pass@k on
-benchmark sets, graded by reward.py, with its results rows and sample files).
+"""The vLLM engine that generate.py and evaluate.py share: building it (one per-run path to the policy), the
+GPUs and environment of each data-parallel engine process (processes.py starts and stops them), a new policy loaded
+in place and verified against the trainer's record, sleep and wake (resident mode). The evaluation protocol the
+engines serve (benchmark sets, avg@k, results rows) is benchmarks.py's.
 
 Nothing here parses a command line; the scripts pass their settings.
 """
-import contextlib
-import dataclasses
-import functools
 import hashlib
-import json
-import math
 import os
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import common
-import reward
+import processes
 
 # ----------------------------------------------------------------------------------------------
-# Engines and their processes
+# Engines: their GPUs and their processes' environment
 
 
 def engine_gpu_groups(n_engines, tensor_parallel, visible=None):
@@ -57,76 +51,10 @@ def engine_environment():
             if k not in TORCHRUN_VARIABLES and not k.startswith(("PET_", "TORCHELASTIC_"))}
 
 
-def start_engine_workers(script, argv, n, tensor_parallel):
-    """Start `script argv --worker_rank=r --engines=n` for r < n, each on its GPU group and leading its own
-    process group (its vLLM engine core, GPU workers and grader pool are in it), and each ended by a SIGTERM
-    when this process dies, however it dies: a SIGKILL to this process (or to run_stages.sh's process group,
-    which the workers are not in) would otherwise leave them generating, holding their GPUs, beside the rerun's
-    own engines. Returns the processes."""
-    import subprocess
-    procs = []
-    for r, group in enumerate(engine_gpu_groups(n, tensor_parallel)):
-        env = dict(engine_environment(), CUDA_VISIBLE_DEVICES=group)
-        procs.append(subprocess.Popen([sys.executable, script, *argv, f"--worker_rank={r}", f"--engines={n}"],
-                                      env=env, start_new_session=True,
-                                      preexec_fn=functools.partial(_terminate_with_parent, os.getpid())))
-    return procs
-
-
-def _terminate_with_parent(parent):
-    """In a child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG, kept across exec; a
-    parent that died before this call is caught by the getppid check)."""
-    import ctypes
-    import signal
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def stop_engine_workers(procs, grace_s=10):
-    """SIGTERM to each worker's process group (vLLM's engine core shuts down on it, vllm/v1/engine/core.py
-    `signal_handler`), SIGKILL to a group still alive grace_s later (the GPU driver frees a killed process's
-    memory). No orphan engine is left holding a GPU."""
-    import signal
-    import subprocess
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group may outlive its leader
-            os.killpg(p.pid, signal.SIGKILL)
-
-
-def run_engine_workers(script, argv, n, tensor_parallel):
-    """Run the n engine workers (start_engine_workers) and wait for them; a SIGTERM or Ctrl-C to this process
-    stops them all (stop_engine_workers) before it exits. Returns their exit codes."""
-    import signal
-    procs = []
-
-    def stop(signum, frame):
-        stop_engine_workers(procs)
-        raise SystemExit(f"stopped by signal {signum}; engine processes terminated")
-
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        procs += start_engine_workers(script, argv, n, tensor_parallel)
-        return [p.wait() for p in procs]
-    except KeyboardInterrupt:
-        stop(signal.SIGINT, None)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def exit_on_sigterm():
-    """Turn SIGTERM into SystemExit in a process that holds a vLLM engine, so that vLLM's finalizers run
-    and shut its engine core down (a process killed by the default SIGTERM action runs none)."""
-    import signal
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def worker_environments(n, tensor_parallel):
+    """The environment of each of n data-parallel engine processes (processes.start_workers): engine_environment,
+    with CUDA_VISIBLE_DEVICES its GPU group (engine_gpu_groups)."""
+    return [dict(engine_environment(), CUDA_VISIBLE_DEVICES=group) for group in engine_gpu_groups(n, tensor_parallel)]
 
 
 def engine_model_path(policy, run_dir=None):
@@ -163,7 +91,7 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
     engine free its weights and KV cache while the trainer trains. run_dir: the run whose engines share one
     torch.compile cache (engine_model_path)."""
     on_cpu = common.gpu_count() == 0
-    exit_on_sigterm()
+    processes.exit_on_sigterm()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our own summaries say what matters
     if on_cpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -314,130 +242,3 @@ def _free_gib():
         return pynvml.nvmlDeviceGetMemoryInfo(handle).free / 2**30
     finally:
         pynvml.nvmlShutdown()
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation: avg@k / pass@k on benchmark sets
-
-
-@dataclasses.dataclass
-class Evaluation:
-    """The evaluation protocol: benchmark rows by name, samples per problem, sampling and grading."""
-    sets: dict                          # {benchmark: [problem rows]}
-    k: dict                             # {benchmark: samples per problem}
-    temperature: float
-    top_p: float
-    max_prompt_tokens: int
-    max_response_tokens: int
-    prompt_template: str
-    chat_template: bool
-    seed: int
-    grader_workers: int
-    grader_timeout_s: float
-
-
-def benchmark_sets(names, data_dir, max_problems=0):
-    """{benchmark: problem rows} from <data_dir>/<benchmark>.jsonl (the first max_problems of each; 0: all); a
-    missing file is fetched with data/prepare.py, or named in one line with the way to provide it offline."""
-    sets = {}
-    for name in names:
-        path = Path(data_dir) / f"{name}.jsonl"
-        if not path.exists():
-            sys.path.insert(0, str(Path(__file__).parent / "data"))
-            import prepare
-            try:
-                prepare.prepare(name, str(path))
-            except Exception as e:
-                raise SystemExit(f"benchmark {name!r} is not at {path} and could not be fetched ({type(e).__name__}: "
-                                 f"{str(e).splitlines()[0][:200] if str(e) else ''}). Offline: place a JSONL file with "
-                                 f"fields id, problem, answer, source at {path} (data/prepare.py --input=<local file> "
-                                 f"--out={path} converts one), or point EVAL_DATA_DIR at a directory of them") from None
-        rows = common.load_problems(path)
-        sets[name] = rows[:max_problems] if max_problems else rows
-    return sets
-
-
-def samples_per_problem(sets, k, k_per_benchmark=""):
-    """{benchmark: k}: k, or the benchmark's entry in k_per_benchmark ("aime24:32,aime25:32")."""
-    ks = dict(item.split(":") for item in k_per_benchmark.split(",") if item.strip()) if k_per_benchmark else {}
-    return {name: int(ks.get(name, k)) for name in sets}
-
-
-def avg_and_pass_at_k(correct):
-    """correct: per problem, a list of k 0/1 rewards → (avg@k, pass@k)."""
-    if not correct:
-        return float("nan"), float("nan")
-    avg = sum(sum(c) / len(c) for c in correct) / len(correct)
-    passed = sum(any(x == 1.0 for x in c) for c in correct) / len(correct)
-    return avg, passed
-
-
-def avg_at_k_stderr(correct):
-    """correct: per problem, a list of k 0/1 rewards → the standard error of avg@k: the spread of the problems'
-    mean rewards over √(problems), sampling noise and problem-to-problem differences both in it (None below two)."""
-    means = [sum(c) / len(c) for c in correct]
-    if len(means) < 2:
-        return None
-    mean = sum(means) / len(means)
-    return math.sqrt(sum((m - mean) ** 2 for m in means) / (len(means) - 1) / len(means))
-
-
-def sample_and_grade(llm, ev, rank=0, n=1):
-    """Every benchmark's prompts at positions ≡ rank (mod n) (the share of one data-parallel engine), sampled in
-    one generate call, then graded: [(benchmark, problem index, sample index, text, reward, info)]."""
-    from vllm import SamplingParams
-    tokenizer = llm.get_tokenizer()
-    stops = common.stop_token_ids(tokenizer, ev.chat_template)      # EOS and the chat turn's end
-    requests = [(name, j, row, ids) for name, rows in ev.sets.items() for j, row in enumerate(rows)
-                if len(ids := common.build_prompt_ids(tokenizer, row["problem"], ev.prompt_template, ev.chat_template))
-                <= ev.max_prompt_tokens][rank::n]
-    params = [SamplingParams(n=ev.k[name], temperature=ev.temperature, top_p=ev.top_p, max_tokens=ev.max_response_tokens,
-                             stop_token_ids=stops, seed=common.sample_seed(ev.seed, name, j))
-              for name, j, _, _ in requests]
-    outputs = llm.generate([{"prompt_token_ids": ids} for *_, ids in requests], params, use_tqdm=rank == 0)
-    samples = [(name, j, c.index, c.text, row["answer"], row.get("source", name))
-               for (name, j, row, _), o in zip(requests, outputs) for c in sorted(o.outputs, key=lambda c: c.index)]
-    graded = reward.grade_batch([(text, gold, source) for *_, text, gold, source in samples],
-                                workers=ev.grader_workers, timeout_s=ev.grader_timeout_s)
-    return [(name, j, i, text, r, {"reason": info["reason"], "extracted": info.get("extracted")})
-            for (name, j, i, text, _, _), (r, info) in zip(samples, graded)]
-
-
-def score(samples, ev, labels, sample_dir=None):
-    """One results row per benchmark for one policy's graded samples (labels: the row's other fields, e.g.
-    stage, updates, policy, hours); the samples go to <sample_dir>/<benchmark>.jsonl."""
-    by_problem = {}
-    for name, j, i, text, r, info in samples:
-        by_problem.setdefault((name, j), []).append((i, text, r, info))
-    rows = []
-    for name, problems in ev.sets.items():
-        done = sorted(j for b, j in by_problem if b == name)
-        correct = [[r for _, _, r, _ in sorted(by_problem[name, j])] for j in done]
-        avg, passed = avg_and_pass_at_k(correct)
-        rows.append({**labels, "benchmark": name, "k": ev.k[name], "avg_at_k": avg,
-                     "avg_at_k_stderr": avg_at_k_stderr(correct), "pass_at_k": passed,
-                     "problems": len(done), "skipped_long_prompts": len(problems) - len(done),
-                     "temperature": ev.temperature, "top_p": ev.top_p, "time": time.time()})
-        if sample_dir:
-            Path(sample_dir).mkdir(parents=True, exist_ok=True)
-            common.atomic_write_lines(Path(sample_dir) / f"{name}.jsonl", [
-                {"id": problems[j]["id"], "sample_idx": i, "response": text, "answer": problems[j]["answer"],
-                 "reward": r, "reason": info["reason"], "extracted": info.get("extracted")}
-                for j in done for i, text, r, info in sorted(by_problem[name, j])])
-    return rows
-
-
-def update_results(path, rows):
-    """Write rows into a results table (JSONL), keyed on (stage, benchmark, policy): a rerun replaces its
-    rows and keeps the others."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = common.read_jsonl(path) if path.exists() else []
-    new_keys = {(r["stage"], r["benchmark"], r["policy"]) for r in rows}
-    common.atomic_write_lines(path, [r for r in old if (r["stage"], r["benchmark"], r.get("policy")) not in new_keys]
-                              + rows)
-
-
-def read_parts(directory, n):
-    """The graded samples that n data-parallel engine processes left in directory/part_<r>.json."""
-    return [json.loads((Path(directory) / f"part_{r}.json").read_text()) for r in range(n)]

@@ -29,20 +29,25 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import benchmarks
 import common
 import engine
 import handoff
 import loss
+import processes
 import reward
 import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the stage: its policy, prompts and outputs
 policy = "data/toy/model"       # HF checkpoint directory of the stage policy (resident: of the first stage)
 data = "data/toy/train.jsonl"   # prepared problems: JSONL with id, problem, answer, source
 run_dir = "runs/toy"            # stage s writes <run_dir>/stage_<s>/rollouts/
 stage = 0                       # stage index: its prompts follow the previous stage's in the seeded order
 prompts_per_stage = 64          # P (paper: 65,536 = 1024 updates × 64 prompts); may differ from stage to stage
                                 # (resident: the first stage's; the trainer sets the others')
+
+# sampling
 group_size = 8                  # G responses per prompt
 temperature = 1.0               # sampling temperature (the trainer uses the same one)
 top_p = 1.0                     # must stay 1 and top_k 0: truncated sampling renormalizes the engine's
@@ -61,15 +66,22 @@ per_request_seed = True         # each prompt's own sampling seed (common.sample
                                 # kernel (vllm/v1/worker/gpu/sample/gumbel.py), where a seed only rules out FlashInfer's
                                 # top-k/top-p sampler (gpu/sample/sampler.py), which these rollouts (top_p=1, processed
                                 # log-probs) never use
-shard_prompts = 1024            # prompts per shard: the unit of resume
+
+# rewards and advantages (reward.py, loss.py)
+grader_workers = 0              # reward.grade_batch processes per engine (0: the CPUs left over by the engines)
+grader_timeout_s = 10.0         # per response
+format_bonus = 0.0              # reward for a boxed but wrong answer
 normalize_std = True            # advantages (r − mean) / std; False: Dr. GRPO (r − mean)
+
+# shards and engines
+shard_prompts = 1024            # prompts per shard: the unit of resume
 gpus = -1                       # GPUs to use (-1: all of CUDA_VISIBLE_DEVICES; 0: CPU)
 engines = 0                     # data-parallel vLLM engines; 0: gpus // tensor_parallel (1 on CPU)
 tensor_parallel = 1             # GPUs per engine
 gpu_memory_utilization = 0.85   # of each GPU (resident mode on a GPU: leave the trainer's resident state room)
-grader_workers = 0              # reward.grade_batch processes per engine (0: the CPUs left over by the engines)
-grader_timeout_s = 10.0         # per response
-format_bonus = 0.0              # reward for a boxed but wrong answer
+worker_rank = -1                # internal: set for the per-GPU engine subprocesses
+
+# resident mode (run_stages.sh RESIDENT=true) and its evaluations
 resident = False                # keep the engines for the stages from --stage on (policies from optimize.py --resident)
 eval_every = 0                  # resident: evaluate the policy trained on every N-th stage and on the last (0: never;
                                 # the initial policy too, as stage −1, unless results has it)
@@ -82,10 +94,11 @@ eval_seed = 0                   # the evaluation's sampling seed, not the run's:
                                 # a policy's avg@k is the same number whichever mode and training seed evaluated it
 results = ""
 run_start = 0.0
+
+# several nodes (run_stages.sh NNODES > 1)
 nnodes = 1                      # nodes generating this stage side by side (run_stages.sh NNODES), each with its
 node_rank = 0                   # engines; this one's rank, and node 0's store ("addr:port", nodes.py) where they
 coordinator = ""                # meet
-worker_rank = -1                # internal: set for the per-GPU engine subprocesses
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 if group_size < 2:
@@ -99,7 +112,8 @@ if resident and nnodes > 1:
              "run the process-per-phase loop (run_stages.sh RESIDENT=false)")
 n_engines = engines or engine.n_engines(gpus, tensor_parallel)     # this node's
 all_engines = nnodes * n_engines                                    # every node's (the same count on each: nodes.py join)
-is_main = worker_rank < 0
+is_engine_worker = worker_rank >= 0                                 # one of the per-GPU engine processes the main
+                                                                    # process (run_stages.sh's) starts
 graders = grader_workers or max(1, ((os.cpu_count() or 2) - n_engines) // n_engines)
 
 
@@ -308,7 +322,7 @@ def generate_shards(llm, s, label, policy_id, shard_ids, shards):
     written in a background thread (its graders are processes) while the engine goes on."""
     if not shard_ids:
         return
-    rollouts_dir(s).mkdir(parents=True, exist_ok=True)     # an engine may start before its coordinator prepared it
+    rollouts_dir(s).mkdir(parents=True, exist_ok=True)     # an engine may start before the main process prepared it
     from tqdm import tqdm
     tokenizer = llm.get_tokenizer()
     core = llm.llm_engine
@@ -316,7 +330,8 @@ def generate_shards(llm, s, label, policy_id, shard_ids, shards):
     waiting = list(shard_ids)   # shards not yet given to the engine, in order
     running = {}                # shard → its requests and the outputs received so far
     last_finished = time.perf_counter()  # when the engine last finished a shard (or started)
-    progress = tqdm(total=sum(len(shards[k][0]) for k in shard_ids), desc=f"stage {s} prompts", disable=not is_main)
+    progress = tqdm(total=sum(len(shards[k][0]) for k in shard_ids), desc=f"stage {s} prompts",
+                    disable=is_engine_worker)
 
     def submit_next():
         k = waiting.pop(0)
@@ -431,15 +446,13 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     return manifest
 
 
-def one_stage(problems, cluster=None):
+def one_stage(problems, cluster):
     """The process-per-phase run: stage --stage with --policy, on one engine here or one per GPU group, beside the
-    other nodes' (cluster: nodes.Nodes, None on one node; node 0 decides what the filesystem says and writes the
-    plan and the manifest, the others wait for it at barriers)."""
+    other nodes' (cluster: nodes.from_args, nodes.OneNode on one node; node 0 decides what the filesystem says and
+    writes the plan and the manifest, the others wait for it at barriers)."""
     s, label = stage, str(policy)
     node0 = node_rank == 0
-    complete = (rollouts_dir(s) / rollouts.MANIFEST).exists()
-    if cluster is not None:
-        complete = cluster.share(f"generate_{s}/complete", complete) == "True"
+    complete = cluster.share(f"generate_{s}/complete", (rollouts_dir(s) / rollouts.MANIFEST).exists()) == "True"
     if complete:
         print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
         return
@@ -447,8 +460,7 @@ def one_stage(problems, cluster=None):
     if node0:
         prepare_stage(s, label, prompts_per_stage)
         rollouts.remove_temporaries(rollouts_dir(s))    # a killed run's; no engine process has started yet
-    if cluster is not None:
-        cluster.barrier(f"generate_{s}/prepared")
+    cluster.barrier(f"generate_{s}/prepared")
     todo = [k for r in range(n_engines) for k in engine_shards(shards, r, s)]
     if node0:
         print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
@@ -456,19 +468,17 @@ def one_stage(problems, cluster=None):
               f"temperature {temperature}, max {max_response_tokens} tokens")
     print(f"stage {s}, node {node_rank}: {len(todo)} shard(s) to generate here", flush=True)
     if len({k % all_engines for k in todo}) > 1:      # more than one of this node's engines has shards
-        codes = engine.run_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
+        codes = processes.run_workers(__file__, sys.argv[1:], engine.worker_environments(n_engines, tensor_parallel))
         if any(codes):
             sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
     elif todo:
         generate_shards(start_engine(policy, s), s, label, common.policy_fingerprint(policy), todo, shards)
-    if cluster is not None:
-        cluster.barrier(f"generate_{s}/generated")
+    cluster.barrier(f"generate_{s}/generated")
     if node0:
         common.wait_visible([rollouts.stats_path(rollouts_dir(s), k) for k in shards])   # the other nodes' too
         write_manifest(s, label, list(shards))
-    if cluster is not None:
-        cluster.barrier(f"generate_{s}/written")
-        common.wait_visible([rollouts_dir(s) / rollouts.MANIFEST])
+    cluster.barrier(f"generate_{s}/written")
+    common.wait_visible([rollouts_dir(s) / rollouts.MANIFEST])      # node 0's (on one node: there already)
 
 
 def engine_worker():
@@ -498,50 +508,38 @@ def eval_due(t, last):
     return (t + 1) % eval_every == 0 or last
 
 
-def evaluated(t):
-    """Whether results already holds every benchmark's row of stage t (a resumed run does not redo them)."""
-    rows = common.read_jsonl(results) if Path(results).exists() else []
-    return {b.strip() for b in eval_benchmarks.split(",") if b.strip()} <= {r["benchmark"] for r in rows if r["stage"] == t}
-
-
 def evaluation():
-    return engine.Evaluation(sets=engine.benchmark_sets([b.strip() for b in eval_benchmarks.split(",") if b.strip()],
-                                                       eval_data_dir),
-                             k={}, temperature=eval_temperature, top_p=eval_top_p, max_prompt_tokens=max_prompt_tokens,
-                             max_response_tokens=max_response_tokens, prompt_template=prompt_template,
-                             chat_template=chat_template, seed=eval_seed, grader_workers=graders,
-                             grader_timeout_s=grader_timeout_s)
+    """The resident evaluations' protocol: evaluate.py's (benchmarks.protocol) with the eval_* knobs and this
+    script's prompt settings and graders."""
+    return benchmarks.protocol(eval_benchmarks, eval_data_dir, eval_k, temperature=eval_temperature, top_p=eval_top_p,
+                               max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens,
+                               prompt_template=prompt_template, chat_template=chat_template, seed=eval_seed,
+                               grader_workers=graders, grader_timeout_s=grader_timeout_s)
 
 
 def score_evaluation(ev, t, label, updates, samples, seconds):
-    """evaluate.py's rows and sample files for the policy trained on stage t."""
-    labels = {"stage": t, "updates": updates, "hours": (time.time() - run_start) / 3600 if run_start else 0.0,
-              "policy": label, "seconds": seconds, "engines": n_engines}
-    rows = engine.score(samples, ev, labels, Path(results).parent / "eval_samples" / f"stage_{t}")
-    engine.update_results(results, rows)
-    for r in rows:
-        print(f"stage {t} {r['benchmark']}: avg@{r['k']} {r['avg_at_k']:.4f}  pass@{r['k']} {r['pass_at_k']:.4f}  "
-              f"({r['problems']} problems)", flush=True)
+    """The rows and sample files of the policy trained on stage t, as evaluate.py writes them."""
+    benchmarks.update_results(results, benchmarks.policy_rows(
+        samples, ev, stage=t, updates=updates, policy=label, seconds=seconds, engines=n_engines, run_start=run_start,
+        sample_dir=benchmarks.stage_samples_dir(results, t), say=f"stage {t} "))
 
 
 def resident_engine(problems, procs=()):
     """Resident mode, one engine (this process's; rank worker_rank of n_engines) for every stage from the first
     pending one: wait for the policy the trainer hands over, load it in place, evaluate it when due, generate
     this engine's shards of the stage (as many prompts as the policy's flag says; 0: the run is over), sleep.
-    The main process also coordinates: it prepares each stage, writes its manifest once every engine's shards are
-    in, and scores the evaluations; with data-parallel engines in worker processes (procs) it only coordinates.
+    The main process also writes the run's files: it prepares each stage, writes its manifest once every engine's
+    shards are in, and scores the evaluations; with data-parallel engines in worker processes (procs) it only does that.
 
-    Timeline rows: the coordinator's per stage (phase generate: from the policy's arrival to the manifest, and
+    Timeline rows: the main process's per stage (phase generate: from the policy's arrival to the manifest, and
     the wait for it), every engine's own per stage (phase engine: its reload, sleep and the GPU memory sleep freed),
-    the coordinator's per evaluation."""
-    rank, coordinate, has_engine = max(worker_rank, 0), is_main, not procs
+    the main process's per evaluation."""
+    rank, writes_run_files, has_engine = max(worker_rank, 0), not is_engine_worker, not procs
     partner = handoff.Partner(run_dir, "engine")
-    if is_main:
+    if writes_run_files:
         partner.announce()
     first = first_pending_stage()
     ev = evaluation() if eval_every and results else None
-    if ev is not None:
-        ev.k = engine.samples_per_problem(ev.sets, eval_k)
     eval_parts = handoff.state_dir(run_dir) / "eval"
 
     def watch_workers():
@@ -556,7 +554,7 @@ def resident_engine(problems, procs=()):
         flag, _ = partner.wait_for_policy(first - 1)
     llm = start_engine(flag["path"], first) if has_engine else None
     started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
-    if coordinate:
+    if writes_run_files:
         partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
     for s in itertools.count(first):
         row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
@@ -569,30 +567,29 @@ def resident_engine(problems, procs=()):
             mine["reload_seconds"] = engine.load_policy(llm, flag["path"])
             print(engine.verify_weights(llm, flag["path"], f"engine {engine_index()}, stage {s}"), flush=True)
         t, prompts = s - 1, flag["next_stage_prompts"]
-        if eval_due(t, last=prompts == 0) and not (coordinate and evaluated(t)):
+        if eval_due(t, last=prompts == 0) and not (writes_run_files and benchmarks.evaluated(results, t, ev)):
             t0 = time.time()
             if has_engine:
-                samples = engine.sample_and_grade(llm, ev, rank, n_engines)
-                if not coordinate:
-                    (eval_parts / f"stage_{t}").mkdir(parents=True, exist_ok=True)
-                    common.atomic_write_json(eval_parts / f"stage_{t}" / f"part_{rank}.json", samples)
-            if coordinate:
+                samples = benchmarks.sample_and_grade(llm, ev, rank, n_engines)
+                if not writes_run_files:
+                    benchmarks.write_part(eval_parts / f"stage_{t}", rank, samples)
+            if writes_run_files:
                 if procs:
-                    partner.wait(lambda: all((eval_parts / f"stage_{t}" / f"part_{r}.json").exists()
+                    partner.wait(lambda: all(benchmarks.part_path(eval_parts / f"stage_{t}", r).exists()
                                              for r in range(n_engines)), watch=watch_workers, partner=False)
-                    samples = [x for part in engine.read_parts(eval_parts / f"stage_{t}", n_engines) for x in part]
+                    samples = [x for part in benchmarks.read_parts(eval_parts / f"stage_{t}", n_engines) for x in part]
                 score_evaluation(ev, t, flag["policy"], flag["run_updates"], samples, time.time() - t0)
                 partner.timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
         if prompts == 0:
             break
-        if coordinate:
+        if writes_run_files:
             prepare_stage(s, flag["policy"], prompts)
         shards = stage_shards(s, problems, prompts)
         if has_engine:     # this engine's shards, then asleep before the trainer (told by the manifest) takes memory
             generate_shards(llm, s, flag["policy"], flag["fingerprint"], engine_shards(shards, rank, s), shards)
             mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(llm)
             partner.engine_finished(s, rank, {**mine, "end": time.time()})
-        if coordinate:
+        if writes_run_files:
             engine_rows = partner.wait(lambda: partner.engines_finished(s, n_engines), watch=watch_workers,
                                        partner=False)[1]
             write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
@@ -602,25 +599,25 @@ def resident_engine(problems, procs=()):
 
 def main():
     common.check_lengths(policy, max_prompt_tokens, max_response_tokens)     # one line, not vLLM's traceback
-    if not resident and not is_main:
+    if not resident and is_engine_worker:
         return engine_worker()
     problems = common.load_problems(data)
     if not resident:
         import nodes
         one_stage(problems, nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator)))
-    elif is_main and n_engines > 1:
-        engine.exit_on_sigterm()         # a SIGTERM ends this process through the finally below, workers first
+    elif not is_engine_worker and n_engines > 1:
+        processes.exit_on_sigterm()      # a SIGTERM ends this process through the finally below, workers first
         remove_temporaries(first_pending_stage())
-        procs = engine.start_engine_workers(__file__, sys.argv[1:], n_engines, tensor_parallel)
+        procs = processes.start_workers(__file__, sys.argv[1:], engine.worker_environments(n_engines, tensor_parallel))
         try:
             resident_engine(problems, procs)
             codes = [p.wait() for p in procs]
             if any(codes):
                 sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
         finally:
-            engine.stop_engine_workers(procs)
+            processes.stop_workers(procs)
     else:
-        if is_main:
+        if not is_engine_worker:
             remove_temporaries(first_pending_stage())
         resident_engine(problems)
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import common
+import processes
 import rollouts
 
 START_GRACE_S = 600.0   # how long a process waits for its partner to announce itself (a cold vLLM or torch start)
@@ -138,16 +139,6 @@ def check_engine_share(model, ranks, share, kl_coef):
     return share
 
 
-def _start_time(pid):
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): a pid and this pair name
-    one process, even after the pid is reused. None if there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
 class Partner:
     """One side of the hand-off: announces this process, waits for the other's files while watching it live."""
 
@@ -164,7 +155,7 @@ class Partner:
         common.atomic_write_json(self.dir / name, obj)
 
     def announce(self):
-        self._write(f"{self.role}.json", {"pid": os.getpid(), "start": _start_time(os.getpid())})
+        self._write(f"{self.role}.json", {"pid": os.getpid(), "start": processes.start_time(os.getpid())})
 
     def check_partner(self):
         """Raise SystemExit if the other process died, or has not announced itself within START_GRACE_S."""
@@ -175,7 +166,7 @@ class Partner:
                                  f"missing): see its log")
             return
         info = json.loads(path.read_text())
-        if _start_time(info["pid"]) != info["start"]:
+        if not processes.same_process(info["pid"], info["start"]):
             raise SystemExit(f"the {self.other} process (pid {info['pid']}) has died: see its log; rerun to resume")
 
     def wait(self, ready, watch=None, poll_s=0.05, partner=True):
@@ -194,7 +185,7 @@ class Partner:
 
     def timeline(self, row):
         """Append a row of this process's (row: phase, name, stage, start, end, ...) to <run>/timeline.jsonl."""
-        common.append_jsonl(self.run_dir / "timeline.jsonl",
+        common.append_jsonl(self.run_dir / rollouts.TIMELINE,
                             {**row, "seconds": row["end"] - row["start"], "process": self.role})
 
     # the trainer → the engine
@@ -232,7 +223,7 @@ class Partner:
     # the engine → the trainer
 
     def manifest(self, stage):
-        return self.run_dir / f"stage_{stage}" / "rollouts" / rollouts.MANIFEST
+        return rollouts.stage_dir(self.run_dir, stage) / rollouts.ROLLOUTS / rollouts.MANIFEST
 
     def wait_for_rollouts(self, stage):
         """Seconds waited until stage `stage`'s rollouts are complete (their manifest is written last, once every

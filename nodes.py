@@ -19,23 +19,27 @@ runs:
                                  over the trainer's backend and devices within collective_timeout_s (a blocked port or a
                                  wrong interface fails then, in one line)
 
-generate.py and evaluate.py meet at barriers in the same store (Nodes.barrier); optimize.py's ranks meet in
-torchrun's own rendezvous at MASTER_PORT + 1. Keys live as long as node 0's watch process: one run_stages.sh
-invocation.
+generate.py and evaluate.py meet at barriers in the same store (Nodes.barrier), and ask on one node what they ask on
+several: there from_args gives OneNode, which answers alone. optimize.py's ranks meet in torchrun's own rendezvous at
+MASTER_PORT + 1. Keys live as long as node 0's watch process: one run_stages.sh invocation.
 """
+import contextlib
 import datetime
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import common
+import processes
 
 # ----------------------------------------------------------------------------- hyperparameters
 command = ""                    # watch | join | share (see above)
@@ -97,69 +101,53 @@ class Nodes:
         self.store.wait([f"share/{name}"], datetime.timedelta(seconds=timeout_s))
         return self.store.get(f"share/{name}").decode()
 
+    @contextlib.contextmanager
+    def meeting_dir(self, path, name):
+        """`path`, a directory every node sees, where every node's engines leave their parts: node 0 clears a
+        killed attempt's first (the nodes meet at `name`/cleared before any writes) and removes it at the end."""
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        self.barrier(f"{name}/cleared")
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+        if self.rank == 0:
+            shutil.rmtree(path)
+
+
+class OneNode:
+    """A run on one node, with Nodes' methods: every answer is this node's own (run_stages.sh's share() on one node
+    echoes its value), so that a phase script says what several nodes do without asking how many there are."""
+    n, rank, where = 1, 0, None
+
+    def gather(self, name, text, timeout_s=BARRIER_TIMEOUT_S):
+        return [text]
+
+    def barrier(self, name, timeout_s=BARRIER_TIMEOUT_S):
+        pass
+
+    def share(self, name, text=None, timeout_s=BARRIER_TIMEOUT_S):
+        return str(text)      # as Nodes' store gives it back: text
+
+    @contextlib.contextmanager
+    def meeting_dir(self, path, name):
+        """A temporary directory of this node's own, removed at the end (`path`, `name`: unused)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            yield Path(tmp)
+
 
 def first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def from_args(args, timeout_s=600.0):
-    """The Nodes of a phase script whose flags carry nnodes, node_rank and coordinator ("addr:port"), or None
-    on one node."""
+    """The Nodes of a phase script whose flags carry nnodes, node_rank and coordinator ("addr:port"); OneNode on
+    one node."""
     if args.get("nnodes", 1) <= 1:
-        return None
+        return OneNode()
     return Nodes(args["nnodes"], args["node_rank"], args["coordinator"], timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------------- watch
-
-
-def descendants(root):
-    """Every process below `root` (by parent pid, read from /proc), children before grandchildren."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue          # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(0), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def stop_run(root, grace_s=5.0):
-    """SIGTERM to run_stages.sh and every process below it (engine workers in their own sessions included, taken
-    before their parents die and they move to init), SIGKILL to any left grace_s later."""
-    procs = [p for p in descendants(root) if p != os.getpid()] + [root]
-    for p in procs:
-        try:
-            os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p) for p in procs):
-        time.sleep(0.1)
-    for p in procs:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def alive(p):
-    try:
-        os.kill(p, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{p}/stat")
-    try:
-        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def last_error_line():
@@ -180,11 +168,13 @@ def watch():
     # run_stages.sh, taken before the store is reached: a node started before node 0 may end (a missing model, a bad
     # setting) while this process waits to connect, and must still tell node 0 once it is up
     parent = pid or os.getppid()
-    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s, serve=node_rank == 0)
-    store, finishing = nodes.store, []
+    # the signals first, before the store (torch's import takes seconds): run_stages.sh may end, well, meanwhile
+    finishing = []
     signal.signal(signal.SIGUSR1, lambda *_: finishing.append(True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # run_stages.sh's own exit path
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C stops run_stages.sh; this process then says so
+    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s, serve=node_rank == 0)
+    store = nodes.store
     seen = {r: (-1, time.monotonic()) for r in range(nnodes) if r != node_rank}
     left = set()
 
@@ -196,7 +186,7 @@ def watch():
                 store.set(f"failed/{node_rank}", f"stopped because {why}")
         except Exception:     # the store is what failed: the others learn it from the missing heartbeat
             pass
-        stop_run(pid or parent)
+        processes.stop_tree(pid or parent)
         os._exit(1)
 
     # a store call to a host that vanished without closing the connection blocks until the kernel gives up (about
@@ -214,7 +204,7 @@ def watch():
     while True:
         try:
             store.add(f"beat/{node_rank}", 1)
-            if not alive(parent):           # run_stages.sh died without saying it was done
+            if not processes.alive(parent):     # run_stages.sh died without saying it was done
                 store.set(f"failed/{node_rank}", f"its run_stages.sh ended with an error: {last_error_line()}")
                 if node_rank == 0:          # the others read why before the store goes
                     time.sleep(3 * beat_s)

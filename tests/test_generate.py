@@ -302,16 +302,15 @@ def test_the_per_request_seed_is_a_knob_that_stays_on_by_default(monkeypatch):
 def test_resident_evaluation_samples_with_evaluate_pys_seed_whatever_the_training_seed(toy, monkeypatch, training_seed):
     # the same policy, benchmark and k gave 0.135 and 0.149 in resident runs of SEED 3 and 4 and 0.143 from evaluate.py:
     # the resident engines seeded the evaluation's requests with the run's seed. Every request's seed
-    # (engine.sample_and_grade: common.sample_seed(ev.seed, benchmark, problem)) must be evaluate.py's
+    # (benchmarks.sample_and_grade: common.sample_seed(ev.seed, benchmark, problem)) must be evaluate.py's
     import sys
     generate = import_generate(monkeypatch, f"--seed={training_seed}", "--resident=true", f"--eval_data_dir={toy}",
                                "--eval_benchmarks=test", "--results=unused.jsonl")
     monkeypatch.setattr(sys, "argv", ["evaluate.py", f"--data_dir={toy}", "--benchmarks=test"])
     sys.modules.pop("evaluate", None)
     import common
-    import engine
     import evaluate
-    resident, alone = generate.evaluation(), evaluate.evaluation(engine.benchmark_sets(["test"], str(toy)))
+    resident, alone = generate.evaluation(), evaluate.evaluation()
     assert resident.seed == alone.seed == 0
     assert [common.sample_seed(resident.seed, "test", j) for j in range(len(resident.sets["test"]))] == \
         [common.sample_seed(alone.seed, "test", j) for j in range(len(alone.sets["test"]))]

@@ -10,13 +10,14 @@ import pytest
 
 import common
 import handoff
+import processes
 
 
 def test_a_partner_that_announced_is_watched_and_a_dead_one_is_named(tmp_path):
     engine = handoff.Partner(tmp_path, "engine")
     engine.announce()
     info = json.loads((tmp_path / "resident" / "engine.json").read_text())
-    assert info["pid"] == os.getpid() and info["start"] == handoff._start_time(os.getpid())
+    assert info["pid"] == os.getpid() and info["start"] == processes.start_time(os.getpid())
     trainer = handoff.Partner(tmp_path, "trainer")
     trainer.check_partner()                                   # alive: nothing happens
     # a partner that died: a process that announced itself and exited
