@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper's ablations (Fig. 2 and 3) on the CPU lab task, in one command: bash ablate.sh
 #   1. stage 0: one batch of rollouts from the warm-started lab policy (generate.py)
-#   2. replays: every LOSS variant × seed runs UPDATES stale updates on those same rollouts
+#   2. replays: every LOSS variant × seed runs UPDATES_PER_STAGE stale updates on those same rollouts
 #      (optimize.py), saving the policy every SAVE_EVERY updates
 #   3. the small-μ on-policy reference: run_stages.sh in resident mode, ONPOLICY_UPDATES updates per stage
 #   4. every saved policy on the lab's test set, by one engine (evaluate.py --policy=a,b,...)
@@ -21,14 +21,14 @@ LAB_DIR=${LAB_DIR:-data/${LAB/-/_}$SUFFIX}   # the task's data and policy (built
 LAB_ARGS=${LAB_ARGS:-}          # --seed=BUILD and LAB_ARGS)
 VARIANTS=${VARIANTS:-grpo relaxed-no-nav nav-T mu-grpo nav-S nav-seq m2po}   # LOSS presets (losses.sh)
 SEEDS=${SEEDS:-0 1 2}           # one replay per seed: the order in which the stage's groups become minibatches
-UPDATES=${UPDATES:-256}         # μ of the replays: the last update trains on data UPDATES-1 updates stale
+UPDATES_PER_STAGE=${UPDATES_PER_STAGE:-256}  # μ of the replays: the last update trains on data μ − 1 updates stale
 PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-4}   # prompts per minibatch (× GROUP_SIZE responses)
 GROUP_SIZE=${GROUP_SIZE:-8}     # G
 LR=${LR:-1e-4}                  # AdamW learning rate (constant): the ratios drift (min ratio → 0) within 64 updates
 # NAV_DELTA                     NAV's trigger threshold δ for every NAV variant and reference: losses.sh (1e-4)
 SAVE_EVERY=${SAVE_EVERY:-32}    # updates between saved policies: the points of each accuracy curve
 ONPOLICY_LOSSES=${ONPOLICY_LOSSES:-grpo}  # the references: each LOSS with a small μ, fresh rollouts per stage
-ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # their μ (0: no reference); UPDATES / ONPOLICY_UPDATES stages each
+ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # their μ (0: no reference); UPDATES_PER_STAGE / ONPOLICY_UPDATES stages each
 ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0 1 2}   # their seeds (resident mode: one engine and one trainer process per run)
 EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
 MAX_RESPONSE=${MAX_RESPONSE:-$([[ $LAB == lab-fork ]] && echo 160 || echo 128)}   # tokens (lab: 32–77; lab-fork: up to 82 as built by default, longer with fork=end)
@@ -38,10 +38,10 @@ JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS 
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh)
 source losses.sh
-for v in BUILD UPDATES PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS; do
+for v in BUILD UPDATES_PER_STAGE PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
-for v in UPDATES PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS; do
+for v in UPDATES_PER_STAGE PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
 case "$LAB" in lab) BUILDER=data/lab.py ;; lab-fork) BUILDER=data/lab_fork.py ;;
@@ -50,8 +50,8 @@ for variant in $VARIANTS $ONPOLICY_LOSSES; do loss_args "$variant" || exit 2; do
 for seed in $SEEDS $ONPOLICY_SEEDS; do
   [[ "$seed" =~ ^[0-9]+$ ]] || { echo "SEEDS and ONPOLICY_SEEDS must be whole numbers, got '$seed'" >&2; exit 2; }
 done
-if (( ONPOLICY_UPDATES > 0 && UPDATES % ONPOLICY_UPDATES != 0 )); then
-  echo "UPDATES ($UPDATES) must be a multiple of ONPOLICY_UPDATES ($ONPOLICY_UPDATES)" >&2; exit 2
+if (( ONPOLICY_UPDATES > 0 && UPDATES_PER_STAGE % ONPOLICY_UPDATES != 0 )); then
+  echo "UPDATES_PER_STAGE ($UPDATES_PER_STAGE) must be a multiple of ONPOLICY_UPDATES ($ONPOLICY_UPDATES)" >&2; exit 2
 fi
 REPORT_TO=${REPORT_TO:-none}    # run_stages.sh's trackers: the replays and the references, one group (this ablation)
 [[ "$REPORT_TO" == none ]] || $PY tracking.py --command=check --report_to="$REPORT_TO" || exit 2
@@ -61,7 +61,7 @@ exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
 THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 T0=$(date +%s)
-echo "ablation $OUT on $LAB (build $BUILD): variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES updates of $PROMPTS_PER_UPDATE prompts" \
+echo "ablation $OUT on $LAB (build $BUILD): variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES_PER_STAGE updates of $PROMPTS_PER_UPDATE prompts" \
      "× G=$GROUP_SIZE at lr $LR, NAV δ = $NAV_DELTA, a policy every $SAVE_EVERY updates; on-policy references" \
      "[$ONPOLICY_LOSSES] μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time"
 
@@ -79,9 +79,9 @@ step() {
 MODEL=$LAB_DIR/model
 SAMPLING=(--max_prompt_tokens=64 --max_response_tokens="$MAX_RESPONSE" --prompt_template="{problem}")
 
-# 1. the shared stale rollouts: UPDATES minibatches' worth, from the initial policy
+# 1. the shared stale rollouts: UPDATES_PER_STAGE minibatches' worth, from the initial policy
 step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --run_dir="$OUT" --stage=0 \
-    --prompts_per_stage=$((UPDATES * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
+    --prompts_per_stage=$((UPDATES_PER_STAGE * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
     --shard_prompts=1024 --gpus=0 "${SAMPLING[@]}"
 
 # 2. the replays, JOBS at a time
@@ -89,7 +89,7 @@ replay() {
   local variant=$1 seed=$2 LOSS_ARGS KL_COEF=0
   loss_args "$variant"
   OMP_NUM_THREADS=$THREADS $PY optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
-      --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES" \
+      --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES_PER_STAGE" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
       --save_train_state=false --micro_batch_tokens=4096 $LOSS_ARGS --kl_coef="$KL_COEF"
   [[ "$REPORT_TO" == none ]] || $PY tracking.py --command=follow --run_dir="$OUT/$variant/seed$seed" \
@@ -111,7 +111,7 @@ if (( ONPOLICY_UPDATES > 0 )); then
     for seed in $ONPOLICY_SEEDS; do
       step "onpolicy_${loss}_seed$seed" env PRESET="$LAB" MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" \
           EVAL_DATA_DIR="$LAB_DIR" LOSS="$loss" RUN="$OUT/onpolicy-$loss/seed$seed" SEED="$seed" LR="$LR" \
-          STAGES=$((UPDATES / ONPOLICY_UPDATES)) UPDATES="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
+          STAGES=$((UPDATES_PER_STAGE / ONPOLICY_UPDATES)) UPDATES_PER_STAGE="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
           GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 RESIDENT=true SAVE_EVERY=1 bash run_stages.sh
     done
   done
@@ -127,7 +127,7 @@ done
 if (( ONPOLICY_UPDATES > 0 )); then
   for loss in $ONPOLICY_LOSSES; do
     for seed in $ONPOLICY_SEEDS; do
-      for ((s = 0; s < UPDATES / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$loss/seed$seed/stage_$s/policy"; done
+      for ((s = 0; s < UPDATES_PER_STAGE / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$loss/seed$seed/stage_$s/policy"; done
     done
   done
 fi

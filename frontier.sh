@@ -115,10 +115,10 @@ point_env() {                   # point_env <label:μ>: POINT_ENV, the run_stage
   POINT_ENV=(LOSS="${label%-d*}" NAV_DELTA="$([[ "$label" == *-d* ]] && echo "${label##*-d}" || echo 1e-4)"
              RESIDENT=$(resident_point "$1" && echo true || echo false))
   if [[ "$mu" == drift ]]; then
-    POINT_ENV+=(STAGE_END=drift UPDATES="$DRIFT_FIRST" TOTAL_UPDATES="$TOTAL_UPDATES" DRIFT_MAX_UPDATES="$TOTAL_UPDATES"
+    POINT_ENV+=(STAGE_END=drift UPDATES_PER_STAGE="$DRIFT_FIRST" TOTAL_UPDATES="$TOTAL_UPDATES" DRIFT_MAX_UPDATES="$TOTAL_UPDATES"
                 EVAL_EVERY=1)
   else
-    POINT_ENV+=(STAGE_END=fixed STAGES=$((TOTAL_UPDATES / mu)) UPDATES="$mu"
+    POINT_ENV+=(STAGE_END=fixed STAGES=$((TOTAL_UPDATES / mu)) UPDATES_PER_STAGE="$mu"
                 EVAL_EVERY=$(( EVAL_UPDATES > mu ? EVAL_UPDATES / mu : 1 )))
   fi
 }
@@ -194,7 +194,7 @@ else                            # JOBS workers, each on its own cores, each taki
     WORKERS+=($!)
   done
   # a background job here ignores Ctrl-C (bash, without job control): stopping frontier.sh stops every worker's runs
-  stop_workers() { for w in "${WORKERS[@]}"; do $PY -c "import nodes, sys; nodes.stop_run(int(sys.argv[1]))" "$w" 9>&-; done; }
+  stop_workers() { for w in "${WORKERS[@]}"; do $PY -c "import processes, sys; processes.stop_tree(int(sys.argv[1]))" "$w" 9>&-; done; }
   trap 'stop_workers; exit 130' INT TERM
   failed=0
   for _ in "${WORKERS[@]}"; do      # a failed run stops the other workers' runs (a rerun resumes them all)

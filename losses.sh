@@ -13,7 +13,7 @@ loss_args() {
     m2po)           LOSS_ARGS="--clip_low=0 --clip_high=1e9 --nav_delta=none --m2po_tau=0.04" ;;
     relaxed-no-nav) LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=none" ;;
     offpolicy-grpo) LOSS_ARGS="--clip_low=0.8 --clip_high=1.2 --nav_delta=none --kl_estimator=k3"
-                    : "${KL_COEF:=0.04}" ;;   # our choice (DeepSeekMath's GRPO β); the lag v is UPDATES
+                    : "${KL_COEF:=0.04}" ;;   # our choice (DeepSeekMath's GRPO β); the lag v is UPDATES_PER_STAGE
     nav-none|nav-T|nav-S|nav-seq)
                     LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=$NAV_DELTA --nav_scope=${1#nav-}" ;;
     *) echo "LOSS must be one of $LOSS_PRESETS, got '$1'" >&2; return 2 ;;

@@ -191,7 +191,7 @@ def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_sw
 
 STUB_RUN_STAGES = """#!/usr/bin/env bash
 # records what frontier.sh asked of it; a preflight writes the report the estimate reads
-echo "LOSS=$LOSS UPDATES=$UPDATES STAGES=${STAGES:-} RESIDENT=${RESIDENT:-} PREFLIGHT=${PREFLIGHT:-}" \\
+echo "LOSS=$LOSS UPDATES_PER_STAGE=$UPDATES_PER_STAGE STAGES=${STAGES:-} RESIDENT=${RESIDENT:-} PREFLIGHT=${PREFLIGHT:-}" \\
      "PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-} GPUS=${GPUS:-} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} RUN=$RUN" >> "$RECORD"
 if [[ "${PREFLIGHT_ONLY:-}" == true ]]; then
   mkdir -p "$RUN"
@@ -225,7 +225,7 @@ def test_the_paper_frontier_runs_one_preflight_per_box_shape_and_splits_the_gpus
     assert "no finished run" in proc.stderr, proc.stderr[-2000:]               # it went on to the table
     # one preflight per LOSS on a worker's share of the box (2 of the 4 GPUs), at the settings of the loss's first
     # resident point (GRPO μ = 4: 1024 stages, resident), before any run; the runs do not run it again
-    assert sorted((p["LOSS"], p["GPUS"], p["CUDA_VISIBLE_DEVICES"], p["UPDATES"], p["STAGES"], p["RESIDENT"])
+    assert sorted((p["LOSS"], p["GPUS"], p["CUDA_VISIBLE_DEVICES"], p["UPDATES_PER_STAGE"], p["STAGES"], p["RESIDENT"])
                   for p in preflights) == [("grpo", "2", "0,1", "4", "1024", "true"),
                                            ("mu-grpo", "2", "0,1", "4", "1024", "true")]
     assert len(runs) == 4 and all(r["PREFLIGHT"] == "0" and r["GPUS"] == "2" for r in runs)

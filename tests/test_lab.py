@@ -214,7 +214,7 @@ def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_
     # the lab-fork task, two variants, one seed, 4 updates, a small-μ reference (2 resident stages of 2 updates)
     out, lab_dir = tmp_path / "ablation", tmp_path / "lab"
     env = {"LAB": "lab-fork", "OUT": str(out), "LAB_DIR": str(lab_dir), "VARIANTS": "grpo mu-grpo", "SEEDS": "0",
-           "UPDATES": "4", "PROMPTS_PER_UPDATE": "2", "SAVE_EVERY": "2", "ONPOLICY_UPDATES": "2", "ONPOLICY_SEEDS": "0",
+           "UPDATES_PER_STAGE": "4", "PROMPTS_PER_UPDATE": "2", "SAVE_EVERY": "2", "ONPOLICY_UPDATES": "2", "ONPOLICY_SEEDS": "0",
            "MAX_RESPONSE": "48", "NAV_DELTA": "0.5", "BUILD": "1",
            "LAB_ARGS": "--train_problems=48 --test_per_length=3 --max_steps=4 --hidden_size=64 --layers=2 "
                        "--sft_steps=40"}

@@ -15,7 +15,7 @@ from conftest import ROOT, SHARED_DATA, TOY_SIZE, clone_repository, kill_when, n
 
 def loop_env(toy, run_dir):
     return {"PRESET": "toy", "RUN": str(run_dir), "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"),
-            "EVAL_DATA_DIR": str(toy), "BENCHMARKS": "test", "STAGES": "2", "UPDATES": "6",
+            "EVAL_DATA_DIR": str(toy), "BENCHMARKS": "test", "STAGES": "2", "UPDATES_PER_STAGE": "6",
             "PROMPTS_PER_UPDATE": "16", "LR": "5e-4", "MAX_RESPONSE": "12", "EVAL_K": "4"}
 
 
@@ -436,14 +436,9 @@ def test_evaluate_rows_are_keyed_by_stage_and_benchmark_and_engines_agree(toy, t
     assert rows["test"]["avg_at_k"] == two_engines["avg_at_k"] and rows["test"]["engines"] == 1
 
 
-@pytest.mark.parametrize("settings,message", [
+@pytest.mark.parametrize("settings,message", [       # every rule of the table: tests/test_launch.py (fast)
     ({"STAGES": "abc"}, "STAGES must be a whole number, got 'abc'"),
-    ({"LR": "1e-x"}, "LR must be a non-negative number"),
-    ({"GROUP_SIZE": "1"}, "GROUP_SIZE must be at least 2"),
     ({"LOSS": "ppo"}, "LOSS must be one of"),
-    ({"GRAD_CKPT": "yes"}, "GRAD_CKPT must be true or false"),
-    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be in 0..1 (NNODES=2), got 2"),
-    ({"NNODES": "2", "RESIDENT": "true"}, "RESIDENT=true runs on one node"),
 ])
 @pytest.mark.slow
 def test_bad_settings_fail_before_any_phase(toy, tmp_path, settings, message):
@@ -489,13 +484,6 @@ def lockless_flock(tmp_path):
     return f"{bin_dir}:{os.environ['PATH']}"
 
 
-@pytest.mark.slow
-def test_a_run_directory_without_lock_support_says_so_not_that_another_run_holds_it(toy, tmp_path):
-    env = {**os.environ, **loop_env(toy, tmp_path / "run"), "PATH": lockless_flock(tmp_path)}
-    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 1 and "another run_stages.sh" not in proc.stderr, proc.stderr
-    assert f"cannot lock {tmp_path / 'run' / '.lock'} (flock: 9: No locks available)" in proc.stderr, proc.stderr
-    assert not (tmp_path / "run" / ".done" / "eval_init").exists()
 
 
 @pytest.mark.slow
@@ -508,7 +496,7 @@ def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation_in_resident_mode(to
     import threading
     run_dir, shm = tmp_path / "run", tmp_path / "shm"
     shm.mkdir()
-    env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES": "2", "STAGES": "3", "EVAL_EVERY": "3",
+    env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES_PER_STAGE": "2", "STAGES": "3", "EVAL_EVERY": "3",
            "RESIDENT": "true", "MU_GRPO_SHM": str(shm)}
     most, done = [], threading.Event()
 
@@ -561,7 +549,7 @@ def test_gpus_are_those_torch_can_use_and_the_paper_preset_needs_them(toy, tmp_p
     env = {**os.environ, **loop_env(toy, tmp_path / "run"), **fake_nvidia_smi(tmp_path, 4), "STAGES": "abc"}
     auto = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env={**env, "PRESET": "auto"},
                           timeout=300)
-    assert "using the 'toy' preset (no GPU found)" in auto.stdout and auto.returncode == 2   # then STAGES=abc stops it
+    assert "using the 'toy' preset (no GPU found)" in auto.stderr and auto.returncode == 2   # then STAGES=abc stops it
     paper = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
                            env={**env, "PRESET": "paper"}, timeout=300)
     assert paper.returncode == 2 and paper.stderr.strip().startswith("PRESET=paper needs GPUs")

@@ -1,0 +1,375 @@
+"""run_stages.sh's machinery, in Python where it can be tested fast; the shell keeps what a researcher reads (the knobs,
+the presets, the generate → optimize → evaluate loop). run_stages.sh exports its knobs (`set -a`) and calls:
+
+    python launch.py --command=preset     PRESET=auto resolved by the GPUs torch sees (paper on a GPU box, else toy)
+    python launch.py --command=settings   every knob checked against one table (SETTINGS) before any phase runs, the
+                                          defaults resolved: shell assignments run_stages.sh evals, SETTINGS among
+                                          them (every knob, KEY=value lines: what the nodes' join compares and the
+                                          trackers' config)
+    python launch.py --command=lock       the run directory's lock, on run_stages.sh's descriptor 9
+    python launch.py --command=build      node 0: the preset's task and policy built, the paper's data fetched
+    python launch.py --command=prepare    once the model and data are there: a hub MODEL resolved to its local copy,
+                                          TRAIN_DATA read, the resident engines' GPU share checked
+    python launch.py --command=collective   several nodes, right after the join: the trainers' ranks reach each other
+    python launch.py --command=preflight  preflight.py at the run's settings
+    python launch.py --command=plan --stage=S   μ of stage S (rollouts.StagePlan), 0 once the run is over
+    python launch.py --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
+                                          supervised: a failed one stops the other; timed into timeline.jsonl
+    python launch.py --command=view       a phase's output (stdin) on the terminal without the libraries' chatter
+
+Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
+"""
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common
+import processes
+
+# ----------------------------------------------------------------------------- hyperparameters
+command = ""                    # one of the commands above
+stage = 0                       # plan: the stage whose μ is asked
+logs = ""                       # resident, collective: the directory of the logs (engine.log, trainer.log, collective.log)
+coordinator = "127.0.0.1:29500"  # collective: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
+# -----------------------------------------------------------------------------
+STOP_GRACE_S = 10.0             # resident: seconds a stopped partner has to end before SIGKILL
+
+
+# ----------------------------------------------------------------------------- the settings table
+
+NUMBER = re.compile(r"^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$")
+
+
+def whole(least=0):
+    def rule(name, v):
+        if not re.fullmatch(r"[0-9]+", v):
+            return f"{name} must be a whole number, got '{v}'"
+        if int(v) < least:
+            return f"{name} must be at least {least}, got '{v}'"
+    return rule
+
+
+def number(name, v):
+    if not NUMBER.match(v):
+        return f"{name} must be a non-negative number, got '{v}'"
+
+
+def positive(name, v):
+    if not NUMBER.match(v) or float(v) <= 0:
+        return f"{name} must be a positive number, got '{v}'"
+
+
+def boolean(name, v):
+    if v not in ("true", "false"):
+        return f"{name} must be true or false, got '{v}'"
+
+
+def one_of(*allowed):
+    def rule(name, v):
+        if v not in allowed:
+            return f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got '{v}'"
+    return rule
+
+
+def share_or_auto(name, v):
+    if v != "auto" and not (re.fullmatch(r"0?\.[0-9]+|1(\.0*)?", v) and float(v) > 0):
+        return f"{name} must be auto or a fraction in (0, 1], got '{v}'"
+
+
+def anything(name, v):
+    return None
+
+
+# every knob of run_stages.sh (its own and its presets'), with the rule its value must follow; "own": the node's own (it
+# may differ between nodes), left out of SETTINGS, which every node's must equal node 0's (nodes.py join)
+SETTINGS = {
+    "PRESET": (one_of("paper", "toy", "lab", "lab-fork"),), "LOSS": (anything,), "LOSS_ARGS": (anything,),
+    "RUN": (anything,), "MODEL": (anything,), "TRAIN_DATA": (anything,), "EVAL_DATA_DIR": (anything,),
+    "BENCHMARKS": (anything,), "TEMPLATE": (one_of("default", "plain"),),
+    # the stages
+    "STAGES": (whole(1),), "UPDATES_PER_STAGE": (whole(1),), "PROMPTS_PER_UPDATE": (whole(1),),
+    "GROUP_SIZE": (whole(2),), "STAGE_END": (one_of("fixed", "drift"),), "TOTAL_UPDATES": (whole(1),),
+    "DRIFT_GROWTH": (positive,), "DRIFT_MAX_UPDATES": (whole(1),), "DRIFT_ARGS": (anything,),
+    # sampling and optimization
+    "LR": (number,), "WARMUP": (whole(),), "KL_COEF": (number,), "MAX_PROMPT": (whole(),), "MAX_RESPONSE": (whole(),),
+    "TEMPERATURE": (number,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,), "RESET_OPTIMIZER": (boolean,),
+    "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
+    # evaluation and saving
+    "EVAL_K": (whole(),), "EVAL_TEMPERATURE": (number,), "EVAL_TOP_P": (number,), "EVAL_EVERY": (whole(),),
+    "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,),
+    # the box
+    "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
+    "RESIDENT_GPU_MEMORY": (share_or_auto,), "PREFLIGHT": (one_of("auto", "0", "1", "force"),),
+    "PREFLIGHT_ARGS": (anything, "own"), "PREFLIGHT_ONLY": (boolean,),
+    # several nodes
+    "NNODES": (whole(1),), "NODE_RANK": (whole(), "own"), "MASTER_ADDR": (anything,), "MASTER_PORT": (whole(),),
+    "JOIN_TIMEOUT": (whole(), "own"), "DEAD_AFTER": (whole(), "own"), "COLLECTIVE_TIMEOUT": (whole(1),), "HSDP": (boolean,),
+    # tracking
+    "REPORT_TO": (anything, "own"), "TRACKER_GROUP": (anything, "own"),     # node 0 reports
+}
+
+
+PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: rollouts.StagePlan's defaults
+
+
+def resolve(knobs):
+    """The knobs (name → the shell's value, every one of SETTINGS) checked and their defaults resolved, in one pass:
+    (the resolved knobs, the first problem or None). An empty value is a default still to resolve."""
+    k = dict(knobs)
+    gpus = int(k["GPUS"]) if re.fullmatch(r"[0-9]+", k.get("GPUS", "")) else 0
+    defaults = {"ENGINES": str(max(gpus, 1)), "TRAIN_RANKS": str(max(gpus, 1)), "SAVE_EVERY": k.get("EVAL_EVERY", ""),
+                "RUN": f"runs/{k.get('PRESET')}-{k.get('LOSS')}", "KL_COEF": "0"}
+    for name, value in defaults.items():
+        k[name] = k.get(name) or value
+    for name, (rule, *_) in SETTINGS.items():
+        if name not in k:
+            return k, f"{name} is not set (run_stages.sh sets every knob)"
+        if name in PLAN_DEFAULTS and not k[name]:
+            continue
+        if problem := rule(name, k[name]):
+            return k, problem
+    plan = stage_plan(k)               # the plan's defaults, resolved where the plan is
+    k["TOTAL_UPDATES"], k["DRIFT_MAX_UPDATES"] = str(plan.total_updates), str(plan.drift_max_updates)
+    if gpus > 0:
+        for name in ("ENGINES", "TRAIN_RANKS"):
+            if int(k[name]) > gpus:
+                return k, f"{name}={k[name]} is more than GPUS={gpus} (one engine, one trainer rank per GPU)"
+    nnodes, node_rank = int(k["NNODES"]), int(k["NODE_RANK"])
+    if node_rank >= nnodes:
+        return k, f"NODE_RANK must be in 0..{nnodes - 1} (NNODES={nnodes}), got {node_rank}"
+    if k["RESIDENT"] == "true" and nnodes > 1:
+        return k, (f"RESIDENT=true runs on one node (its hand-off goes through one machine's /dev/shm); use "
+                   f"RESIDENT=false on {nnodes} nodes")
+    if k["RESIDENT"] == "true" and k["RESET_OPTIMIZER"] == "true":
+        return k, ("RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase "
+                   "loop")
+    if k["PREFLIGHT"] == "auto":
+        k["PREFLIGHT"] = "1" if k["PRESET"] == "paper" else "0"
+    return k, None
+
+
+def stage_plan(k):
+    import rollouts
+    return rollouts.StagePlan(int(k["UPDATES_PER_STAGE"]), int(k["STAGES"]), k["STAGE_END"],
+                              total_updates=int(k["TOTAL_UPDATES"] or 0), drift_growth=float(k["DRIFT_GROWTH"]),
+                              drift_max_updates=int(k["DRIFT_MAX_UPDATES"] or 0))
+
+
+def derived(k):
+    """The numbers and paths the loop uses, computed from the resolved knobs."""
+    node0 = k["NODE_RANK"] == "0"
+    return {"PROMPTS_PER_STAGE": str(int(k["UPDATES_PER_STAGE"]) * int(k["PROMPTS_PER_UPDATE"])),
+            "RUN_UPDATES": str(stage_plan(k).run_updates),
+            "LOGS": k["RUN"] + ("/logs" if node0 else f"/logs/node{k['NODE_RANK']}"),
+            "LOCK": k["RUN"] + ("/.lock" if node0 else f"/.lock.node{k['NODE_RANK']}"),
+            "SETTINGS": "".join(f"{n}={k[n]}\n" for n, (_, *node) in SETTINGS.items() if not node)}
+
+
+def assignments(values):
+    return "\n".join(f"{name}={shlex.quote(value)}" for name, value in values.items())
+
+
+def refuse(line):
+    """A bad setting: one line on stderr, exit status 2 (run_stages.sh's "refused before any phase")."""
+    print(line, file=sys.stderr)
+    sys.exit(2)
+
+
+def settings_command():
+    knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
+    k, problem = resolve(knobs)
+    if problem:
+        refuse(problem)
+    if k["REPORT_TO"] != "none":
+        import tracking
+        try:
+            tracking.check(k["REPORT_TO"])
+        except SystemExit as e:
+            refuse(str(e))
+    print(assignments({**k, **derived(k)}))
+
+
+def lock_command():
+    """run_stages.sh's lock on its run directory, taken on the descriptor 9 it opened (flock locks the open file, which
+    the script keeps after this process ends). Another holder, and a filesystem without locks (Lustre mounted without
+    -o flock: "No locks available"), are told apart."""
+    import fcntl
+    try:
+        fcntl.flock(9, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"another run_stages.sh is running on {os.environ['RUN']} (it holds {os.environ['LOCK']}); wait for it "
+                 f"or choose another RUN")
+    except OSError as e:
+        sys.exit(f"cannot lock {os.environ['LOCK']} ({e.strerror}): RUN's filesystem may not support locks (Lustre: "
+                 f"mount it with -o flock), or choose a RUN on another filesystem")
+
+
+def preset_command():
+    visible = common.gpu_count()
+    preset = os.environ.get("PRESET", "auto")
+    if preset == "auto":
+        preset = "paper" if visible > 0 else "toy"
+        print(f"PRESET=auto: using the '{preset}' preset ("
+              f"{f'{visible} GPU(s) found' if preset == 'paper' else 'no GPU found'})", file=sys.stderr)
+    if preset not in ("paper", "toy", "lab", "lab-fork"):
+        refuse(f"PRESET must be auto, paper, toy, lab or lab-fork, got '{preset}'")
+    if preset == "paper" and visible == 0:
+        refuse(f"PRESET=paper needs GPUs and torch sees none here (CUDA_VISIBLE_DEVICES="
+               f"'{os.environ.get('CUDA_VISIBLE_DEVICES', '')}'); on a CPU machine use PRESET=toy or PRESET=lab")
+    print(assignments({"PRESET": preset, "VISIBLE_GPUS": str(visible)}))
+
+
+def run_or_exit(cmd):
+    """A step's command, its own output on the terminal; its failure ends this one with its status."""
+    if status := subprocess.run(cmd).returncode:
+        sys.exit(status)
+
+
+def build_command():
+    """Node 0, before the others look: the toy and lab tasks and their warm-started policies built where the preset's
+    MODEL is missing, the paper's training data fetched, and on several nodes the benchmarks evaluate.py would fetch
+    on every node at once."""
+    e = os.environ
+    builder = {"toy": "data/toy.py", "lab": "data/lab.py", "lab-fork": "data/lab_fork.py"}.get(e["PRESET"])
+    built = builder and Path(builder).with_suffix("") / "model"          # the preset's own policy: data/<task>/model
+    if built and e["MODEL"] == str(built) and not (built / "config.json").exists():
+        run_or_exit([sys.executable, builder, f"--out_dir={built.parent}"])
+    if e["PRESET"] == "paper" and not Path(e["TRAIN_DATA"]).exists():
+        run_or_exit([sys.executable, "data/prepare.py", "--name=deepscaler", f"--out={e['TRAIN_DATA']}"])
+    if int(e["NNODES"]) > 1:
+        import benchmarks
+        benchmarks.benchmark_sets(e["BENCHMARKS"].split(","), e["EVAL_DATA_DIR"])
+
+
+def prepare_command():
+    """Once node 0 has built or fetched the model and data (every node: after nodes.py ready)."""
+    env = os.environ
+    model = env["MODEL"]
+    if env["MODEL_IS_DIR"] == "0":      # a hub name (node 0's word on several nodes: nodes.py ready)
+        model = common.local_dir(model)     # downloaded once (on each node); every phase reads the local copy
+    try:
+        rows = common.load_problems(env["TRAIN_DATA"])
+    except (OSError, ValueError) as e:
+        refuse(f"TRAIN_DATA={env['TRAIN_DATA']} is not a prepared problem file (see data/prepare.py): {e}")
+    if not rows:
+        refuse(f"TRAIN_DATA={env['TRAIN_DATA']} has no problems (see data/prepare.py)")
+    share = env["RESIDENT_GPU_MEMORY"]
+    if env["RESIDENT"] == "true" and int(env["GPUS"]) > 0:   # the engines' share must leave the trainer its memory
+        import handoff
+        share = str(handoff.check_engine_share(model, env["TRAIN_RANKS"], share, env["KL_COEF"]))
+    elif share == "auto":
+        share = "0.1"            # a CPU engine's own (engine.make_llm): there the share is unused
+    print(assignments({"MODEL": model, "RESIDENT_GPU_MEMORY": share}))
+
+
+def plan_command(s):
+    print(stage_plan(os.environ).updates_per_stage_at(os.environ["RUN"], s))
+
+
+def preflight_command():
+    """preflight.py at the run's settings (its miniature's size: PREFLIGHT_ARGS); KL: the trainer's KL flags."""
+    e = os.environ
+    drift_min = re.findall(r"--drift_min_updates=[0-9]+", e["DRIFT_ARGS"])[-1:]      # the trainer's μ_min, if given
+    sys.exit(subprocess.run([
+        sys.executable, "preflight.py", f"--policy={e['MODEL']}", f"--data={e['TRAIN_DATA']}",
+        f"--out={e['RUN']}/preflight.json", f"--run_dir={e['RUN']}", f"--gpus={e['GPUS']}", f"--engines={e['ENGINES']}",
+        f"--train_ranks={e['TRAIN_RANKS']}", f"--stages={e['STAGES']}", f"--micro_batch_tokens={e['MICRO_BATCH_TOKENS']}",
+        f"--max_prompt_tokens={e['MAX_PROMPT']}", f"--max_response_tokens={e['MAX_RESPONSE']}",
+        f"--optimize_args=--gradient_checkpointing={e['GRAD_CKPT']} {e['LOSS_ARGS']} {e['KL']}",
+        f"--temperature={e['TEMPERATURE']}", f"--group_size={e['GROUP_SIZE']}",
+        f"--force={'true' if e['PREFLIGHT'] == 'force' else 'false'}",
+        f"--estimate_stage_prompts={e['PROMPTS_PER_STAGE']}", f"--resident={e['RESIDENT']}",
+        f"--resident_gpu_memory={e['RESIDENT_GPU_MEMORY']}", f"--updates_per_stage={e['UPDATES_PER_STAGE']}",
+        f"--stage_end={e['STAGE_END']}", f"--total_updates={e['TOTAL_UPDATES']}",
+        f"--drift_max_updates={e['DRIFT_MAX_UPDATES']}", f"--save_every={e['SAVE_EVERY']}",
+        f"--keep_train_states={e['KEEP_TRAIN_STATES']}", *drift_min, *template_args(e["TEMPLATE"]),
+        *e["PREFLIGHT_ARGS"].split()]).returncode or None)
+
+
+def template_args(template):
+    """The prompt template flag of generate.py, evaluate.py and preflight.py: plain, the problem alone."""
+    return ["--prompt_template={problem}"] if template == "plain" else []
+
+
+def collective_command():
+    """The trainers' network, right after the nodes' join and not in the first update: every rank of every node
+    (torchrun at MASTER_PORT + 1, optimize.py's backend and devices: nodes.py collective) all-reduces one number within
+    COLLECTIVE_TIMEOUT; `timeout` bounds a hang. On a failure, one line (a rank's own, else this one)."""
+    env, (addr, port) = os.environ, coordinator.rsplit(":", 1)
+    timeout_s, log_path = int(env["COLLECTIVE_TIMEOUT"]), Path(logs) / "collective.log"
+    with open(log_path, "w") as log:
+        status = subprocess.run(
+            ["timeout", "-k", "10", str(2 * timeout_s + 30), sys.executable, "-m", "torch.distributed.run",
+             f"--nnodes={env['NNODES']}", f"--node_rank={env['NODE_RANK']}", f"--nproc_per_node={env['TRAIN_RANKS']}",
+             f"--master_addr={addr}", f"--master_port={int(port) + 1}", f"--rdzv_conf=timeout={timeout_s}",
+             "nodes.py", "--command=collective", f"--nnodes={env['NNODES']}", f"--node_rank={env['NODE_RANK']}",
+             f"--coordinator={coordinator}", f"--collective_timeout_s={timeout_s}"],
+            stdout=log, stderr=subprocess.STDOUT).returncode
+    text = log_path.read_text()
+    if status != 0:
+        line = next((x for x in text.splitlines() if "process group across" in x), None) or (
+            f"node {env['NODE_RANK']}: the trainers' ranks did not all reach each other within {timeout_s} s "
+            f"(torchrun's rendezvous at {addr}:{int(port) + 1}, then one all-reduce): likely a blocked port or the "
+            f"wrong interface (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")
+        print(f"{line} (whole output: {log_path})", file=sys.stderr)
+        sys.exit(1)
+    if env["NODE_RANK"] == "0":
+        print(*(x for x in text.splitlines() if "reached each other" in x), sep="\n")
+
+
+# ----------------------------------------------------------------------------- the terminal
+
+
+def view_command():
+    common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)
+
+
+# ----------------------------------------------------------------------------- resident mode
+
+
+def resident_command(argv):
+    """The engine process and the trainer for every stage (RESIDENT=true): a failed one stops the other (and what it
+    started); a rerun resumes (the engine at the first stage without a manifest, the trainer at the last train state
+    saved). Timed into timeline.jsonl as one row."""
+    import handoff
+    if "::" not in argv:
+        raise SystemExit("--command=resident: ENGINE COMMAND :: TRAINER COMMAND")
+    cut = argv.index("::")
+    commands = {"engine": argv[:cut], "trainer": argv[cut + 1:]}
+    run_dir = Path(os.environ["RUN"])
+    handoff.reset(run_dir)
+    print(f"[resident] the engine process ({os.environ['ENGINES']} engine(s)) and the trainer "
+          f"({os.environ['TRAIN_RANKS']} rank(s)) for every stage: {run_dir}/logs/engine.log, trainer.log", flush=True)
+    t0 = time.time()
+    failed, codes = processes.run_together(
+        commands, {role: Path(logs) / f"{role}.log" for role in commands}, grace_s=STOP_GRACE_S,
+        view=lambda stream: common.terminal_view(stream, sys.stdout.buffer))
+    # the handed-over policies (up to two, 15 GB each at 7B, in /dev/shm) are not kept: a resumed trainer hands its
+    # policy over again from the run directory or its train state
+    handoff.clear_policies(run_dir)
+    if failed:
+        print(f"[resident] failed (the {failed} exited with {codes[failed]}); see {run_dir}/logs/engine.log "
+              f"and trainer.log; rerun to resume", file=sys.stderr)
+        raise SystemExit(1)
+    import rollouts
+    last = sum((d / rollouts.STAGE_END).exists() for _, d in rollouts.stage_dirs(run_dir)) - 1     # the stages trained
+    t1 = time.time()
+    common.append_jsonl(run_dir / rollouts.TIMELINE, {"phase": "resident", "name": "resident", "stage": last,
+                                                     "start": t0, "end": t1, "seconds": t1 - t0})
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]          # this script's flags, then (resident) the two commands
+    n_own = next((i for i, a in enumerate(argv) if not a.startswith("--")), len(argv))
+    common.apply_overrides(globals(), argv[:n_own])
+    rest = argv[n_own:]
+    commands = {"lock": lock_command, "preset": preset_command, "settings": settings_command, "build": build_command,
+                "prepare": prepare_command,
+                "collective": collective_command, "preflight": preflight_command, "plan": lambda: plan_command(stage),
+                "resident": lambda: resident_command(rest), "view": view_command}
+    common.check_choice("command", command, tuple(commands))
+    commands[command]()

@@ -1,0 +1,193 @@
+"""launch.py, run_stages.sh's machinery: every knob checked against one table, the defaults resolved once, the stage
+plan, the run directory's lock and the resident pair's supervision (fast, in process or with tiny child processes)."""
+import errno
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+import launch  # noqa: E402
+
+# the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve)
+TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "--clip_low=0", "RUN": "", "MODEL": "data/toy/model",
+       "TRAIN_DATA": "data/toy/train.jsonl", "EVAL_DATA_DIR": "data/toy", "BENCHMARKS": "test", "TEMPLATE": "plain",
+       "STAGES": "3", "UPDATES_PER_STAGE": "8", "PROMPTS_PER_UPDATE": "16", "GROUP_SIZE": "8", "STAGE_END": "fixed",
+       "TOTAL_UPDATES": "", "DRIFT_GROWTH": "1.25", "DRIFT_MAX_UPDATES": "", "DRIFT_ARGS": "", "LR": "2e-4",
+       "WARMUP": "0", "KL_COEF": "", "MAX_PROMPT": "64", "MAX_RESPONSE": "16", "TEMPERATURE": "1.0", "SEED": "0",
+       "PER_REQUEST_SEED": "true", "RESET_OPTIMIZER": "false", "MICRO_BATCH_TOKENS": "4096", "GRAD_CKPT": "false",
+       "SHARD_PROMPTS": "64", "EVAL_K": "4", "EVAL_TEMPERATURE": "1.0", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
+       "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "GPUS": "0", "RESIDENT": "false",
+       "RESIDENT_GPU_MEMORY": "auto", "PREFLIGHT": "auto", "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false",
+       "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "JOIN_TIMEOUT": "600",
+       "DEAD_AFTER": "10", "COLLECTIVE_TIMEOUT": "60", "HSDP": "false", "REPORT_TO": "none", "TRACKER_GROUP": ""}
+
+
+def test_the_table_holds_every_knob_the_toy_preset_sets_and_no_other():
+    assert set(TOY) | {"ENGINES", "TRAIN_RANKS"} == set(launch.SETTINGS)     # those two: unset unless given
+
+
+def test_the_defaults_are_resolved_once_from_the_knobs():
+    k, problem = launch.resolve(TOY)
+    assert problem is None
+    assert (k["ENGINES"], k["TRAIN_RANKS"], k["SAVE_EVERY"], k["KL_COEF"], k["RUN"]) == ("1", "1", "1", "0",
+                                                                                          "runs/toy-mu-grpo")
+    assert (k["TOTAL_UPDATES"], k["DRIFT_MAX_UPDATES"], k["PREFLIGHT"]) == ("24", "32", "0")   # 3 · 8, 4 · 8, not paper
+    d = launch.derived(k)
+    assert (d["PROMPTS_PER_STAGE"], d["RUN_UPDATES"], d["LOGS"], d["LOCK"]) == (
+        "128", "24", "runs/toy-mu-grpo/logs", "runs/toy-mu-grpo/.lock")              # 8 · 16 prompts, 3 · 8 updates
+    k4, _ = launch.resolve({**TOY, "GPUS": "4", "PRESET": "paper", "NODE_RANK": "0", "EVAL_EVERY": "2",
+                            "STAGE_END": "drift", "TOTAL_UPDATES": "100"})
+    assert (k4["ENGINES"], k4["TRAIN_RANKS"], k4["SAVE_EVERY"], k4["PREFLIGHT"]) == ("4", "4", "2", "1")
+    assert launch.derived(k4)["RUN_UPDATES"] == "100"                              # drift: the run's updates
+    node1 = launch.derived(launch.resolve({**TOY, "NNODES": "2", "NODE_RANK": "1"})[0])
+    assert (node1["LOGS"], node1["LOCK"]) == ("runs/toy-mu-grpo/logs/node1", "runs/toy-mu-grpo/.lock.node1")
+
+
+def test_settings_are_every_knob_but_a_nodes_own():
+    k, _ = launch.resolve(TOY)
+    settings = dict(line.split("=", 1) for line in launch.derived(k)["SETTINGS"].splitlines())
+    assert settings["UPDATES_PER_STAGE"] == "8" and settings["TOTAL_UPDATES"] == "24"
+    assert set(settings) == {n for n, (_, *own) in launch.SETTINGS.items() if not own}
+    assert "NODE_RANK" not in settings and "REPORT_TO" not in settings
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"STAGES": "abc"}, "STAGES must be a whole number, got 'abc'"),
+    ({"STAGES": "0"}, "STAGES must be at least 1, got '0'"),
+    ({"LR": "1e-x"}, "LR must be a non-negative number, got '1e-x'"),
+    ({"GROUP_SIZE": "1"}, "GROUP_SIZE must be at least 2, got '1'"),
+    ({"GRAD_CKPT": "yes"}, "GRAD_CKPT must be true or false, got 'yes'"),
+    ({"STAGE_END": "early"}, "STAGE_END must be fixed or drift, got 'early'"),
+    ({"PREFLIGHT": "2"}, "PREFLIGHT must be auto, 0, 1 or force, got '2'"),
+    ({"DRIFT_GROWTH": "0"}, "DRIFT_GROWTH must be a positive number, got '0'"),
+    ({"RESIDENT_GPU_MEMORY": "1.5"}, "RESIDENT_GPU_MEMORY must be auto or a fraction in (0, 1], got '1.5'"),
+    ({"RESIDENT_GPU_MEMORY": "0"}, "RESIDENT_GPU_MEMORY must be auto or a fraction in (0, 1], got '0'"),
+    ({"TEMPLATE": "chat"}, "TEMPLATE must be default or plain, got 'chat'"),
+    ({"GPUS": "2", "ENGINES": "3"}, "ENGINES=3 is more than GPUS=2"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be in 0..1 (NNODES=2), got 2"),
+    ({"NNODES": "2", "RESIDENT": "true"}, "RESIDENT=true runs on one node"),
+    ({"RESIDENT": "true", "RESET_OPTIMIZER": "true"}, "RESIDENT=true keeps one AdamW for the whole run"),
+])
+def test_a_bad_knob_is_named_with_what_is_allowed(settings, message):
+    _, problem = launch.resolve({**TOY, **settings})
+    assert problem is not None and problem.startswith(message), problem
+
+
+def test_fractions_that_are_shares():
+    for good in ("auto", "0.78", ".5", "1", "1.0"):
+        assert launch.share_or_auto("S", good) is None, good
+    for bad in ("0.0", "1.01", "x", ""):
+        assert launch.share_or_auto("S", bad) is not None, bad
+
+
+def run_launch(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120, **kw)
+
+
+def test_the_settings_command_prints_shell_assignments_and_refuses_with_status_2():
+    proc = run_launch("--command=settings", env={**TOY, "STAGES": "2"})
+    assert proc.returncode == 0, proc.stderr
+    out = subprocess.run(["bash", "-c", proc.stdout + '\necho "$TOTAL_UPDATES|$RUN|$SETTINGS"'], capture_output=True,
+                         text=True).stdout
+    total, run, settings = out.split("|", 2)
+    assert (total, run) == ("16", "runs/toy-mu-grpo") and "UPDATES_PER_STAGE=8\n" in settings       # 2 · 8
+    bad = run_launch("--command=settings", env={**TOY, "LR": "fast"})
+    assert bad.returncode == 2 and bad.stderr.strip() == "LR must be a non-negative number, got 'fast'"
+
+
+def test_the_plan_command_is_the_stage_plan(tmp_path):
+    env = {**TOY, "RUN": str(tmp_path), "TOTAL_UPDATES": "24", "DRIFT_MAX_UPDATES": "32"}
+    assert [run_launch("--command=plan", f"--stage={s}", env=env).stdout.strip() for s in (0, 2, 3)] == ["8", "8", "0"]
+
+
+def test_the_lock_tells_another_holder_from_a_filesystem_without_locks(tmp_path, monkeypatch):
+    lock = tmp_path / ".lock"
+    env = {"RUN": str(tmp_path), "LOCK": str(lock)}
+    with open(lock, "w") as held:
+        import fcntl
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = subprocess.run(f'exec 9>"{lock}"; "{sys.executable}" launch.py --command=lock', shell=True, cwd=ROOT,
+                              capture_output=True, text=True, env={**os.environ, **env})
+    assert proc.returncode == 1 and "another run_stages.sh is running" in proc.stderr
+    # held by the shell once launch.py has ended: a second taker is refused while the first shell lives
+    holding = tmp_path / "holding"
+    first = subprocess.Popen(f'exec 9>"{lock}"; "{sys.executable}" launch.py --command=lock && touch "{holding}" '
+                             f'&& sleep 60', shell=True, cwd=ROOT, env={**os.environ, **env})
+    try:
+        deadline = time.time() + 60
+        while not holding.exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert holding.exists()
+        second = subprocess.run(f'exec 9>"{lock}"; "{sys.executable}" launch.py --command=lock', shell=True,
+                                cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
+        assert second.returncode == 1 and "another run_stages.sh is running" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    # flock(2) failing with ENOLCK (Lustre without -o flock, some NFS): said as it is
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr("fcntl.flock", no_locks)
+    with pytest.raises(SystemExit, match=rf"cannot lock {lock} \(No locks available\): RUN's filesystem"):
+        launch.lock_command()
+
+
+def test_the_resident_pair_stops_the_other_when_one_fails_and_keeps_each_ones_output(tmp_path, monkeypatch, capfd):
+    # the engine fails after a moment; the trainer (sleeping, with a child of its own) is stopped, its child too
+    (tmp_path / "logs").mkdir()
+    child_pid = tmp_path / "child.pid"
+    engine = [sys.executable, "-c", "import sys, time; print('engine up', flush=True); time.sleep(0.5); sys.exit(3)"]
+    trainer = ["bash", "-c", f'sleep 60 & echo $! > "{child_pid}"; echo "trainer up"; wait']
+    monkeypatch.setenv("RUN", str(tmp_path))
+    monkeypatch.setenv("ENGINES", "1")
+    monkeypatch.setenv("TRAIN_RANKS", "1")
+    monkeypatch.setattr(launch, "logs", str(tmp_path / "logs"))
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 2.0)
+    t0 = time.time()
+    with pytest.raises(SystemExit) as stopped:
+        launch.resident_command([*engine, "::", *trainer])
+    assert stopped.value.code == 1 and time.time() - t0 < 30
+    assert "[resident] failed (the engine exited with 3)" in capfd.readouterr().err
+    assert (tmp_path / "logs" / "engine.log").read_text() == "engine up\n"
+    assert (tmp_path / "logs" / "trainer.log").read_text() == "trainer up\n"
+    pid = int(child_pid.read_text())
+    deadline = time.time() + 10
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
+    assert not (tmp_path / "timeline.jsonl").exists()
+
+
+def test_the_resident_pair_that_ends_well_is_one_timeline_row(tmp_path, monkeypatch):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "stage_0").mkdir()
+    (tmp_path / "stage_0" / "stage_end.json").write_text("{}")
+    monkeypatch.setenv("RUN", str(tmp_path))
+    monkeypatch.setenv("ENGINES", "1")
+    monkeypatch.setenv("TRAIN_RANKS", "1")
+    monkeypatch.setattr(launch, "logs", str(tmp_path / "logs"))
+    launch.resident_command(["true", "::", "true"])
+    import json
+    [row] = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert (row["phase"], row["stage"]) == ("resident", 0) and row["seconds"] == pytest.approx(row["end"] - row["start"])
+
+
+def test_every_knob_run_stages_sh_sets_is_in_the_table():
+    # the knob block (NAME=${NAME:-...}) and the presets (: "${NAME:=...}"): a knob added there and not to the table
+    # would go unchecked and uncompared between nodes
+    import re
+    text = (ROOT / "run_stages.sh").read_text()
+    block = text[:text.index("# ---- set per preset below")]
+    knobs = set(re.findall(r"^([A-Z_]+)=\$\{\1:-", block, re.M)) | set(re.findall(r'"\$\{([A-Z_]+):=', text))
+    assert len(knobs) > 40
+    assert knobs - {"NAV_DELTA"} <= set(launch.SETTINGS), knobs - set(launch.SETTINGS)   # NAV_DELTA: in LOSS_ARGS
+    assert set(launch.SETTINGS) - knobs == {"LOSS_ARGS", "ENGINES", "TRAIN_RANKS"}    # losses.sh's, and two defaults
