@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 # ------------------------------------------------------------------------------ hyperparameters
+# ---- the task and where everything goes
 LAB=${LAB:-lab}                 # the task: lab (data/lab.py: arithmetic chains that slip) | lab-fork (data/lab_fork.py:
                                 # a low-probability fork before a long doomed detour)
 BUILD=${BUILD:-0}               # the builder's --seed: which task and warm-started policy (a finding holds only if it
@@ -19,19 +20,24 @@ SUFFIX=$( [[ "$BUILD" == 0 ]] || echo "_build$BUILD")
 OUT=${OUT:-runs/$LAB-ablation${SUFFIX/_/-}}  # everything goes here
 LAB_DIR=${LAB_DIR:-data/${LAB/-/_}$SUFFIX}   # the task's data and policy (built by its builder if missing, with
 LAB_ARGS=${LAB_ARGS:-}          # --seed=BUILD and LAB_ARGS)
+# ---- the replays: every LOSS preset × seed on the same stale rollouts
 VARIANTS=${VARIANTS:-grpo relaxed-no-nav nav-T mu-grpo nav-S nav-seq m2po}   # LOSS presets (losses.sh)
 SEEDS=${SEEDS:-0 1 2}           # one replay per seed: the order in which the stage's groups become minibatches
+# ---- the stale stage and the updates on it
 UPDATES_PER_STAGE=${UPDATES_PER_STAGE:-256}  # μ of the replays: the last update trains on data μ − 1 updates stale
 PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-4}   # prompts per minibatch (× GROUP_SIZE responses)
 GROUP_SIZE=${GROUP_SIZE:-8}     # G
 LR=${LR:-1e-4}                  # AdamW learning rate (constant): the ratios drift (min ratio → 0) within 64 updates
 # NAV_DELTA                     NAV's trigger threshold δ for every NAV variant and reference: losses.sh (1e-4)
 SAVE_EVERY=${SAVE_EVERY:-32}    # updates between saved policies: the points of each accuracy curve
+# ---- the on-policy references (run_stages.sh, resident)
 ONPOLICY_LOSSES=${ONPOLICY_LOSSES:-grpo}  # the references: each LOSS with a small μ, fresh rollouts per stage
 ONPOLICY_UPDATES=${ONPOLICY_UPDATES:-32}  # their μ (0: no reference); UPDATES_PER_STAGE / ONPOLICY_UPDATES stages each
 ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0 1 2}   # their seeds (resident mode: one engine and one trainer process per run)
+# ---- evaluation and sampling
 EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
 MAX_RESPONSE=${MAX_RESPONSE:-$([[ $LAB == lab-fork ]] && echo 160 || echo 128)}   # tokens (lab: 32–77; lab-fork: up to 82 as built by default, longer with fork=end)
+# ---- the box
 JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS threads
 # ------------------------------------------------------------------------------
 

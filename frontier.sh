@@ -14,8 +14,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 # ------------------------------------------------------------------------------ hyperparameters
+# ---- the task and where everything goes
 PRESET=${PRESET:-lab-fork}      # lab | lab-fork (the CPU lab tasks) | paper (a GPU box) | toy (the tests)
 OUT=${OUT:-runs/frontier-$PRESET}  # build<b>/seed<s>/<label>-mu<μ>/ per run; frontier.md, frontier.json, plots/
+# ---- set per preset, unless given in the environment: MUS, TOTAL_UPDATES, EVAL_UPDATES, BENCHMARKS, EVAL_K
 case "$PRESET" in               # the points' μ ("drift": the drift rule), their equal updates, how often they are
                                 # evaluated (updates), on which of the task's benchmarks (empty: run_stages.sh's
                                 # preset) with how many samples per problem (EVAL_K; empty: the preset's). The lab
@@ -28,16 +30,19 @@ case "$PRESET" in               # the points' μ ("drift": the drift rule), thei
   toy) : "${MUS:=2 4}" "${TOTAL_UPDATES:=8}" "${EVAL_UPDATES:=4}" "${BENCHMARKS:=}" "${EVAL_K:=}" ;;
   *) echo "PRESET must be lab, lab-fork, paper or toy, got '$PRESET'" >&2; exit 2 ;;
 esac
+# ---- the points (label:μ): LOSS presets × NAV δ × MUS, over seeds and builds; the baseline
 LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (losses.sh)
 NAV_DELTAS=${NAV_DELTAS:-1e-4 0.1}  # NAV δ of the presets with NAV (one point each; grpo has none)
 SEEDS=${SEEDS:-0 1}             # run_stages.sh's SEED: prompt order, sampling, minibatch order
 BUILDS=${BUILDS:-$([[ $PRESET == lab* ]] && echo "0 1" || echo 0)}   # lab tasks: the builder's --seed (the task and
                                 # its warm-started policy; 0 is data/<task>/, b > 0 data/<task>_build<b>/); else 0
 BASELINE=${BASELINE:-grpo:$(set -- $MUS; echo "$1")}  # label:μ the speed-ups are against (label: the LOSS, -d<δ> with NAV)
+# ---- how a point runs and is costed
 RESIDENT_MAX_MU=${RESIDENT_MAX_MU:-64}   # μ up to this run resident (RESIDENT=true)
 DRIFT_FIRST=${DRIFT_FIRST:-64}  # "drift" in MUS: stages that end on drift (STAGE_END=drift), the first of this μ, the
                                 # next planned from where each ended, up to TOTAL_UPDATES; evaluated after every stage
 COSTS=${COSTS:-0,2,20,180}      # per-stage switching costs (seconds) the points are re-costed at
+# ---- which points run, and what runs before them (the estimate, the preflight)
 POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024" (default: all)
 ESTIMATE=${ESTIMATE:-$([[ $PRESET == paper ]] && echo true || echo false)}  # print every point's estimated hours
                                 # from the (first LOSS's) preflight's throughputs before the runs (the paper preset: days)
@@ -45,6 +50,7 @@ PREFLIGHT=${PREFLIGHT:-auto}    # run_stages.sh's preflight (auto: the paper pre
                                 # box shape and LOSS before any run (ESTIMATE runs it too), on one run's share of the
                                 # GPUs at the settings of the LOSS's first resident point (else its first): every path
                                 # it checks is the box's and the loss's, not the point's. The runs do not run it again
+# ---- the box
 GPUS=${GPUS:-}                  # the box's GPUs (default: all torch sees); JOBS > 1 splits them evenly between the runs
                                 # at once (each its CUDA_VISIBLE_DEVICES) or is refused when it cannot
 JOBS=${JOBS:-$([[ $PRESET == lab* ]] && awk -v c="$(nproc)" '/MemAvailable/ { m = int($2 / 3145728); print (m < c ? (m > 1 ? m : 1) : c) }' /proc/meminfo || echo 1)}

@@ -38,12 +38,15 @@ from loss import AGREEMENT_MEAN, MISMATCH_LEVELS
 ROOT = Path(__file__).resolve().parent
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the run it checks: its model, data, GPUs and processes; the report
 policy = "data/toy/model"       # the run's initial model (HF name or directory)
 data = "data/toy/train.jsonl"   # the run's training problems
 out = "runs/preflight.json"     # the report; the miniature run lives in <out without .json>/
 gpus = -1                       # GPUs (-1: all visible; 0: CPU)
 engines = 0                     # vLLM engines, one process each (0: one per GPU; 1 on a CPU): the run's ENGINES
 train_ranks = 0                 # optimize.py's torchrun ranks (0: one per GPU; 1 on a CPU): the run's TRAIN_RANKS
+
+# the disk check: room for what the run keeps
 run_dir = ""                    # the run directory whose free disk is checked against what the run keeps (empty:
                                 # this report's directory)
 # the run's shape, for that disk estimate (run_stages.sh passes them): what the run keeps follows from these
@@ -57,11 +60,15 @@ drift_min_updates = 16          # μ_min, no stage ends on drift before it (opti
 save_every = 1                  # SAVE_EVERY, resident: a policy and train state kept every N stages and the last (0:
                                 # the last only); processes per phase keep a policy every stage
 keep_train_states = False       # KEEP_TRAIN_STATES: every stage's train state kept (else the newest only)
+
+# the miniature: its stage and updates
 prompts = 32                    # prompts in the miniature stage (× group_size responses)
 group_size = 8
 updates = 3                     # updates of the miniature optimize run
 round_trip_lr = 1e-4            # their learning rate: 3 AdamW steps of ~lr move most weights by more than a bf16
                                 # step (~1e-4 at |w| ≈ 0.02), so the saved policy visibly differs from the initial
+
+# the run's settings the miniature runs at
 max_prompt_tokens = 1536        # the preset's limits
 max_response_tokens = 2560
 temperature = 1.0
@@ -69,11 +76,19 @@ micro_batch_tokens = 16384      # the run's micro-batch (the headroom check runs
 prompt_template = common.DEFAULT_PROMPT_TEMPLATE
 optimize_args = ""              # the run's optimize.py flags, space-separated (run_stages.sh passes GRAD_CKPT and
                                 # the LOSS preset's flags, so M2PO's gather and KL's reference pass run here too)
+
+# the estimates: hours per stage, MFU
 estimate_stage_prompts = 65536  # prompts per stage of the real run, for the hours-per-stage estimate
 peak_tflops = 989.0             # dense bf16 peak per GPU (H100/H200 SXM), for MFU
+
+# the exit status
 force = False                   # exit 0 even after a FAIL
+
+# the resident hand-off (run_stages.sh RESIDENT=true)
 resident = False                # also run the resident hand-off in miniature (run_stages.sh passes RESIDENT)
 resident_gpu_memory = 0.5       # resident: each engine's share of its GPU (run_stages.sh: RESIDENT_GPU_MEMORY)
+
+# the gates: a check FAILs above its threshold
 # Gates: the mean and the 99.9th percentile of per-token |Δ log p|, never the max (printed for information).
 # GPU, bf16: log-softmax is 2-Lipschitz in the largest logit difference (|Δ log p_t| ≤ 2·max_j |Δz_j|); bf16 keeps
 # 8 mantissa bits, so logits of magnitude ~20 round by up to ~0.06, and the engine's and the trainer's kernels

@@ -42,9 +42,11 @@ import common
 import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the command, the run and its trackers
 command = ""                    # check | follow | where
 run_dir = ""                    # the run directory (run_stages.sh RUN)
 report_to = "none"              # none | tensorboard | wandb | a comma list of the last two
+
 # follow
 pid = 0                         # run_stages.sh's pid: following ends, after a last pass, once it has ended (0: one pass)
 stop_file = ""                  # or once this file exists (run_stages.sh's exit: no signal can come before the handler)
@@ -52,6 +54,7 @@ settings = ""                   # run_stages.sh's knobs as KEY=VALUE lines: the 
 group = ""                      # the tracker group of this run (frontier.sh, ablate.sh: one per frontier or ablation)
 poll_s = 2.0                    # seconds between passes over the records
 project = "mu-grpo"             # the W&B project (WANDB_PROJECT wins); W&B's mode is WANDB_MODE's (online, offline)
+
 # where
 total_updates = 0               # the run's updates
 stage = 0                       # the stage about to start

@@ -25,15 +25,22 @@ import common  # noqa: E402
 import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the model and the box
 shape = "qwen2.5-1.5b"      # qwen2.5-1.5b | qwen2.5-7b | tiny
 gpus = 1                    # > 1: torchrun --nproc_per_node=gpus (FSDP2; gloo ranks on a CPU machine)
 layers = 0                  # 0: the shape's layer count; > 0: fewer layers (the real shape, scaled down, on CPU)
+
+# the synthetic stage: its lengths
 mean_prompt_tokens = 200    # prompt lengths uniform in [mean/2, 3·mean/2]
 mean_response_tokens = 1000 # lognormal response lengths (σ 0.6), capped at max_response_tokens
 max_response_tokens = 2560
+
+# the updates measured
 prompts_per_update = 8      # × G=8 responses
 updates = 4                 # the first is reported apart (warm-up)
 micro_batch_tokens = 16384
+
+# the report: MFU and where it goes
 peak_tflops = 989.0         # dense bf16 peak of one H100/H200 SXM
 out_dir = str(ROOT / "bench" / "out" / "train")
 # -----------------------------------------------------------------------------

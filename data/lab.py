@@ -30,6 +30,7 @@ import common  # noqa: E402
 import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the toy's)
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the task: where it goes, its problems and their split (seed: the model's and the warm start's too)
 out_dir = "data/lab"        # where train.jsonl, test.jsonl and model/ go
 train_problems = 4096
 test_per_length = 100       # test problems per chain length (× the max_steps − min_steps + 1 lengths: printed)
@@ -38,9 +39,13 @@ heldout_per_length = 420    # held-out problems per chain length (× 6 = 2,520; 
 min_steps = 3               # chain lengths: min_steps..max_steps operations
 max_steps = 8
 seed = 0
+
+# the model: the toy's tiny Llama and byte-level BPE tokenizer
 hidden_size = 128           # model width; head dimension is fixed at 32
 layers = 4
 vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tokens
+
+# the warm start: supervised steps on imperfect demonstrations
 sft_steps = 500             # warm-start optimizer steps
 sft_batch = 64              # sequences per warm-start step
 sft_lr = 3e-3

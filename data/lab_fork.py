@@ -29,6 +29,7 @@ import lab  # noqa: E402  (the problems are the lab's)
 import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the toy's)
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the task: where it goes, the lab's problems and their split (seed: the model's and the warm start's too)
 out_dir = "data/lab_fork"   # where train.jsonl, test.jsonl and model/ go
 train_problems = 4096
 test_per_length = 50        # test problems per chain length (× the max_steps − min_steps + 1 lengths: printed)
@@ -37,12 +38,18 @@ heldout_per_length = 625    # held-out problems per chain length (× 4 = 2,500; 
 min_steps = 3               # chain lengths: min_steps..max_steps operations
 max_steps = 6
 seed = 0
+
+# the model: the toy's tiny Llama and byte-level BPE tokenizer
 hidden_size = 128           # model width; head dimension is fixed at 32
 layers = 4
 vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tokens
+
+# the warm start: supervised steps
 sft_steps = 500             # warm-start optimizer steps
 sft_batch = 64              # sequences per warm-start step
 sft_lr = 3e-3
+
+# its demonstrations: the fork, the detour, slips
 p_detour = 0.8              # demonstrations: chance of the detour at the fork
 fork = "start"              # where the fork is: start (before the steps) | end (after them)
 detour = "restate"          # the detour's text: restate (the steps again) | reverse (the steps undone, backwards)

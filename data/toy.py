@@ -19,13 +19,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
+# the task: where it goes, its problems and their split (seed: the model's and the warm start's too)
 out_dir = "data/toy"        # where train.jsonl, test.jsonl and model/ go
 max_operand = 12            # problems a + b with 0 <= a, b < max_operand
 test_fraction = 0.25        # share of problems held out as the test set
 seed = 0
+
+# the model: a tiny Llama and its byte-level BPE tokenizer
 hidden_size = 128           # model width; head dimension is fixed at 32
 layers = 4
 vocab_size = 400            # byte-level BPE: 256 bytes + merges + 3 special tokens
+
+# the warm start: supervised steps on noisy demonstrations
 sft_steps = 500             # warm-start optimizer steps
 sft_batch = 64              # sequences per warm-start step
 sft_lr = 3e-3
