@@ -27,6 +27,7 @@ import common
 import engine
 import processes
 import reward
+import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the policies and the benchmarks
@@ -103,7 +104,7 @@ def score_policies(ev, policies, parts, seconds, engines):
             sample_dir = Path(samples_dir) if samples_dir else (
                 B.stage_samples_dir(results, stage) if results else None)
         else:
-            sample_dir = (Path(samples_dir) if samples_dir else Path(path).parent / "eval_samples") / Path(path).name
+            sample_dir = (Path(samples_dir) if samples_dir else Path(path).parent / rollouts.EVAL_SAMPLES) / Path(path).name
         out_rows += B.policy_rows(samples, ev, stage=stage, updates=common.policy_record(path).get("run_updates", 0),
                                   policy=path, seconds=seconds, engines=engines, run_start=run_start,
                                   sample_dir=sample_dir, say=f"{path} " if len(policies) > 1 else "")

@@ -123,7 +123,7 @@ def engine_index():
 
 
 def rollouts_dir(s):
-    return Path(run_dir) / f"stage_{s}" / "rollouts"
+    return rollouts.stage_dir(run_dir, s) / rollouts.ROLLOUTS
 
 
 def shard_count(prompts):

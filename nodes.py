@@ -42,26 +42,38 @@ import common
 import processes
 
 # ----------------------------------------------------------------------------- hyperparameters
-command = ""                    # watch | join | share (see above)
+command = ""                    # watch | join | share | ready | collective (see above)
+
+# the nodes and where they meet
 nnodes = 1                      # nodes in the run (run_stages.sh NNODES)
 node_rank = 0                   # this node's rank, 0..nnodes-1 (NODE_RANK); node 0 serves the store
 coordinator = "127.0.0.1:29500"  # node 0's address as every node reaches it, and the store's port there
                                 # (run_stages.sh MASTER_ADDR:MASTER_PORT; torchrun's rendezvous uses the next port)
+
+# how long they wait for each other
 join_timeout_s = 600.0          # how long the nodes wait for each other at the start (a slower node's set-up)
 dead_after_s = 10.0             # seconds without a node's heartbeat before it counts as gone
 beat_s = 1.0                    # heartbeat period
+
+# watch
 pid = 0                         # watch: the run_stages.sh process to stop (with its children) when a node is gone
 errors = ""                     # watch: the file run_stages.sh's stderr is copied to; its last line is what the other
                                 # nodes are told when run_stages.sh ends with an error
+
+# join
 run_dir = ""                    # join: the run directory, model and data that must be shared
 model = ""
 data = ""                       # comma list of files or directories
 settings = ""                   # join: the run's settings, "KEY=value" lines; every node's must be node 0's
+
+# collective
 collective_timeout_s = 60.0     # collective: how long the ranks of every node have to reach each other (torchrun's
                                 # rendezvous, then the process group and one all-reduce); a blocked port or a wrong
                                 # interface fails here, right after the join, not hours later in the first update
+
+# share, ready
 key = ""                        # share: the decision's name (unique within the run_stages.sh invocation)
-value = ""                      # share: node 0's value (ignored on the others)
+value = ""                      # share, ready: node 0's value (ignored on the others)
 # -----------------------------------------------------------------------------
 BARRIER_TIMEOUT_S = 7 * 24 * 3600   # barriers wait for slow phases; a dead node is the watch process's to detect
 

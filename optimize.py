@@ -194,11 +194,11 @@ class Progress:
 
     @property
     def state_dir(self):
-        return self.work_dir / "train_state"
+        return self.work_dir / rollouts.TRAIN_STATE
 
     @property
     def metrics_path(self):
-        return self.work_dir / "metrics.jsonl"
+        return self.work_dir / rollouts.METRICS
 
 
 # ----------------------------------------------------------------------------- the stage's rollouts
@@ -206,7 +206,7 @@ class Progress:
 
 def open_stage(directory):
     try:
-        return rollouts.open_stage(Path(directory) / "rollouts", rank, world, barrier, decide=M.broadcast)
+        return rollouts.open_stage(Path(directory) / rollouts.ROLLOUTS, rank, world, barrier, decide=M.broadcast)
     except rollouts.RolloutError as e:
         raise SystemExit(str(e)) from None
 
@@ -530,7 +530,7 @@ def main():
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
         + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
-    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / "policy", updates_per_stage=updates_per_stage,
+    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / rollouts.POLICY, updates_per_stage=updates_per_stage,
                         save_state=save_train_state)
     reference = kl_reference(start_policy)
     check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
@@ -574,7 +574,7 @@ class Resident:
 
 
 def run_stage_dir(s):
-    return Path(run_dir) / f"stage_{s}"
+    return rollouts.stage_dir(run_dir, s)
 
 
 def resident_main():
@@ -589,9 +589,9 @@ def resident_main():
     last, meta = M.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
-    resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / "policy")
+    resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / rollouts.POLICY)
     if meta is not None and meta["complete"] and not resave:
-        publish(partner, last, run_stage_dir(last) / "policy")   # the engine resumes from it
+        publish(partner, last, run_stage_dir(last) / rollouts.POLICY)   # the engine resumes from it
     # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
     # that policy, holding none)
     if stage_plan.updates_per_stage_at(run_dir, first) and not resave:
@@ -600,19 +600,19 @@ def resident_main():
     start_policy = common.local_dir(policy)
     trainer = build_resident(start_policy, weights=meta is None)
     start, before, start_weights, said = M.restore(
-        trainer.model, trainer.optimizer, run_stage_dir(last) / "train_state" if meta else None,
+        trainer.model, trainer.optimizer, run_stage_dir(last) / rollouts.TRAIN_STATE if meta else None,
         resume=meta is not None and not meta["complete"], start_weights=common.policy_fingerprint(start_policy),
         start_policy=start_policy)
     if said:
         log(said)
     if resave:
-        M.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / "policy",
+        M.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / rollouts.POLICY,
                       {"stage": last, "stage_updates": meta["update"], **{k: meta[k] for k in M.COUNTS}})
         # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
         # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
         # as every stage's hand-over does (release_gradients)
         M.release_memory()
-        publish(partner, last, run_stage_dir(last) / "policy")
+        publish(partner, last, run_stage_dir(last) / rollouts.POLICY)
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     s = first
@@ -621,10 +621,10 @@ def resident_main():
         # the run's updates unless it ends on drift)
         due = stage_plan.may_end_run(s, before["run_updates"], updates_per_stage) or bool(
             save_every and (s + 1) % save_every == 0)
-        progress = Progress(out_dir=run_stage_dir(s) / "policy", updates_per_stage=updates_per_stage,
+        progress = Progress(out_dir=run_stage_dir(s) / rollouts.POLICY, updates_per_stage=updates_per_stage,
                             start=start if s == first else 0, before=before,
                             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
-                            policy_dirs=(trainer.fast / f"policy_{s}", *([run_stage_dir(s) / "policy"] if due else [])))
+                            policy_dirs=(trainer.fast / f"policy_{s}", *([run_stage_dir(s) / rollouts.POLICY] if due else [])))
         resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
         s += 1
@@ -677,7 +677,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     publish(partner, s, trainer.fast / f"policy_{s}")
     if is_main and progress.save_state and release_init_state:    # the newest train state replaces the older ones
         for older in range(s):
-            shutil.rmtree(run_stage_dir(older) / "train_state", ignore_errors=True)
+            shutil.rmtree(run_stage_dir(older) / rollouts.TRAIN_STATE, ignore_errors=True)
     write_timing(progress, {**timing, "attention": trainer.attention, "wait_seconds": waited})
     if is_main:
         partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
@@ -690,7 +690,7 @@ def publish(partner, s, directory):
     size of the stage it generates (0: the run is over)."""
     if is_main:
         record = common.policy_record(directory)
-        partner.publish_policy(s, directory, Path(run_dir) / f"stage_{s}" / "policy", record["fingerprint"],
+        partner.publish_policy(s, directory, run_stage_dir(s) / rollouts.POLICY, record["fingerprint"],
                                run_updates=record["run_updates"],
                                next_stage_prompts=stage_plan.updates_per_stage_at(run_dir, s + 1) * prompts_per_update)
 

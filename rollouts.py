@@ -156,6 +156,8 @@ class ColumnWriter:
 #   <run>/stage_<s>/metrics.jsonl   optimize.py: one row per update; beside it stage_end.json
 #   <run>/results.jsonl, eval_samples/   evaluate.py: one row per (stage, benchmark), the graded samples
 #   <run>/timeline.jsonl            run_stages.sh and the resident processes: one row per phase
+# and the directories their owners name: resident/ (handoff.py), .nodes/ (nodes.py), tracking/ (tracking.py), logs/
+# and .done/ (run_stages.sh, whose loop, the part a researcher reads, spells stage_<s>/policy and train_state/ itself)
 ROLLOUTS = "rollouts"
 POLICY = "policy"
 TRAIN_STATE = "train_state"

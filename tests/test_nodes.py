@@ -1,6 +1,7 @@
 """Several nodes (nodes.py): the store the nodes meet in, the checks before any compute, the watch that stops every
 node when one is gone; the trainer's per-rank log-prob parts; the engines' environment. The whole loop on two
 localhost "nodes" is in test_loop.py (beside the one-node run it must equal)."""
+import datetime
 import json
 import os
 import signal
@@ -145,6 +146,25 @@ def fake_run(rank, where, tail, dead_after_s=2, errors=""):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def wait_until_both_beat(where, timeout=120):
+    """Until both nodes' watches beat in node 0's store (python and torch imported, connected: seconds, more under
+    load), read by a client of the store's own."""
+    from torch.distributed import TCPStore
+    host, port = where.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=5))
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "node 0's store never came up"
+            time.sleep(0.2)
+    while not (store.add("beat/0", 0) > 0 and store.add("beat/1", 0) > 0):    # node 0 reads beat/1 by adding 0
+        assert time.monotonic() < deadline, "the watches never both beat"
+        time.sleep(0.1)
+
+
 def test_nodes_that_end_well_leave_together():
     where = f"127.0.0.1:{free_port()}"
     runs = [fake_run(r, where, "sleep 4; kill -USR1 $w; wait $w") for r in (0, 1)]
@@ -154,14 +174,17 @@ def test_nodes_that_end_well_leave_together():
 
 @pytest.mark.parametrize("how,reason", [("killed", "node 1 stopped answering"),
                                         ("failed", "node 1 failed: its run_stages.sh ended with an error")])
-def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason):
-    where = f"127.0.0.1:{free_port()}"
+def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason, tmp_path):
+    where, fail = f"127.0.0.1:{free_port()}", tmp_path / "fail"
     node0 = fake_run(0, where, "sleep 600 & wait")       # a phase that would wait for node 1 for ever
-    node1 = fake_run(1, where, "sleep 600" if how == "killed" else "sleep 4; exit 1")
-    time.sleep(4)                                          # both watching (python and torch imported)
+    node1 = fake_run(1, where, "sleep 600" if how == "killed" else
+                     f'while [ ! -e "{fail}" ]; do sleep 0.1; done; exit 1')
+    wait_until_both_beat(where)                            # both watching (python and torch imported)
     t0 = time.monotonic()
     if how == "killed":
         os.killpg(node1.pid, signal.SIGKILL)              # the node, all of it, at once
+    else:
+        fail.touch()                                       # its run_stages.sh ends with an error
     out, err = node0.communicate(timeout=60)
     took = time.monotonic() - t0
     node1.communicate(timeout=60)
@@ -266,7 +289,7 @@ def test_a_frozen_node_0_stops_the_others_though_its_connection_stays_open():
     where = f"127.0.0.1:{free_port()}"
     node0 = fake_run(0, where, "sleep 600 & wait")
     node1 = fake_run(1, where, "sleep 600 & wait")
-    time.sleep(4)
+    wait_until_both_beat(where)
     os.killpg(node0.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
