@@ -19,6 +19,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
 
 Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
 """
+import contextlib
 import os
 import re
 import shlex
@@ -41,12 +42,12 @@ STOP_GRACE_S = 10.0             # resident: seconds a stopped partner has to end
 
 # ----------------------------------------------------------------------------- the settings table
 
-NUMBER = re.compile(r"^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$")
+NUMBER = re.compile(r"[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?")      # fullmatch
 
 
 def whole(least=0):
     def rule(name, v):
-        if not re.fullmatch(r"[0-9]+", v):
+        if not re.fullmatch(r"0|[1-9][0-9]*", v):      # no leading zero: bash would read 016 as octal 14
             return f"{name} must be a whole number, got '{v}'"
         if int(v) < least:
             return f"{name} must be at least {least}, got '{v}'"
@@ -54,12 +55,12 @@ def whole(least=0):
 
 
 def number(name, v):
-    if not NUMBER.match(v):
+    if not NUMBER.fullmatch(v):
         return f"{name} must be a non-negative number, got '{v}'"
 
 
 def positive(name, v):
-    if not NUMBER.match(v) or float(v) <= 0:
+    if not NUMBER.fullmatch(v) or float(v) <= 0:
         return f"{name} must be a positive number, got '{v}'"
 
 
@@ -106,8 +107,10 @@ SETTINGS = {
     "RESIDENT_GPU_MEMORY": (share_or_auto,), "PREFLIGHT": (one_of("auto", "0", "1", "force"),),
     "PREFLIGHT_ARGS": (anything, "own"), "PREFLIGHT_ONLY": (boolean,),
     # several nodes
-    "NNODES": (whole(1),), "NODE_RANK": (whole(), "own"), "MASTER_ADDR": (anything,), "MASTER_PORT": (whole(),),
-    "JOIN_TIMEOUT": (whole(), "own"), "DEAD_AFTER": (whole(), "own"), "COLLECTIVE_TIMEOUT": (whole(1),), "HSDP": (boolean,),
+    "NNODES": (whole(1),), "NODE_RANK": (whole(), "own"), "MASTER_ADDR": (anything, "own"),
+    "MASTER_PORT": (whole(),),
+    "JOIN_TIMEOUT": (whole(), "own"), "DEAD_AFTER": (whole(), "own"), "COLLECTIVE_TIMEOUT": (whole(1), "own"),
+    "HSDP": (boolean,),
     # tracking
     "REPORT_TO": (anything, "own"), "TRACKER_GROUP": (anything, "own"),     # node 0 reports
 }
@@ -180,6 +183,8 @@ def refuse(line):
 
 
 def settings_command():
+    if "UPDATES" in os.environ:         # the knob's old name: ignored, it would leave the preset's μ unsaid
+        refuse(f"UPDATES={os.environ['UPDATES']}: the knob is UPDATES_PER_STAGE now")
     knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
     k, problem = resolve(knobs)
     if problem:
@@ -246,8 +251,14 @@ def build_command():
 
 
 def prepare_command():
-    """Once node 0 has built or fetched the model and data (every node: after nodes.py ready)."""
-    env = os.environ
+    """Once node 0 has built or fetched the model and data (every node: after nodes.py ready). The libraries' output
+    goes to stderr: stdout is the assignments run_stages.sh evals."""
+    with contextlib.redirect_stdout(sys.stderr):
+        values = prepared(os.environ)
+    print(assignments(values))
+
+
+def prepared(env):
     model = env["MODEL"]
     if env["MODEL_IS_DIR"] == "0":      # a hub name (node 0's word on several nodes: nodes.py ready)
         model = common.local_dir(model)     # downloaded once (on each node); every phase reads the local copy
@@ -263,7 +274,7 @@ def prepare_command():
         share = str(handoff.check_engine_share(model, env["TRAIN_RANKS"], share, env["KL_COEF"]))
     elif share == "auto":
         share = "0.1"            # a CPU engine's own (engine.make_llm): there the share is unused
-    print(assignments({"MODEL": model, "RESIDENT_GPU_MEMORY": share}))
+    return {"MODEL": model, "RESIDENT_GPU_MEMORY": share}
 
 
 def plan_command(s):
@@ -309,7 +320,7 @@ def collective_command():
              "nodes.py", "--command=collective", f"--nnodes={env['NNODES']}", f"--node_rank={env['NODE_RANK']}",
              f"--coordinator={coordinator}", f"--collective_timeout_s={timeout_s}"],
             stdout=log, stderr=subprocess.STDOUT).returncode
-    text = log_path.read_text()
+    text = log_path.read_text(errors="replace")
     if status != 0:
         line = next((x for x in text.splitlines() if "process group across" in x), None) or (
             f"node {env['NODE_RANK']}: the trainers' ranks did not all reach each other within {timeout_s} s "
@@ -317,8 +328,9 @@ def collective_command():
             f"wrong interface (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")
         print(f"{line} (whole output: {log_path})", file=sys.stderr)
         sys.exit(1)
-    if env["NODE_RANK"] == "0":
-        print(*(x for x in text.splitlines() if "reached each other" in x), sep="\n")
+    for line in text.splitlines():
+        if "reached each other" in line and env["NODE_RANK"] == "0":
+            print(line)
 
 
 # ----------------------------------------------------------------------------- the terminal
@@ -345,12 +357,12 @@ def resident_command(argv):
     print(f"[resident] the engine process ({os.environ['ENGINES']} engine(s)) and the trainer "
           f"({os.environ['TRAIN_RANKS']} rank(s)) for every stage: {run_dir}/logs/engine.log, trainer.log", flush=True)
     t0 = time.time()
-    failed, codes = processes.run_together(
-        commands, {role: Path(logs) / f"{role}.log" for role in commands}, grace_s=STOP_GRACE_S,
-        view=lambda stream: common.terminal_view(stream, sys.stdout.buffer))
-    # the handed-over policies (up to two, 15 GB each at 7B, in /dev/shm) are not kept: a resumed trainer hands its
-    # policy over again from the run directory or its train state
-    handoff.clear_policies(run_dir)
+    try:
+        failed, codes = processes.run_together(
+            commands, {role: Path(logs) / f"{role}.log" for role in commands}, grace_s=STOP_GRACE_S,
+            view=lambda stream: common.terminal_view(stream, sys.stdout.buffer))
+    finally:    # a Ctrl-C too: the handed-over policies (up to two, 15 GB each at 7B, in /dev/shm) are not kept, a
+        handoff.clear_policies(run_dir)     # resumed trainer hands its policy over again from its files
     if failed:
         print(f"[resident] failed (the {failed} exited with {codes[failed]}); see {run_dir}/logs/engine.log "
               f"and trainer.log; rerun to resume", file=sys.stderr)

@@ -238,7 +238,8 @@ else
     if (( s > 0 && NODE_RANK == 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes
       rm -rf "$RUN/stage_$((s - 1))/train_state"                  # per parameter; stage s carries it on
     fi
-    NEXT=$(share "planned/$((s + 1))" "$( (( NODE_RANK > 0 )) || $PY launch.py --command=plan --stage=$((s + 1)))")
+    NEXT=$( (( NODE_RANK > 0 )) || $PY launch.py --command=plan --stage=$((s + 1)) )   # a failure stops the run here
+    NEXT=$(share "planned/$((s + 1))" "$NEXT")
     if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || NEXT == 0) )); then
       phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
     fi

@@ -53,12 +53,14 @@ def test_settings_are_every_knob_but_a_nodes_own():
     settings = dict(line.split("=", 1) for line in launch.derived(k)["SETTINGS"].splitlines())
     assert settings["UPDATES_PER_STAGE"] == "8" and settings["TOTAL_UPDATES"] == "24"
     assert set(settings) == {n for n, (_, *own) in launch.SETTINGS.items() if not own}
-    assert "NODE_RANK" not in settings and "REPORT_TO" not in settings
+    assert "NODE_RANK" not in settings and "REPORT_TO" not in settings and "MASTER_ADDR" not in settings
 
 
 @pytest.mark.parametrize("settings,message", [
     ({"STAGES": "abc"}, "STAGES must be a whole number, got 'abc'"),
     ({"STAGES": "0"}, "STAGES must be at least 1, got '0'"),
+    ({"PROMPTS_PER_UPDATE": "016"}, "PROMPTS_PER_UPDATE must be a whole number, got '016'"),   # bash: octal 14
+    ({"LR": "1e-4\n"}, "LR must be a non-negative number"),
     ({"LR": "1e-x"}, "LR must be a non-negative number, got '1e-x'"),
     ({"GROUP_SIZE": "1"}, "GROUP_SIZE must be at least 2, got '1'"),
     ({"GRAD_CKPT": "yes"}, "GRAD_CKPT must be true or false, got 'yes'"),
@@ -99,6 +101,8 @@ def test_the_settings_command_prints_shell_assignments_and_refuses_with_status_2
     assert (total, run) == ("16", "runs/toy-mu-grpo") and "UPDATES_PER_STAGE=8\n" in settings       # 2 · 8
     bad = run_launch("--command=settings", env={**TOY, "LR": "fast"})
     assert bad.returncode == 2 and bad.stderr.strip() == "LR must be a non-negative number, got 'fast'"
+    old = run_launch("--command=settings", env={**TOY, "UPDATES": "64"})     # the knob's old name is not ignored
+    assert old.returncode == 2 and old.stderr.strip() == "UPDATES=64: the knob is UPDATES_PER_STAGE now"
 
 
 def test_the_plan_command_is_the_stage_plan(tmp_path):

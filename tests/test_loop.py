@@ -484,8 +484,6 @@ def lockless_flock(tmp_path):
     return f"{bin_dir}:{os.environ['PATH']}"
 
 
-
-
 @pytest.mark.slow
 @needs_vllm
 def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation_in_resident_mode(toy, tmp_path):
