@@ -101,8 +101,7 @@ set +a
 export -n MASTER_ADDR MASTER_PORT    # this script's own: torchrun sets its ranks' from its flags
 TEMPLATE_ARG=(); [[ "$TEMPLATE" == plain ]] && TEMPLATE_ARG=("--prompt_template={problem}")  # plain: the problem alone
 mkdir -p "$LOGS" "$RUN/.done"
-exec 9>"$LOCK"         # one run_stages.sh per run directory (and node): a second one would race on the same files
-$PY launch.py --command=lock || exit 1     # held on this script's descriptor 9 until it ends
+exec 9>"$LOCK"; $PY launch.py --command=lock || exit 1  # one run_stages.sh per RUN (and node), held on fd 9 till it ends
 # several nodes: each node's watch (node 0's serves the store) beats every second and stops this script within seconds
 # once another node fails or stops answering (nodes.py); a successful end tells it so (SIGUSR1)
 NODE_ARGS=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --coordinator="$MASTER_ADDR:$MASTER_PORT")
