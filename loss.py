@@ -301,11 +301,7 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
     log_ratio = log_ratio * maskf                                       # padding: ρ = 1
     ratio = torch.exp(log_ratio)                                        # [B, T]
 
-    # clipped surrogate, as a per-token loss −surr_t
-    clipped = torch.clamp(ratio, clip_low, clip_high)
-    token_loss = torch.maximum(-ratio * adv, -clipped * adv)            # [B, T]
-    if dual_clip is not None:
-        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -dual_clip * adv), token_loss)
+    token_loss = clipped_surrogate_loss(ratio, adv, clip_low, clip_high, dual_clip)     # −surr_t [B, T]
     if tis_cap is not None:
         tis = torch.clamp(torch.exp(old_logprobs.float() - behavior_logprobs.float()), max=tis_cap)
         token_loss = token_loss * tis.detach()
@@ -328,6 +324,16 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
                    nav_keep, m2po_keep, clip_low, clip_high, dual_clip, nav_delta, m2po_tau, kl, kl_coef,
                    logprobs.detach().float() - behavior_logprobs.float())
     return loss, stats
+
+
+def clipped_surrogate_loss(ratio, adv, clip_low, clip_high, dual_clip=None):
+    """The clipped surrogate as a per-token loss: −min(ρ_t·A, clip(ρ_t, lo, hi)·A) [B, T], for A < 0 capped at −c·A
+    when dual_clip = c. ratio [B, T], adv [B, 1]."""
+    clipped = torch.clamp(ratio, clip_low, clip_high)
+    token_loss = torch.maximum(-ratio * adv, -clipped * adv)
+    if dual_clip is not None:
+        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -dual_clip * adv), token_loss)
+    return token_loss
 
 
 def aggregate(kept_loss, norm, agg="token-mean", num_tokens=None, num_seqs=None, norm_len=None):
