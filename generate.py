@@ -83,6 +83,8 @@ worker_rank = -1                # internal: set for the per-GPU engine subproces
 
 # resident mode (run_stages.sh RESIDENT=true) and its evaluations
 resident = False                # keep the engines for the stages from --stage on (policies from optimize.py --resident)
+policy_handoff = "transfer"     # resident: how each policy arrives: transfer (vLLM's weight-transfer API, transfer.py)
+                                # | files (a policy directory, loaded with reload_weights); optimize.py's the same
 eval_every = 0                  # resident: evaluate the policy trained on every N-th stage and on the last (0: never;
                                 # the initial policy too, as stage −1, unless results has it)
 eval_benchmarks = "test"        # resident evaluation: evaluate.py's --benchmarks, --data_dir, --k, --temperature,
@@ -107,6 +109,8 @@ if top_p < 1.0 or top_k > 0:
     sys.exit(f"--top_p={top_p} --top_k={top_k}: truncated sampling is refused for training rollouts. vLLM's "
              f"log-probs are then renormalized over the kept tokens while optimize.py's full softmax is not, so "
              f"the ratios would start away from 1 (evaluate.py may truncate freely); use top_p=1, top_k=0")
+if policy_handoff not in ("transfer", "files"):
+    sys.exit(f"--policy_handoff={policy_handoff!r}: transfer or files")
 if resident and nnodes > 1:
     sys.exit("--resident=true runs on one node (its hand-off goes through one machine's /dev/shm); on several nodes "
              "run the process-per-phase loop (run_stages.sh RESIDENT=false)")
@@ -303,7 +307,8 @@ def start_engine(path, s):
     reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
     llm = engine.make_llm(path, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
-                          sleep_mode=resident, run_dir=run_dir)      # one compile cache for the run's engines
+                          sleep_mode=resident, run_dir=run_dir,      # one compile cache for the run's engines
+                          transfer_engine=engine_index() if resident and policy_handoff == "transfer" else None)
     print(engine.verify_weights(llm, path, f"engine {engine_index()}, stage {s}"), flush=True)
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, logprobs=0, flat_logprobs=True,
                                                              detokenize=False), use_tqdm=False)
@@ -550,22 +555,52 @@ def resident_engine(problems, procs=()):
     t_start = time.time()
     flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
             "run_updates": common.policy_record(policy).get("run_updates", 0), "next_stage_prompts": prompts_per_stage}
-    if first > stage:
+    # a resumed run's engine starts on the last policy handed over; with the transfer it starts on the initial one,
+    # since the policy it waits for may come over the API, which needs the engine up
+    if first > stage and policy_handoff == "files":
         flag, _ = partner.wait_for_policy(first - 1)
     llm = start_engine(flag["path"], first) if has_engine else None
+    where = lambda s: f"engine {engine_index()}, stage {s}"  # noqa: E731
+    server = None
+    if has_engine and policy_handoff == "transfer":
+        import transfer
+        server = transfer.EngineServer(run_dir, engine_index(), llm, where(first), check=partner.check_partner)
     started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
     if writes_run_files:
         partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
+    try:
+        resident_stages(problems, procs, partner, llm, server, first, flag, started, ev, eval_parts, watch_workers,
+                        where)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def resident_stages(problems, procs, partner, llm, server, first, flag, started, ev, eval_parts, watch_workers, where):
+    """resident_engine's stages, from `first` until a policy says the run is over."""
+    rank, writes_run_files, has_engine = max(worker_rank, 0), not is_engine_worker, not procs
     for s in itertools.count(first):
         row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
         mine = {"phase": "engine", "name": f"engine_{rank}_{s}", "stage": s, "engine": rank, "reload_seconds": 0.0,
-                "start_seconds": started if s == first else 0.0}
-        if s > first:
-            flag, row["wait_seconds"] = partner.wait_for_policy(s - 1)
+                "start_seconds": started if s == first else 0.0, "handoff": policy_handoff}
+        handed = s > first or (first > stage and policy_handoff == "transfer")     # a policy arrives before this stage
+        if handed:
+            if server is not None:
+                server.where = where(s)
+            if server is None:
+                flag, row["wait_seconds"] = partner.wait_for_policy(s - 1)
+            else:                 # its checks every 50 ms, the trainer's calls answered as they come in between
+                row["wait_seconds"], flag = partner.wait(lambda: partner.trained(s - 1),
+                                                         watch=lambda: server.poll(timeout_s=0.05), poll_s=0.0)
         row["start"] = mine["start"] = time.time()
-        if s > first and has_engine:
-            mine["reload_seconds"] = engine.load_policy(llm, flag["path"])
-            print(engine.verify_weights(llm, flag["path"], f"engine {engine_index()}, stage {s}"), flush=True)
+        if handed and has_engine:
+            if flag["path"]:      # a policy directory: HANDOFF=files, or the saved policy a resumed trainer starts from
+                mine["reload_seconds"] = engine.load_policy(llm, flag["path"])
+            else:                 # it came over the weight-transfer API while this engine waited
+                server.wake_kv_cache()
+                mine["reload_seconds"], mine["handoff_bytes"] = server.seconds, server.received
+            print(engine.verify_weights(llm, flag["policy"] if not flag["path"] else flag["path"], where(s),
+                                        record=flag.get("engine_weights")), flush=True)
         t, prompts = s - 1, flag["next_stage_prompts"]
         if eval_due(t, last=prompts == 0) and not (writes_run_files and benchmarks.evaluated(results, t, ev)):
             t0 = time.time()

@@ -22,6 +22,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,8 +42,13 @@ def shm_root():
     return Path(os.environ.get("MU_GRPO_SHM", "/dev/shm"))
 
 
+def run_key(run_dir):
+    """12 hex digits naming the run directory where its own path cannot go (/dev/shm, sockets)."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+
+
 def _shm_dir(run_dir):
-    return shm_root() / f"mu-grpo-{hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]}"
+    return shm_root() / f"mu-grpo-{run_key(run_dir)}"
 
 
 def fast_dir(run_dir, policy_bytes):
@@ -66,11 +72,31 @@ def policy_locations(run_dir):
     return [_shm_dir(run_dir), state_dir(run_dir) / "policies"]
 
 
+def transfer_buffer(run_dir, rank):
+    """Trainer rank `rank`'s buffer of the weight transfer on a CPU machine (transfer.py): a file in /dev/shm (or
+    MU_GRPO_SHM), named after the run directory."""
+    return shm_root() / f"{_shm_dir(run_dir).name}-transfer-rank{rank}"
+
+
+def transfer_socket(run_dir, engine):
+    """Engine `engine`'s control socket of the weight transfer (transfer.py): in a directory of this user's only (mode
+    0700) under the temporary directory, named after the run (a Unix socket's path must stay under 108 bytes, which a
+    run directory's may not)."""
+    return Path(tempfile.gettempdir()) / f"mu-grpo-transfer-{os.getuid()}-{run_key(run_dir)}" / f"engine_{engine}.sock"
+
+
 def clear_policies(run_dir):
-    """Delete the handed-over policies wherever they went (a finished or failed run: the run directory keeps the
-    saved ones, and a resume hands the last one over again)."""
+    """Delete the handed-over policies wherever they went, and the transfer's buffers (a finished or failed run: the
+    run directory keeps the saved ones, and a resume hands the last one over again)."""
     for d in policy_locations(run_dir):
         shutil.rmtree(d, ignore_errors=True)
+    for f in transfer_buffers(run_dir):
+        f.unlink(missing_ok=True)
+
+
+def transfer_buffers(run_dir):
+    """The transfer buffers of the run that exist."""
+    return sorted(shm_root().glob(f"{_shm_dir(run_dir).name}-transfer-rank*"))
 
 
 def reset(run_dir):
@@ -190,13 +216,15 @@ class Partner:
 
     # the trainer → the engine
 
-    def publish_policy(self, stage, path, label, fingerprint, run_updates, next_stage_prompts):
-        """The policy trained on `stage` is at `path` (complete); `label` is its run-directory name, run_updates the
-        run's updates it was trained for (its policy_id.json record), next_stage_prompts the prompts of the stage it
-        generates, as the trainer planned it (0: it is the run's last policy)."""
-        self._write(f"trained_{stage}.json", {"stage": stage, "path": str(path), "policy": str(label),
-                                              "fingerprint": fingerprint, "run_updates": run_updates,
-                                              "next_stage_prompts": next_stage_prompts})
+    def publish_policy(self, stage, path, label, fingerprint, run_updates, next_stage_prompts, engine_weights=None):
+        """The policy trained on `stage` is at `path` (complete), or (path None) is in the engines already, handed over
+        through vLLM's weight-transfer API (transfer.py) with `engine_weights` the hashes they must hold; `label` is
+        its run-directory name, run_updates the run's updates it was trained for (its policy_id.json record),
+        next_stage_prompts the prompts of the stage it generates, as the trainer planned it (0: the run's last)."""
+        self._write(f"trained_{stage}.json", {"stage": stage, "path": str(path) if path else None,
+                                              "policy": str(label), "fingerprint": fingerprint,
+                                              "run_updates": run_updates, "next_stage_prompts": next_stage_prompts,
+                                              **({"engine_weights": engine_weights} if engine_weights else {})})
 
     def trained(self, stage):
         """The flag of the policy trained on `stage`, or None."""

@@ -12,6 +12,8 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
                                           TRAIN_DATA read, the resident engines' GPU share checked
     python launch.py --command=collective   several nodes, right after the join: the trainers' ranks reach each other
     python launch.py --command=preflight  preflight.py at the run's settings
+    python launch.py --command=handoff    resident: the hand-off the run uses (HANDOFF, or files after the preflight's
+                                          fallback)
     python launch.py --command=plan --stage=S   μ of stage S (rollouts.StagePlan), 0 once the run is over
     python launch.py --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
                                           supervised: a failed one stops the other; timed into timeline.jsonl
@@ -20,6 +22,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
 Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
 """
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -104,7 +107,8 @@ SETTINGS = {
     "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,),
     # the box
     "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
-    "RESIDENT_GPU_MEMORY": (share_or_auto,), "PREFLIGHT": (one_of("auto", "0", "1", "force"),),
+    "RESIDENT_GPU_MEMORY": (share_or_auto,), "HANDOFF": (one_of("transfer", "files"),),
+    "PREFLIGHT": (one_of("auto", "0", "1", "force"),),
     "PREFLIGHT_ARGS": (anything, "own"), "PREFLIGHT_ONLY": (boolean,),
     # several nodes
     "NNODES": (whole(1),), "NODE_RANK": (whole(), "own"), "MASTER_ADDR": (anything, "own"),
@@ -150,6 +154,9 @@ def resolve(knobs):
     if k["RESIDENT"] == "true" and k["RESET_OPTIMIZER"] == "true":
         return k, ("RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase "
                    "loop")
+    if k["RESIDENT"] == "true" and k["HANDOFF"] == "transfer" and gpus and int(k["ENGINES"]) > int(k["TRAIN_RANKS"]):
+        return k, (f"HANDOFF=transfer shares each engine's weights with the trainer rank on its GPU (CUDA IPC): "
+                   f"ENGINES={k['ENGINES']} needs TRAIN_RANKS of at least that, got {k['TRAIN_RANKS']}; or HANDOFF=files")
     if k["PREFLIGHT"] == "auto":
         k["PREFLIGHT"] = "1" if k["PRESET"] == "paper" else "0"
     return k, None
@@ -297,8 +304,22 @@ def preflight_command():
         f"--resident_gpu_memory={e['RESIDENT_GPU_MEMORY']}", f"--updates_per_stage={e['UPDATES_PER_STAGE']}",
         f"--stage_end={e['STAGE_END']}", f"--total_updates={e['TOTAL_UPDATES']}",
         f"--drift_max_updates={e['DRIFT_MAX_UPDATES']}", f"--save_every={e['SAVE_EVERY']}",
-        f"--keep_train_states={e['KEEP_TRAIN_STATES']}", *drift_min, *template_args(e["TEMPLATE"]),
+        f"--keep_train_states={e['KEEP_TRAIN_STATES']}", f"--policy_handoff={e['HANDOFF']}", *drift_min,
+        *template_args(e["TEMPLATE"]),
         *e["PREFLIGHT_ARGS"].split()]).returncode or None)
+
+
+def handoff_command():
+    """The hand-off a resident run uses (printed): HANDOFF, or files when the run's preflight found the weight transfer
+    failing on this box and fell back (preflight.json, figures.policy_handoff), which one line on stderr says."""
+    e = os.environ
+    report = Path(e["RUN"]) / "preflight.json"
+    fell_back = e["HANDOFF"] == "transfer" and report.exists() and \
+        json.loads(report.read_text()).get("figures", {}).get("policy_handoff") == "files"
+    if fell_back:
+        print(f"HANDOFF=transfer: the preflight found the weight transfer failing on this box ({report}); the policies "
+              f"are handed over as files", file=sys.stderr)
+    print("files" if fell_back else e["HANDOFF"])
 
 
 def template_args(template):
@@ -381,7 +402,8 @@ if __name__ == "__main__":
     rest = argv[n_own:]
     commands = {"lock": lock_command, "preset": preset_command, "settings": settings_command, "build": build_command,
                 "prepare": prepare_command,
-                "collective": collective_command, "preflight": preflight_command, "plan": lambda: plan_command(stage),
+                "collective": collective_command, "preflight": preflight_command, "handoff": handoff_command,
+                "plan": lambda: plan_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command}
     common.check_choice("command", command, tuple(commands))
     commands[command]()

@@ -418,45 +418,69 @@ def engine_weight_hashes(path):
     return hashes
 
 
-def full_state(model, dtype):
-    """({name: full tensor in dtype, on CPU}, WeightsHash of them, {name: common.tensor_hash of it as the engines
-    hold it}) on rank 0, (None, None, None) elsewhere: one parameter gathered at a time, checked for non-finite
-    values and hashed for the engines on its device as it is gathered (one sync at the end, not a pass over the CPU
-    copies), hashed while the next is gathered; LoRA adapters merged into their base weights without touching the
-    model. The engines' hashes are of the saved dtype cast to common.engine_dtype(), as vLLM casts a checkpoint's
-    tensors into its parameters (exact from bf16 to fp32; fp32 to bf16 rounds as vLLM's copy_ does)."""
-    rank, _, _ = placement()
-    lora = hasattr(model, "get_base_model")
+def _tied_head(base):
+    """The output head's state-dict name when it is tied to the embeddings (saved once, as the source checkpoint
+    did: gathered per rank, the tie would be two copies), else None."""
+    if not getattr(base.config, "tie_word_embeddings", False):
+        return None
+    head = base.get_output_embeddings()
+    return next(f"{n}.weight" for n, m in base.named_modules() if m is head)
+
+
+def policy_shapes(model):
+    """(checkpoint name, full shape) of every tensor policy_tensors yields, in its order, without gathering."""
     base = _base(model)
-    held = getattr(torch, common.engine_dtype())
-    state, finite, weights, engine_hashes = {}, {}, WeightsHash() if rank == 0 else None, {}
+    head = _tied_head(base)
+    for name, t in base.state_dict().items():
+        name = name.replace(".base_layer.", ".")
+        if "lora_" not in name and name != head:
+            yield name, tuple(t.shape)
+
+
+def policy_tensors(model, dtype):
+    """(checkpoint name, full tensor in `dtype`, on the trainer's device) of every tensor of the policy as vLLM loads
+    it, one at a time and on every rank (a sharded parameter's full_tensor() is a collective: every rank iterates, in
+    the same order): LoRA adapters merged into their base weights without touching the model, a tied output head
+    left out. What model.save_policy writes and transfer.PolicySource hands to the engines."""
+    base = _base(model)
+    head = _tied_head(base)
+    adapters = {}
+    if hasattr(model, "get_base_model"):
+        from peft.tuners.lora import LoraLayer
+        adapters = {f"{n}.weight": m for n, m in base.named_modules() if isinstance(m, LoraLayer) and "default" in m.lora_A}
     for name, t in base.state_dict().items():
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        if rank == 0 and "lora_" not in name:
-            name = name.replace(".base_layer.", ".")
-            finite[name] = torch.isfinite(full).all()
-            saved = full.detach().to(dtype)
-            if not lora:
-                engine_hashes[name] = common.tensor_hash(saved.to(held))
+        name = name.replace(".base_layer.", ".")
+        if "lora_" in name or name == head:
+            continue
+        saved = full.detach().to(dtype)
+        if name in adapters:
+            delta = adapters[name].get_delta_weight("default").detach()
+            saved = (saved.float() + delta.float().to(saved.device)).to(dtype)
+        yield name, saved
+
+
+def full_state(model, dtype):
+    """({name: full tensor in dtype, on CPU}, WeightsHash of them, {name: common.tensor_hash of it as the engines
+    hold it}) on rank 0, (None, None, None) elsewhere: policy_tensors one at a time, checked for non-finite values and
+    hashed for the engines on their device as they are gathered (one sync at the end, not a pass over the CPU
+    copies), hashed while the next is gathered. The engines' hashes are of the saved dtype cast to
+    common.engine_dtype(), as vLLM casts a checkpoint's tensors into its parameters (exact from bf16 to fp32; fp32 to
+    bf16 rounds as vLLM's copy_ does)."""
+    rank, _, _ = placement()
+    held = getattr(torch, common.engine_dtype())
+    state, finite, weights, engine_hashes = {}, {}, WeightsHash() if rank == 0 else None, {}
+    for name, saved in policy_tensors(model, dtype):
+        if rank == 0:
+            finite[name] = torch.isfinite(saved).all()
+            engine_hashes[name] = common.tensor_hash(saved.to(held))
             state[name] = saved.cpu()
-            if not lora:
-                weights.add(name, state[name])
-    if lora:
-        from peft.tuners.lora import LoraLayer
-        for name, module in base.named_modules():
-            if isinstance(module, LoraLayer) and "default" in module.lora_A:
-                key = f"{name}.weight"
-                delta = module.get_delta_weight("default").detach()
-                finite[key] = finite[key] & torch.isfinite(delta).all()
-                state[key] = (state[key].float() + delta.float().cpu()).to(dtype)
+            weights.add(name, state[name])
     if rank != 0:
         return None, None, None
     bad = [k for k, ok in zip(finite, torch.stack(list(finite.values())).tolist()) if not ok]
     if bad:
         raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
-    for name, tensor in state.items() if lora else ():      # merged weights: hashed once merged
-        weights.add(name, tensor)
-        engine_hashes[name] = common.tensor_hash(tensor.to(held))
     return state, weights, engine_hashes
 
 
@@ -469,11 +493,6 @@ def save_policy(model, source_dir, dtype, directory, identity):
     state, weights, engine_hashes = full_state(model, dtype)
     if rank == 0:
         base = _base(model)
-        if getattr(base.config, "tie_word_embeddings", False):  # gathered per rank, the tie is two copies here:
-            head = base.get_output_embeddings()                  # save it once, as the source checkpoint did
-            head_name = next(f"{n}.weight" for n, m in base.named_modules() if m is head)
-            state.pop(head_name, None)
-            engine_hashes.pop(head_name, None)
         fingerprint = weights.hexdigest(list(state))   # before save_pretrained, which may pop the entries of the
         # dict it is given (transformers/modeling_utils.py:3517)
         tmp = directory.with_name(directory.name + ".tmp")

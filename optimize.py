@@ -16,6 +16,7 @@ continues (--init_state): a run's stages are one optimization whose rollouts are
 caches of the stage (rollout columns, per-stage log-prob passes) go into the stage directory.
 """
 import dataclasses
+import gc
 import math
 import os
 import shutil
@@ -123,11 +124,16 @@ total_updates = 0               # resident, stage_end=drift: the run's updates (
 drift_growth = 1.25             # planned as run_stages.sh plans them (rollouts.StagePlan with its DRIFT_GROWTH
 drift_max_updates = 0           # and DRIFT_MAX_UPDATES; 0: 4 × updates_per_stage)
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
-                                # last (0: the last only); the engine gets every policy through the fast hand-off dir
+                                # last (0: the last only); the engines get every policy by policy_handoff
+policy_handoff = "transfer"     # resident: transfer (vLLM's weight-transfer API: CUDA IPC on GPUs, shared memory on
+                                # CPUs; transfer.py) | files (a policy directory in the fast hand-off dir per stage)
+engines = 1                     # resident, transfer: the engine processes (generate.py's) the policies go to
+handoff_buffer_mb = 0           # resident, transfer: each rank's hand-off buffer, MiB (0: 1 GiB or the largest tensor)
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
 common.check_choice("stage_end", stage_end, ("fixed", "drift"))
+common.check_choice("policy_handoff", policy_handoff, ("transfer", "files"))
 # μ of each stage (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
 stage_plan = rollouts.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
                                 total_updates=total_updates, drift_growth=drift_growth,
@@ -181,7 +187,8 @@ class Progress:
     before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (model.py's records)
     start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
     save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
-    policy_dirs: tuple = ()     # where the final policy goes (default: out_dir)
+    policy_dirs: tuple = None   # where the final policy goes (None: out_dir; (): nowhere, a resident transfer's stage
+                                # without a save due)
     after: dict = None          # the counts this stage ends at, set by train_stage (a resident run's next `before`)
 
     def counts(self, done):
@@ -363,8 +370,10 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     record_stage_end(stage, schedule, done, neg_ratios, progress)
     if progress.save_state:
         save_state(done, final=True)
-    first, *copies = progress.policy_dirs or (progress.out_dir,)
-    save_policy(first, done)
+    dirs = progress.policy_dirs if progress.policy_dirs is not None else (progress.out_dir,)
+    first, *copies = dirs or (None,)
+    if first is not None:
+        save_policy(first, done)
     if is_main:
         for directory in copies:                 # the same files: copied, not gathered again
             common.atomic_copytree(first, directory)
@@ -558,7 +567,7 @@ def main():
 
 @dataclasses.dataclass
 class Resident:
-    """What the resident trainer keeps for the whole run: the policy and AdamW, KL's reference model, and where the
+    """What the resident trainer keeps for the whole run: the policy and AdamW, KL's reference model, and how the
     policies are handed over."""
     model: object
     optimizer: object
@@ -566,7 +575,8 @@ class Resident:
     attention: str
     reference: str
     ref_model: object
-    fast: Path = None
+    fast: Path = None           # policy_handoff=files: the directory the policies are written to for the engines
+    sender: object = None       # policy_handoff=transfer: this rank's transfer.Sender
 
     @property
     def dtype(self):
@@ -586,6 +596,11 @@ def resident_main():
     partner = handoff.Partner(run_dir, "trainer")
     if is_main:
         partner.announce()
+    sender = None
+    if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
+        import transfer
+        sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
+                                 buffer_bytes=handoff_buffer_mb * 2**20)
     last, meta = M.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
@@ -598,7 +613,7 @@ def resident_main():
         partner.wait_for_rollouts(first)
     t_start = time.time()
     start_policy = common.local_dir(policy)
-    trainer = build_resident(start_policy, weights=meta is None)
+    trainer = build_resident(start_policy, weights=meta is None, sender=sender)
     start, before, start_weights, said = M.restore(
         trainer.model, trainer.optimizer, run_stage_dir(last) / rollouts.TRAIN_STATE if meta else None,
         resume=meta is not None and not meta["complete"], start_weights=common.policy_fingerprint(start_policy),
@@ -615,6 +630,17 @@ def resident_main():
         publish(partner, last, run_stage_dir(last) / rollouts.POLICY)
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
+    try:
+        resident_stages(partner, trainer, first, start, before, start_weights)
+    finally:
+        if trainer.sender is not None:
+            trainer.sender.close()
+    del trainer
+    M.end_process_group()
+
+
+def resident_stages(partner, trainer, first, start, before, start_weights):
+    """The resident trainer's stages from `first` until the plan ends the run."""
     s = first
     while updates_per_stage := stage_plan.updates_per_stage_at(run_dir, s):
         # saved into the run directory: every save_every-th stage, and any stage that may be the last (one that reaches
@@ -624,27 +650,33 @@ def resident_main():
         progress = Progress(out_dir=run_stage_dir(s) / rollouts.POLICY, updates_per_stage=updates_per_stage,
                             start=start if s == first else 0, before=before,
                             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
-                            policy_dirs=(trainer.fast / f"policy_{s}", *([run_stage_dir(s) / rollouts.POLICY] if due else [])))
+                            policy_dirs=(*([trainer.fast / f"policy_{s}"] if trainer.fast else []),
+                                         *([run_stage_dir(s) / rollouts.POLICY] if due else [])))
         resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
         s += 1
-    del trainer
-    M.end_process_group()
 
 
-def build_resident(start_policy, weights):
+def build_resident(start_policy, weights, sender):
     """The resident trainer's model and AdamW (empty when a train state will fill them), KL's reference model, and
-    the hand-off directory: chosen on rank 0 (it sees the same /dev/shm as the engines) and broadcast, since a rank
-    that chose otherwise would save alone into a collective; the choice is logged."""
+    the hand-off: `sender` (transfer.Sender), or the directory policies are written to (files; chosen on rank 0, which
+    sees the same /dev/shm as the engines, and broadcast, since a rank that chose otherwise would save alone into a
+    collective). The choice is logged."""
     attention = M.choose_attention(attn_implementation, device)
     reference = kl_reference(start_policy)
     torch.manual_seed(seed)
     ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks()) if reference else None
     model, optimizer = build_trainer(start_policy, attention, weights=weights)
-    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model)
-    policy_bytes = M.parameter_count(start_policy) * trainer.dtype.itemsize
-    trainer.fast, why = M.broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
-    log(f"policies are handed over through {trainer.fast}: {why}")
+    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model, sender=sender)
+    if sender is not None:
+        log(f"policies are handed over through vLLM's weight-transfer API ({sender.backend}, {engines} engine(s))")
+    else:
+        policy_bytes = M.parameter_count(start_policy) * trainer.dtype.itemsize
+        trainer.fast, why = M.broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
+        log(f"policies are handed over through {trainer.fast}: {why}")
+    gc.freeze()       # what lives for the run (the model, the libraries' modules: vLLM's with the transfer) is out of
+    # every later gc.collect (model.release_memory's, every stage): on a CPU a collect takes 0.1 s with torch and
+    # transformers imported, 0.3 s with vLLM too, a few ms once they are frozen
     return trainer
 
 
@@ -663,7 +695,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     saves = progress.save_state or check_all
     check_disk(stage, trainer.start_policy, progress, passes=(trainer.ref_model is not None) + (tis_cap is not None),
                saves_state=saves, saves_policy=saves)
-    if is_main:                            # two policies coexist in the hand-off directory: s − 1 and this one
+    if is_main and trainer.fast:           # two policies coexist in the hand-off directory: s − 1 and this one
         shutil.rmtree(trainer.fast / f"policy_{s - 2}", ignore_errors=True)
     columns, timing = {}, {}
     if trainer.ref_model is not None:
@@ -674,7 +706,18 @@ def resident_stage(partner, trainer, s, progress, check_all):
                               trainer.dtype))
     # this process keeps only its resident state (fp32 weights, AdamW), not the gradients (4 bytes per parameter)
     timing["gradient_bytes_kept"] = M.release_gradients(trainer.optimizer)
-    publish(partner, s, trainer.fast / f"policy_{s}")
+    if trainer.sender is None:
+        publish(partner, s, trainer.fast / f"policy_{s}")
+    else:
+        record, fingerprint, timing["handoff_seconds"], sent = trainer.sender.send(trainer.model, trainer.dtype)
+        if torch.cuda.is_available():       # the gathers' and the buffer's cached blocks (freed as the send ended),
+            torch.cuda.empty_cache()        # before the engines wake their KV cache
+        M.barrier()
+        if is_main:
+            partner.publish_policy(s, None, run_stage_dir(s) / rollouts.POLICY, fingerprint,
+                                   run_updates=progress.after["run_updates"], next_stage_prompts=next_stage_prompts(s),
+                                   engine_weights=record)
+            timing["handoff_gb_per_s"] = sent / 1e9 / timing["handoff_seconds"]
     if is_main and progress.save_state and release_init_state:    # the newest train state replaces the older ones
         for older in range(s):
             shutil.rmtree(run_stage_dir(older) / rollouts.TRAIN_STATE, ignore_errors=True)
@@ -682,7 +725,8 @@ def resident_stage(partner, trainer, s, progress, check_all):
     if is_main:
         partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
                           "wait_seconds": waited, "gradient_bytes_kept": timing["gradient_bytes_kept"],
-                          **{k: v for k, v in timing.items() if k.endswith("seconds")}})
+                          "handoff": policy_handoff,
+                          **{k: v for k, v in timing.items() if k.endswith(("seconds", "per_s"))}})
 
 
 def publish(partner, s, directory):
@@ -691,8 +735,12 @@ def publish(partner, s, directory):
     if is_main:
         record = common.policy_record(directory)
         partner.publish_policy(s, directory, run_stage_dir(s) / rollouts.POLICY, record["fingerprint"],
-                               run_updates=record["run_updates"],
-                               next_stage_prompts=stage_plan.updates_per_stage_at(run_dir, s + 1) * prompts_per_update)
+                               run_updates=record["run_updates"], next_stage_prompts=next_stage_prompts(s))
+
+
+def next_stage_prompts(s):
+    """The prompts of the stage the policy trained on stage s generates (0: the run is over)."""
+    return stage_plan.updates_per_stage_at(run_dir, s + 1) * prompts_per_update
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_
 # ---- the box
 RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage (handoff.py):
                                 # no process start, model load and engine start per stage, for small μ
+HANDOFF=${HANDOFF:-transfer}    # resident: transfer (vLLM's weight-transfer API: CUDA IPC on GPUs, shared memory on a CPU;
+                                # transfer.py) | files (each policy written and read back as files, for a box without IPC)
 RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-auto}  # resident, GPU: each engine's share; auto: all the trainer leaves,
                                 # less 0.05 (0.78 for 7B on 4×H200, an estimate: handoff.py check_engine_share)
 PER_REQUEST_SEED=${PER_REQUEST_SEED:-true}  # true: each prompt samples from its own seed (the same response whichever
@@ -191,6 +193,7 @@ if [[ "$PREFLIGHT_ONLY" == true ]]; then
   echo "preflight only: $RUN/preflight.json"; exit 0
 fi
 
+[[ "$RESIDENT" != true ]] || HANDOFF=$($PY launch.py --command=handoff)   # files if the preflight found IPC failing
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"
@@ -217,7 +220,8 @@ if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed o
       --prompts_per_stage="$PROMPTS_PER_STAGE" --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" \
       --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" --eval_data_dir="$EVAL_DATA_DIR" --eval_k="$EVAL_K" \
       --eval_temperature="$EVAL_TEMPERATURE" --eval_top_p="$EVAL_TOP_P" --results="$RUN/results.jsonl" \
-      --run_start="$START" :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" --stages="$STAGES" \
+      --run_start="$START" --policy_handoff="$HANDOFF" :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" \
+      --stages="$STAGES" --policy_handoff="$HANDOFF" --engines="$ENGINES" \
       --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --save_every="$SAVE_EVERY" --total_updates="$TOTAL_UPDATES" \
       --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else

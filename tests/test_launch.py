@@ -22,7 +22,7 @@ TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "--clip_low=0", "RUN": "
        "PER_REQUEST_SEED": "true", "RESET_OPTIMIZER": "false", "MICRO_BATCH_TOKENS": "4096", "GRAD_CKPT": "false",
        "SHARD_PROMPTS": "64", "EVAL_K": "4", "EVAL_TEMPERATURE": "1.0", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
        "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "GPUS": "0", "RESIDENT": "false",
-       "RESIDENT_GPU_MEMORY": "auto", "PREFLIGHT": "auto", "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false",
+       "RESIDENT_GPU_MEMORY": "auto", "HANDOFF": "transfer", "PREFLIGHT": "auto", "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false",
        "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "JOIN_TIMEOUT": "600",
        "DEAD_AFTER": "10", "COLLECTIVE_TIMEOUT": "60", "HSDP": "false", "REPORT_TO": "none", "TRACKER_GROUP": ""}
 
@@ -74,6 +74,11 @@ def test_settings_are_every_knob_but_a_nodes_own():
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be in 0..1 (NNODES=2), got 2"),
     ({"NNODES": "2", "RESIDENT": "true"}, "RESIDENT=true runs on one node"),
     ({"RESIDENT": "true", "RESET_OPTIMIZER": "true"}, "RESIDENT=true keeps one AdamW for the whole run"),
+    ({"HANDOFF": "ipc"}, "HANDOFF must be transfer or files, got 'ipc'"),
+    # CUDA IPC shares a GPU's memory with the engine on that GPU: an engine without a trainer rank beside it
+    ({"GPUS": "4", "RESIDENT": "true", "ENGINES": "4", "TRAIN_RANKS": "2"},
+     "HANDOFF=transfer shares each engine's weights with the trainer rank on its GPU (CUDA IPC): ENGINES=4 needs "
+     "TRAIN_RANKS of at least that, got 2; or HANDOFF=files"),
 ])
 def test_a_bad_knob_is_named_with_what_is_allowed(settings, message):
     _, problem = launch.resolve({**TOY, **settings})
@@ -103,6 +108,20 @@ def test_the_settings_command_prints_shell_assignments_and_refuses_with_status_2
     assert bad.returncode == 2 and bad.stderr.strip() == "LR must be a non-negative number, got 'fast'"
     old = run_launch("--command=settings", env={**TOY, "UPDATES": "64"})     # the knob's old name is not ignored
     assert old.returncode == 2 and old.stderr.strip() == "UPDATES=64: the knob is UPDATES_PER_STAGE now"
+
+
+def test_the_handoff_command_falls_back_to_files_only_where_the_preflight_did(tmp_path):
+    import json
+    env = {**TOY, "RUN": str(tmp_path), "RESIDENT": "true"}
+    said = lambda **e: run_launch("--command=handoff", env={**env, **e})  # noqa: E731
+    assert said().stdout == "transfer\n" and said(HANDOFF="files").stdout == "files\n"        # no preflight ran
+    (tmp_path / "preflight.json").write_text(json.dumps({"passed": True, "figures": {"policy_handoff": "transfer"}}))
+    assert said().stdout == "transfer\n"
+    (tmp_path / "preflight.json").write_text(json.dumps({"passed": True, "figures": {"policy_handoff": "files"}}))
+    fell = said()
+    assert fell.stdout == "files\n" and fell.stderr == (
+        f"HANDOFF=transfer: the preflight found the weight transfer failing on this box ({tmp_path}/preflight.json); "
+        f"the policies are handed over as files\n")
 
 
 def test_the_plan_command_is_the_stage_plan(tmp_path):

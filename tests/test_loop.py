@@ -495,7 +495,7 @@ def test_offpolicy_grpo_preset_with_kl_and_sparse_evaluation_in_resident_mode(to
     run_dir, shm = tmp_path / "run", tmp_path / "shm"
     shm.mkdir()
     env = {**loop_env(toy, run_dir), "LOSS": "offpolicy-grpo", "UPDATES_PER_STAGE": "2", "STAGES": "3", "EVAL_EVERY": "3",
-           "RESIDENT": "true", "MU_GRPO_SHM": str(shm)}
+           "RESIDENT": "true", "HANDOFF": "files", "MU_GRPO_SHM": str(shm)}
     most, done = [], threading.Event()
 
     def watch():
@@ -588,6 +588,14 @@ def resident_run(toy, tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def resident_files_run(toy, tmp_path_factory):
+    """resident_run with each policy handed over as files (HANDOFF=files) instead of vLLM's weight-transfer API."""
+    run_dir = tmp_path_factory.mktemp("resident_files") / "run"
+    run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "HANDOFF": "files"})
+    return run_dir
+
+
 def _rows_without_run_dir(path, run_dir):
     """A JSONL file's rows with the run directory taken out of every string (policy names contain it)."""
     return [json.loads(line.replace(str(run_dir), "RUN")) for line in open(path)]
@@ -637,10 +645,27 @@ def test_resident_run_equals_the_process_per_phase_run(toy, finished_run, box_ru
     assert not (resident_run / "stage_0" / "train_state").exists()          # released once stage 1's was written
     assert (resident_run / "stage_1" / "train_state" / "progress.json").exists()
     import handoff
-    assert not any(d.exists() for d in handoff.policy_locations(resident_run))   # the handed-over policies are gone
-    assert "policies are handed over through" in (resident_run / "logs" / "trainer.log").read_text()
+    assert not any(d.exists() for d in handoff.policy_locations(resident_run))   # no policy went through files
+    assert not handoff.transfer_buffers(resident_run)                         # the transfer's buffers are gone
+    assert "policies are handed over through vLLM's weight-transfer API (mu-grpo-shm, 2 engine(s))" in (
+        resident_run / "logs" / "trainer.log").read_text()
+    # every hand-off: its seconds and rate in the trainer's rows, each engine's seconds and bytes in its own
+    assert all(r["handoff"] == "transfer" and r["handoff_seconds"] > 0 and r["handoff_gb_per_s"] > 0 for r in trainer)
+    assert all(engines[1, e]["handoff_bytes"] == engines[1, 1 - e]["handoff_bytes"] > 0 for e in (0, 1))
     summary = run_script("plot.py", f"--run_dir={resident_run}", "--summary=true", f"--out_dir={resident_run / 'p'}")
     assert "resident processes: start-up" in summary.stdout
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_transfer_hand_off_gives_the_run_of_the_file_hand_off(resident_run, resident_files_run):
+    # at the box's shape: the same rollouts, weights, metrics and evaluations whether each policy reaches the two
+    # engines through vLLM's weight-transfer API (our shared-memory transport: two ranks' buffers) or as files
+    assert_same_stages(resident_run, resident_files_run)
+    logs = (resident_files_run / "logs" / "engine.log").read_text()
+    assert "as it handed it over" not in logs and "as it handed it over" in (resident_run / "logs" / "engine.log").read_text()
+    import handoff
+    assert not any(d.exists() for d in handoff.policy_locations(resident_files_run))   # cleared at the run's end
 
 
 @pytest.mark.slow
@@ -685,5 +710,6 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
             assert proc.returncode != 0, (target, seed)
             # the failed run leaves no handed-over policy behind (up to two, 15 GB each at 7B, in /dev/shm)
             assert not any(d.exists() for d in handoff.policy_locations(run_dir)), (target, seed)
+            assert not handoff.transfer_buffers(run_dir), (target, seed)
     run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
     assert_same_stages(resident_run, run_dir, stages=(1,))

@@ -1,6 +1,8 @@
 """Which weights an engine serves (issue 45, item 15): the layout-free weight hash the trainer records and each
 engine's worker recomputes (common.tensor_hash, engine.verify_weights), and the trainer's per-engine agreement
 with the rollouts' log-probs before a stage's first update (update.engine_agreement)."""
+import re
+
 import pytest
 import torch
 
@@ -49,6 +51,33 @@ def test_a_fused_vllm_parameter_is_compared_with_the_sum_of_its_checkpoint_tenso
     assert engine.compare_weights(shards, expected) == ([], 2, 1, [])
     unknown = {**worker, "held": {**worker["held"], "extra.weight": 5}}
     assert engine.compare_weights([unknown], expected)[3] == ["extra.weight"]
+
+
+class Reporting:
+    """An engine whose workers report `reports` (engine.WeightHashes' answer) when asked."""
+
+    def __init__(self, reports):
+        self.reports = reports
+
+    def collective_rpc(self, method):
+        assert method == "mu_grpo_held_weights"
+        return self.reports
+
+
+def test_a_held_parameter_the_record_does_not_name_stops_the_engine():
+    # a parameter the trainer did not hand over (nor record) holds whatever memory the wake mapped: it cannot pass
+    norm = torch.randn(3)
+    record = {"dtype": "float32", "hashes": {"norm.weight": f"{common.tensor_hash(norm):016x}"}}
+    worker = {"held": {"norm.weight": common.tensor_hash(norm)}, "packed": [], "replicated": [], "fused": {},
+              "dtype": "float32"}
+    assert "weights verified (1 tensors" in engine.verify_weights(Reporting([worker]), "P", "engine 1, stage 4",
+                                                                   record=record)
+    extra = {**worker, "held": {**worker["held"], "extra.weight": 7}}
+    with pytest.raises(SystemExit) as e:
+        engine.verify_weights(Reporting([extra]), "P", "engine 1, stage 4", record=record)
+    assert str(e.value) == ("engine 1, stage 4: the engine holds 1 parameter(s) that P's record does not name "
+                            "(['extra.weight']), so their weights cannot be checked. Stopping before it generates or "
+                            "evaluates")
 
 
 def test_the_trainer_records_the_hashes_of_what_it_saves(toy, tmp_path):
@@ -159,8 +188,12 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
 
 
 STALE = {
-    # resident: the engine's in-place load silently does nothing, so it keeps serving the policy it had
+    # resident, HANDOFF=files: the engine's in-place load silently does nothing, so it keeps serving the policy it had
     "resident": "import engine; engine.load_policy = lambda llm, path: 0.0",
+    # resident, HANDOFF=transfer at the box's shape: every trainer rank's transport leaves the final norm out of the
+    # hand-off, so the engines keep the initial model's
+    "transfer": ("import transfer; ship = transfer.ShmTrainer._ship; transfer.ShmTrainer._ship = "
+                 "lambda self, chunk: ship(self, [c for c in chunk if c[0] != 'model.norm.weight'])"),
     # a phase per process: the engine of stage 1 is built on the initial model, not on stage 0's policy
     "per-phase": ("import engine, os; make = engine.make_llm; engine.make_llm = lambda policy, **kw: "
                   "make(os.environ['MODEL'] if 'stage_0' in str(policy) else policy, **kw)"),
@@ -169,7 +202,7 @@ STALE = {
 
 @pytest.mark.slow
 @needs_vllm
-@pytest.mark.parametrize("mode", ["resident", "per-phase"])
+@pytest.mark.parametrize("mode", ["resident", "transfer", "per-phase"])
 def test_a_stale_engine_stops_the_run_naming_the_engine_and_stage(toy, tmp_path, mode):
     # before the guard, both runs finished with exit 0 on rollouts of the wrong policy (the trainer only warned)
     import os
@@ -178,16 +211,22 @@ def test_a_stale_engine_stops_the_run_naming_the_engine_and_stage(toy, tmp_path,
     from conftest import ROOT
     fault = tmp_path / "fault"
     fault.mkdir()
+    script = "optimize.py" if mode == "transfer" else "generate.py"
     (fault / "sitecustomize.py").write_text(
-        f"import sys\nif sys.argv and sys.argv[0].endswith('generate.py'):\n    {STALE[mode]}\n")
+        f"import sys\nif sys.argv and sys.argv[0].endswith('{script}'):\n    {STALE[mode]}\n")
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": f"{fault}:{ROOT}", "PRESET": "toy", "RUN": str(run),
            "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"), "EVAL_DATA_DIR": str(toy),
            "BENCHMARKS": "test", "STAGES": "2", "UPDATES_PER_STAGE": "2", "PROMPTS_PER_UPDATE": "8", "LR": "5e-4",
-           "MAX_RESPONSE": "12", "EVAL_EVERY": "0", "RESIDENT": str(mode == "resident").lower()}
+           "MAX_RESPONSE": "12", "EVAL_EVERY": "0", "RESIDENT": str(mode != "per-phase").lower(),
+           "HANDOFF": "files" if mode == "resident" else "transfer",
+           **({"ENGINES": "2", "TRAIN_RANKS": "2"} if mode == "transfer" else {})}
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     shown = proc.stdout + proc.stderr
     assert proc.returncode != 0, shown[-3000:]
     said = [line for line in shown.splitlines() if "the engine does not hold the weights of" in line]
-    assert said and "engine 0, stage 1: the engine does not hold the weights of" in said[0], shown[-3000:]
+    engines = "[01]" if mode == "transfer" else "0"
+    assert said and re.search(f"engine {engines}, stage 1: the engine does not hold the weights of", said[0]), shown[-3000:]
+    if mode == "transfer":
+        assert "(first: model.norm.weight)" in said[0]
     assert not (run / "stage_1" / "rollouts" / "manifest.json").exists()        # nothing generated by it is kept
