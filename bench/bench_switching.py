@@ -1,12 +1,13 @@
-"""Switching overhead per stage: resident mode (two long-lived processes) against the process-per-phase loop, on
-the toy task, measured from the runs' own records (timeline.jsonl, the manifests, metrics.jsonl,
-optimize_timing.json).
+"""Switching overhead per stage: resident mode (two long-lived processes) with each policy handed over through vLLM's
+weight-transfer API (HANDOFF=transfer) or as files (HANDOFF=files), and the process-per-phase loop, on the toy
+task, measured from the runs' own records (timeline.jsonl, the manifests, metrics.jsonl, optimize_timing.json).
 
-    python bench/bench_switching.py                              # STAGES=32 UPDATES_PER_STAGE=2, both modes (~25 min, 2 cores)
-    python bench/bench_switching.py --stages=8 --modes=resident
+    python bench/bench_switching.py                              # STAGES=32 UPDATES_PER_STAGE=2, all three (~30 min, 2 cores)
+    python bench/bench_switching.py --stages=16 --modes=transfer,files
 
-With both modes it also checks that they give the same run (same seeds): the final weights bit-identical and the
-rollouts of every stage identical.
+Modes: phases (process-per-phase), transfer and files (resident). Each pair of modes run is checked to give the same
+run (same seeds): the final weights bit-identical and the rollouts of every stage identical (the policy ids of a
+transferred policy aside: its fingerprint is of the weights' hashes, not of saved files).
 
 Overhead is everything that is not generation compute (the engine's time on the stage's requests, from the
 manifests), training compute (the updates' seconds, from metrics.jsonl) or evaluation (none here:
@@ -15,9 +16,10 @@ the grading of a stage's last shard, waiting on files. Its parts:
 - process-per-phase: each generate phase beyond its generation compute (Python and vLLM start-up, the engine
   build, grading the last shard), each optimize phase's load (imports, model build and load, the train state)
   and save (policy, train state), and the rest of each optimize phase (its Python start, rollout columns);
-- resident: the two processes' start-up (the slower one; once), reloads of the new policy in place, the
-  trainer's saves (policy to the hand-off directory, the train state every SAVE_EVERY stages), the rest of
-  each process's per-stage work beyond compute, and the hand-off latency (time neither process worked).
+- resident: the two processes' start-up (the slower one; once), the hand-off (files: the trainer's saves of the
+  policy to the hand-off directory and the engines' reloads from it; transfer: the trainer's send, during which
+  the engines load each chunk), the train state's saves every SAVE_EVERY stages, the rest of each process's
+  per-stage work beyond compute, and the hand-off latency (time neither process worked).
 """
 import json
 import os
@@ -35,7 +37,7 @@ import rollouts  # noqa: E402
 stages = 32                     # stages of each run
 updates = 2                     # μ (updates per stage)
 prompts_per_update = 16         # × G=8 responses
-modes = "phases,resident"       # which loops to run: phases (process-per-phase), resident
+modes = "phases,transfer,files" # which loops to run: phases (process-per-phase), transfer, files (resident, by HANDOFF)
 toy_dir = str(ROOT / "data" / "toy")   # the toy task and policy (built by data/toy.py if missing)
 out_dir = str(ROOT / "bench" / "out" / "switching")
 # -----------------------------------------------------------------------------
@@ -60,11 +62,17 @@ def measure(run):
     if any(t["phase"] == "resident" for t in timeline):
         proc = [t for t in timeline if "process" in t]
         resident = plot.resident_parts({"timeline": timeline})
-        parts["start-up (once)"], parts["reload"], parts["save"] = (resident[k] for k in ("start-up", "reload", "save"))
+        parts["start-up (once)"], parts["save"] = resident["start-up"], resident["save"]
         engine_rows = sum(t["seconds"] for t in proc if t["phase"] == "generate")
         trainer_rows = sum(t["seconds"] for t in proc if t["phase"] == "optimize")
-        parts["engine, beyond generation"] = engine_rows - parts["reload"] - generation
-        parts["trainer, beyond training"] = trainer_rows - parts["save"] - training
+        send = sum(t.get("handoff_seconds", 0.0) for t in proc if t["phase"] == "optimize")
+        if send:      # transfer: the engines load while the trainer sends, before their stage's row starts
+            parts["send (engines loading)"] = send
+            parts["engine, beyond generation"] = engine_rows - generation
+        else:
+            parts["reload"] = resident["reload"]
+            parts["engine, beyond generation"] = engine_rows - parts["reload"] - generation
+        parts["trainer, beyond training"] = trainer_rows - parts["save"] - send - training
         parts["hand-off latency"] = wall - parts["start-up (once)"] - engine_rows - trainer_rows
     else:
         phase = lambda kind: sum(t["seconds"] for t in timeline if t["phase"] == kind)  # noqa: E731
@@ -77,19 +85,23 @@ def measure(run):
             "overhead": wall - generation - training, "parts": parts}
 
 
-def same_runs(phases, resident):
-    """The two loops' outputs, compared: the final policy's tensors (torch.equal) and every stage's rollout shards
-    (the same rows once each run's own directory is taken out of them). Returns (same weights, same rollouts)."""
+def same_runs(one, two):
+    """Two loops' outputs, compared: the final policy's tensors (torch.equal) and every stage's rollout shards
+    (the same rows once each run's own directory and the generating policy's id are taken out of them). Returns
+    (same weights, same rollouts)."""
     import torch
     from safetensors.torch import load_file
     last = rollouts.stage_dir("", stages - 1) / rollouts.POLICY / "model.safetensors"
-    w1, w2 = load_file(phases / last), load_file(resident / last)
+    w1, w2 = load_file(one / last), load_file(two / last)
     same_weights = w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
-    text = lambda path, run: path.read_text().replace(str(run), "RUN")  # noqa: E731
-    shards = sorted(p.relative_to(phases) for _, d in rollouts.stage_dirs(phases)
+
+    def rows(path, run):
+        return [{k: v for k, v in json.loads(line.replace(str(run), "RUN")).items() if k != "policy_id"}
+                for line in path.read_text().splitlines()]
+    shards = sorted(p.relative_to(one) for _, d in rollouts.stage_dirs(one)
                     for p in (d / rollouts.ROLLOUTS).glob("shard_*.jsonl"))
     same_rollouts = len(shards) >= stages and all(
-        (resident / p).exists() and text(phases / p, phases) == text(resident / p, resident) for p in shards)
+        (two / p).exists() and rows(one / p, one) == rows(two / p, two) for p in shards)
     return same_weights, same_rollouts
 
 
@@ -97,7 +109,7 @@ def run_mode(mode, out):
     env = {**os.environ, "PRESET": "toy", "LOSS": "grpo", "RUN": str(out), "MODEL": f"{toy_dir}/model",
            "TRAIN_DATA": f"{toy_dir}/train.jsonl", "EVAL_DATA_DIR": toy_dir, "STAGES": str(stages),
            "UPDATES_PER_STAGE": str(updates), "PROMPTS_PER_UPDATE": str(prompts_per_update), "EVAL_EVERY": "0",
-           "RESIDENT": "true" if mode == "resident" else "false"}
+           "RESIDENT": "false" if mode == "phases" else "true", "HANDOFF": "files" if mode == "files" else "transfer"}
     subprocess.run(["rm", "-rf", str(out)], check=True)
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -121,10 +133,12 @@ if __name__ == "__main__":
               f"{r['overhead'] / stages:.2f} |")
     for mode, r in results.items():
         print(f"\n{mode}: " + "; ".join(f"{k} {v:.1f} s ({v / stages:.2f} s/stage)" for k, v in r["parts"].items()))
-    if len(results) == 2:
-        ratio = results["phases"]["overhead"] / max(results["resident"]["overhead"], 1e-9)
-        print(f"\noverhead per stage: process-per-phase / resident = {ratio:.1f}×")
-        same_weights, same_rollouts = same_runs(Path(out_dir) / "phases", Path(out_dir) / "resident")
-        print(f"same results (same seeds): final weights bit-identical {same_weights}, "
-              f"rollouts of all {stages} stages identical {same_rollouts}")
+    ran = list(results)
+    for i, one in enumerate(ran):
+        for two in ran[i + 1:]:
+            ratio = results[one]["overhead"] / max(results[two]["overhead"], 1e-9)
+            same_weights, same_rollouts = same_runs(Path(out_dir) / one, Path(out_dir) / two)
+            print(f"\n{one} vs {two}: overhead per stage {results[one]['overhead'] / stages:.2f} s vs "
+                  f"{results[two]['overhead'] / stages:.2f} s ({ratio:.2f}×); final weights bit-identical "
+                  f"{same_weights}, rollouts of all {stages} stages identical {same_rollouts}")
     print(json.dumps({m: {k: v for k, v in r.items()} for m, r in results.items()}))
