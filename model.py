@@ -367,43 +367,24 @@ def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-class WeightsHash:
-    """The fingerprint of a policy's weights: sha256 over its tensors' names and digests, in name order; each
-    tensor's bytes are hashed on a background thread (hashlib releases the GIL on large buffers) while the
-    next one is gathered, so a save costs no extra pass over its 15 GB."""
-
-    def __init__(self):
-        import concurrent.futures
-        self._pool, self._digests = concurrent.futures.ThreadPoolExecutor(max_workers=1), {}
-
-    @staticmethod
-    def _digest(tensor):
-        import hashlib
-        h = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-        h.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-        return h.digest()
-
-    def add(self, name, tensor):
-        """tensor: on the CPU, not changed afterwards."""
-        self._digests[name] = self._pool.submit(self._digest, tensor)
-
-    def hexdigest(self, names):
-        import hashlib
-        h = hashlib.sha256()
-        for name in sorted(names):
-            h.update(name.encode() + b"\0" + self._digests[name].result())
-        self._pool.shutdown()
-        return h.hexdigest()[:16]
+def weights_digest(hashes):
+    """The fingerprint of a policy's weights (policy_id.json's, the rollouts' policy_id): sha256 over its tensors'
+    names and common.tensor_hash values in the saved dtype (hashes: {name: int}), in name order, 16 hex digits.
+    The same number whether the policy was saved as files (save_policy), recomputed from them (weights_fingerprint)
+    or handed over through vLLM's weight-transfer API (transfer.PolicySource), so a stage's rollouts name their
+    policy alike in every mode."""
+    import hashlib
+    return hashlib.sha256("".join(f"{k}\0{hashes[k]:016x}\n" for k in sorted(hashes)).encode()).hexdigest()[:16]
 
 
 def weights_fingerprint(path):
-    """WeightsHash's fingerprint of a saved policy directory, recomputed from its safetensors."""
+    """weights_digest of a saved policy directory, recomputed from its safetensors."""
     from safetensors import safe_open
-    weights = WeightsHash()
+    hashes = {}
     for name, file in safetensors_index(path).items():
         with safe_open(str(file), "pt") as sf:
-            weights.add(name, sf.get_tensor(name))
-    return weights.hexdigest(safetensors_index(path))
+            hashes[name] = common.tensor_hash(sf.get_tensor(name))
+    return weights_digest(hashes)
 
 
 def engine_weight_hashes(path):
@@ -461,27 +442,31 @@ def policy_tensors(model, dtype):
 
 
 def full_state(model, dtype):
-    """({name: full tensor in dtype, on CPU}, WeightsHash of them, {name: common.tensor_hash of it as the engines
+    """({name: full tensor in dtype, on CPU}, weights_digest of them, {name: common.tensor_hash of it as the engines
     hold it}) on rank 0, (None, None, None) elsewhere: policy_tensors one at a time, checked for non-finite values and
-    hashed for the engines on their device as they are gathered (one sync at the end, not a pass over the CPU
-    copies), hashed while the next is gathered. The engines' hashes are of the saved dtype cast to
-    common.engine_dtype(), as vLLM casts a checkpoint's tensors into its parameters (exact from bf16 to fp32; fp32 to
-    bf16 rounds as vLLM's copy_ does)."""
+    hashed on their device as they are gathered (one sync at the end, not a pass over the CPU copies). The engines'
+    hashes are of the saved dtype cast to common.engine_dtype(), as vLLM casts a checkpoint's tensors into its
+    parameters (exact from bf16 to fp32; fp32 to bf16 rounds as vLLM's copy_ does)."""
     rank, _, _ = placement()
     held = getattr(torch, common.engine_dtype())
-    state, finite, weights, engine_hashes = {}, {}, WeightsHash() if rank == 0 else None, {}
+    state, finite, saved_hashes, engine_hashes = {}, {}, {}, {}
     for name, saved in policy_tensors(model, dtype):
         if rank == 0:
             finite[name] = torch.isfinite(saved).all()
-            engine_hashes[name] = common.tensor_hash(saved.to(held))
+            saved_hashes[name], engine_hashes[name] = hashes_of(saved, held)
             state[name] = saved.cpu()
-            weights.add(name, state[name])
     if rank != 0:
         return None, None, None
     bad = [k for k, ok in zip(finite, torch.stack(list(finite.values())).tolist()) if not ok]
     if bad:
         raise SystemExit(f"refusing to save non-finite weights ({bad[:3]}...)")
-    return state, weights, engine_hashes
+    return state, weights_digest(saved_hashes), engine_hashes
+
+
+def hashes_of(saved, held):
+    """(common.tensor_hash of a saved tensor, of it as the engines hold it in dtype `held`): one pass when they agree."""
+    own = common.tensor_hash(saved)
+    return own, own if saved.dtype == held else common.tensor_hash(saved.to(held))
 
 
 def save_policy(model, source_dir, dtype, directory, identity):
@@ -490,11 +475,9 @@ def save_policy(model, source_dir, dtype, directory, identity):
     fingerprint and `identity`: the stage and the updates done, for curves over updates)."""
     rank, _, _ = placement()
     directory = Path(directory)
-    state, weights, engine_hashes = full_state(model, dtype)
+    state, fingerprint, engine_hashes = full_state(model, dtype)
     if rank == 0:
         base = _base(model)
-        fingerprint = weights.hexdigest(list(state))   # before save_pretrained, which may pop the entries of the
-        # dict it is given (transformers/modeling_utils.py:3517)
         tmp = directory.with_name(directory.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         base.save_pretrained(tmp, state_dict=state, safe_serialization=True)

@@ -28,7 +28,6 @@ for an LLM in another local process) is EngineClient ↔ EngineServer: the four 
 named and the run stops (a failed update leaves the engine's weights partly written: it is not used again).
 """
 import dataclasses
-import hashlib
 import os
 import select
 import socket
@@ -77,23 +76,23 @@ class PolicySource(WeightSource):
     def __iter__(self):
         import model as M
         held = getattr(torch, common.engine_dtype())
-        self.hashes, finite = {}, {}
+        self.hashes, self.saved_hashes, finite = {}, {}, {}
         for name, tensor in M.policy_tensors(self.model, self.dtype):
             if self.record:
-                self.hashes[name] = common.tensor_hash(tensor.to(held))
+                self.saved_hashes[name], self.hashes[name] = M.hashes_of(tensor, held)
                 finite[name] = torch.isfinite(tensor).all()
             yield name, tensor
         self.nonfinite = [k for k, ok in zip(finite, torch.stack(list(finite.values())).tolist()) if not ok] \
             if finite else []
 
     def engine_weights(self):
-        """The record the engines check after the hand-off (policy_id.json's engine_weights, and a fingerprint of the
-        weights: sha256 over the sorted names and hashes). Rank 0 only."""
+        """The record the engines check after the hand-off (policy_id.json's engine_weights) and the weights'
+        fingerprint (model.weights_digest: what save_policy would record for them). Rank 0 only."""
+        import model as M
         if self.nonfinite:
             raise SystemExit(f"refusing to hand over non-finite weights ({self.nonfinite[:3]}...)")
         hashes = {k: f"{v:016x}" for k, v in sorted(self.hashes.items())}
-        fingerprint = hashlib.sha256("".join(f"{k}\0{v}\n" for k, v in hashes.items()).encode()).hexdigest()[:16]
-        return {"dtype": common.engine_dtype(), "hashes": hashes}, fingerprint
+        return {"dtype": common.engine_dtype(), "hashes": hashes}, M.weights_digest(self.saved_hashes)
 
 
 # ----------------------------------------------------------------------------- our CPU transport (mu-grpo-shm)

@@ -6,8 +6,7 @@ task, measured from the runs' own records (timeline.jsonl, the manifests, metric
     python bench/bench_switching.py --stages=16 --modes=transfer,files
 
 Modes: phases (process-per-phase), transfer and files (resident). Each pair of modes run is checked to give the same
-run (same seeds): the final weights bit-identical and the rollouts of every stage identical (the policy ids of a
-transferred policy aside: its fingerprint is of the weights' hashes, not of saved files).
+run (same seeds): the final weights bit-identical and the rollouts of every stage identical.
 
 Overhead is everything that is not generation compute (the engine's time on the stage's requests, from the
 manifests), training compute (the updates' seconds, from metrics.jsonl) or evaluation (none here:
@@ -87,8 +86,7 @@ def measure(run):
 
 def same_runs(one, two):
     """Two loops' outputs, compared: the final policy's tensors (torch.equal) and every stage's rollout shards
-    (the same rows once each run's own directory and the generating policy's id are taken out of them). Returns
-    (same weights, same rollouts)."""
+    (the same rows once each run's own directory is taken out of them). Returns (same weights, same rollouts)."""
     import torch
     from safetensors.torch import load_file
     last = rollouts.stage_dir("", stages - 1) / rollouts.POLICY / "model.safetensors"
@@ -96,8 +94,7 @@ def same_runs(one, two):
     same_weights = w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
     def rows(path, run):
-        return [{k: v for k, v in json.loads(line.replace(str(run), "RUN")).items() if k != "policy_id"}
-                for line in path.read_text().splitlines()]
+        return [json.loads(line.replace(str(run), "RUN")) for line in path.read_text().splitlines()]
     shards = sorted(p.relative_to(one) for _, d in rollouts.stage_dirs(one)
                     for p in (d / rollouts.ROLLOUTS).glob("shard_*.jsonl"))
     same_rollouts = len(shards) >= stages and all(

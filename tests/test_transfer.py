@@ -71,7 +71,8 @@ def test_a_policy_sent_in_chunks_is_what_the_engine_holds_and_a_faulty_transport
             record, fingerprint, seconds, sent = send_while_serving(sender, server, perturbed(net, hand_off), dtype)
             # the record is what saving the same model as files records (model.save_policy: the file hand-off's)
             M.save_policy(net, toy / "model", dtype, tmp_path / f"saved_{hand_off}", {"stage": hand_off})
-            assert record == common.policy_record(tmp_path / f"saved_{hand_off}")["engine_weights"]
+            saved = common.policy_record(tmp_path / f"saved_{hand_off}")
+            assert record == saved["engine_weights"] and fingerprint == saved["fingerprint"]
             assert sent == sum(t.numel() * dtype.itemsize for t in net.state_dict().values()) and seconds > 0
             if hand_off == 1:
                 assert len(chunks) > 1 and sorted(sum(chunks, [])) == sorted(record["hashes"])   # each tensor, once
