@@ -60,7 +60,9 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130 and "cores " in log, log[-3000:]
-    assert not processes_with(f"RUN={out}/"), "a run's process outlived the stopped frontier"
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in processes_with(f"RUN={out}/")
+            if Path(f"/proc/{pid}/cmdline").exists()}
+    assert not left, f"a run's process outlived the stopped frontier: {left}"
     # the table of a stopped frontier leaves the unfinished runs out (their last evaluation is not their final)
     partial = run_script("bench/frontier.py", f"--runs_dir={out}", "--baseline=grpo:2", f"--out={tmp_path / 'partial'}")
     if second not in finished:
