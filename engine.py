@@ -5,7 +5,6 @@ engines serve (benchmark sets, avg@k, results rows) is benchmarks.py's.
 
 Nothing here parses a command line; the scripts pass their settings.
 """
-import hashlib
 import os
 import sys
 import tempfile
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import common
+import handoff
 import processes
 
 # ----------------------------------------------------------------------------------------------
@@ -72,8 +72,7 @@ def engine_model_path(policy, run_dir=None):
     directory (evaluate.py alone), or for a hub name, the policy's own path."""
     if not run_dir or not Path(policy).is_dir():
         return str(policy)
-    run = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-    link = Path(tempfile.gettempdir()) / f"mu-grpo-engine-{os.getuid()}-{run}" / "policy"
+    link = Path(tempfile.gettempdir()) / f"mu-grpo-engine-{os.getuid()}-{handoff.run_key(run_dir)}" / "policy"
     target = Path(policy).resolve()
     if not (link.is_symlink() and Path(os.readlink(link)) == target):     # engines of one phase set the same target
         link.parent.mkdir(parents=True, exist_ok=True)

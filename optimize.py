@@ -710,9 +710,6 @@ def resident_stage(partner, trainer, s, progress, check_all):
         publish(partner, s, trainer.fast / f"policy_{s}")
     else:
         record, fingerprint, timing["handoff_seconds"], sent = trainer.sender.send(trainer.model, trainer.dtype)
-        if torch.cuda.is_available():       # the gathers' and the buffer's cached blocks (freed as the send ended),
-            torch.cuda.empty_cache()        # before the engines wake their KV cache
-        M.barrier()
         if is_main:
             partner.publish_policy(s, None, run_stage_dir(s) / rollouts.POLICY, fingerprint,
                                    run_updates=progress.after["run_updates"], next_stage_prompts=next_stage_prompts(s),

@@ -98,11 +98,6 @@ class PolicySource(WeightSource):
 # ----------------------------------------------------------------------------- our CPU transport (mu-grpo-shm)
 
 
-def _barrier():
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
-
-
 @dataclasses.dataclass
 class ShmTrainerInitInfo(TrainerInitInfo):
     """The trainer's side: where the ranks' buffers are (one file per rank) and how large each is."""
@@ -144,6 +139,7 @@ class ShmTrainer(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
+        import model as M
         if source is None:
             raise ValueError(f"the {CPU_BACKEND} trainer needs a WeightSource")
         path = Path(init_info.buffers[init_info.rank])
@@ -152,13 +148,14 @@ class ShmTrainer(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
             f.truncate(init_info.buffer_bytes)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
                      buffer=_map(path, init_info.buffer_bytes), buffer_bytes=init_info.buffer_bytes)
-        _barrier()                      # every rank's buffer exists before an engine maps them
+        M.barrier()                      # every rank's buffer exists before an engine maps them
         if engine.is_sender:
             engine.client.init_weight_transfer_engine({"buffers": init_info.buffers,
                                                        "buffer_bytes": init_info.buffer_bytes})
         return engine
 
     def send_weights(self):
+        import model as M
         if self.is_sender:
             self.client.start_weight_update()
         chunk, used = [], 0
@@ -176,15 +173,16 @@ class ShmTrainer(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
             self._ship(chunk)
         if self.is_sender:
             self.client.finish_weight_update()
-        _barrier()
+        M.barrier()
 
     def _ship(self, chunk):
-        _barrier()
+        import model as M
+        M.barrier()
         if self.is_sender:
             names, dtypes, shapes, offsets, sizes = (list(x) for x in zip(*chunk))
             self.client.update_weights({"names": names, "dtype_names": dtypes, "shapes": shapes, "offsets": offsets,
                                         "tensor_sizes": sizes})
-        _barrier()
+        M.barrier()
 
     def shutdown(self):
         self.buffer = None
@@ -250,7 +248,6 @@ class EngineClient:
     def __init__(self, run_dir, n_engines, check=lambda: None, connect_timeout_s=600.0):
         self.run_dir, self.n_engines, self.check, self.connect_timeout_s = run_dir, n_engines, check, connect_timeout_s
         self.conns = None
-        self.bytes_sent = 0
 
     def _connect(self):
         self.conns, deadline = [], time.monotonic() + self.connect_timeout_s
@@ -292,7 +289,6 @@ class EngineClient:
         self._call("start_weight_update")
 
     def update_weights(self, update_info):
-        self.bytes_sent += sum(update_info.get("tensor_sizes") or [])
         self._call("update_weights", update_info)
 
     def finish_weight_update(self, weight_version=None):
@@ -405,8 +401,10 @@ class Sender:
         return max(self.buffer_bytes or MIN_BUFFER_BYTES, largest)
 
     def send(self, model, dtype):
-        """Hand the model over; returns (engine_weights record, fingerprint, seconds, bytes) on rank 0, Nones
-        elsewhere."""
+        """Hand the model over, then return the CUDA cache's blocks of the gathers and the buffer (before the engines
+        wake their KV cache) on every rank; returns (engine_weights record, fingerprint, seconds, bytes) on rank 0,
+        Nones elsewhere."""
+        import model as M
         t0 = time.perf_counter()
         if self.engine is None:
             self.source = PolicySource(model, dtype, record=self.rank == 0)
@@ -419,6 +417,9 @@ class Sender:
                 info = ShmTrainerInitInfo(rank=self.rank, buffers=buffers, buffer_bytes=size)
             self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
         self.engine.send_weights()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        M.barrier()
         if self.rank != 0:
             return None, None, time.perf_counter() - t0, None
         record, fingerprint = self.source.engine_weights()
