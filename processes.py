@@ -63,6 +63,11 @@ def alive(pid):
 
 def descendants(root):
     """Every process below `root` (by parent pid, read from /proc), children before grandchildren."""
+    return _below([root])
+
+
+def _below(roots):
+    """Every process below any of roots, from one read of /proc: children before grandchildren."""
     children = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -71,7 +76,7 @@ def descendants(root):
             except (TypeError, IndexError, ValueError):
                 continue          # gone meanwhile
             children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
+    found, todo = [], list(roots)
     while todo:
         kids = children.get(todo.pop(0), [])
         found += kids
@@ -79,28 +84,56 @@ def descendants(root):
     return found
 
 
+def _signal(pids, sig):
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, sig)
+
+
+def _freeze(roots, me):
+    """SIGSTOP every process in roots and below them (except me), again and again until a scan finds no new one: a
+    stopped process cannot start another, so the list returned (parents before children) is the whole tree. Without
+    it, a process started between a scan of /proc and the signal that kills its parent escapes to init (frontier.sh's
+    stop once left generate.py's grading forkserver running, started while the tree was read)."""
+    frozen, seen = [], set()
+    todo = [p for p in roots if p != me]
+    while todo:
+        for p in todo:
+            if p not in seen:
+                frozen.append(p)
+                seen.add(p)
+        _signal(todo, signal.SIGSTOP)
+        deadline = time.monotonic() + 1.0   # stopped on its way back to user space: a fork under way completes first
+        while time.monotonic() < deadline and any((_stat(p) or "Z")[0] not in "TtZX" for p in todo):
+            time.sleep(0.005)
+        todo = [p for p in _below(todo) if p != me and p not in seen]
+    return frozen
+
+
 def stop_tree(root, grace_s=5.0, start=None):
     """SIGTERM to root and every process below it (those in sessions of their own included, e.g. engine workers:
     taken before their parents die and they move to init), SIGKILL to any left grace_s later; the calling process is
-    spared when it is below root (nodes.py's watch under run_stages.sh). start: root's start_time when it was
-    recorded; if root is no longer that process (it ended and its pid was reused), nothing is stopped. Returns whether
-    anything was signalled."""
+    spared when it is below root (nodes.py's watch under run_stages.sh). The tree is frozen (SIGSTOP) while it is
+    read, before either signal, so no process started meanwhile is missed; one started during the grace by a process
+    still alive is found then. start: root's start_time when it was recorded; if root is no longer that process (it
+    ended and its pid was reused), nothing is stopped. Returns whether anything was signalled."""
     if start is not None and not same_process(root, start):
         return False
-    procs = [p for p in descendants(root) if p != os.getpid()] + [root]
-    for p in procs:
-        try:
-            os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    me = os.getpid()
+    procs = _freeze([root], me)
+    _signal(procs, signal.SIGTERM)
+    _signal(reversed(procs), signal.SIGCONT)     # children first: each ends on its SIGTERM before its parent sees it
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p) for p in procs):
+    while time.monotonic() < deadline:
+        living = [p for p in procs if alive(p)]
+        if not living:
+            break
+        started = [c for c in _below(living) if c != me and c not in procs]
+        _signal(started, signal.SIGTERM)
+        procs += started
         time.sleep(0.1)
-    for p in procs:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    survivors = [p for p in procs if alive(p)]
+    _signal(_freeze(survivors, me), signal.SIGKILL)
     return True
 
 

@@ -93,6 +93,35 @@ def test_stopping_a_tree_sends_sigterm_then_sigkill_after_the_grace(tmp_path):
     assert time.monotonic() - t0 < 5 and root.wait(timeout=5) == -signal.SIGTERM
 
 
+def test_a_process_started_while_the_tree_is_stopped_is_stopped_with_it():
+    # a root that starts a sleep every few ms: one started between a read of /proc and the root's SIGTERM would be
+    # left to init (frontier.sh's stop once left a grading forkserver that generate.py started just then)
+    marker = f"299.{os.getpid()}"
+    code = ("import os, sys, time\nwhile True:\n    if os.fork() == 0:\n        os.execvp('sleep', ['sleep', sys.argv[1]])\n"
+            "    time.sleep(0.002)")
+    root = subprocess.Popen([sys.executable, "-c", code, marker], start_new_session=True)
+
+    def sleeps():
+        return [p for p in os.listdir("/proc") if p.isdigit() and marker.encode() in _cmdline(p)]
+    try:
+        wait_until(lambda: len(sleeps()) >= 50)
+        assert processes.stop_tree(root.pid, grace_s=2.0)
+        assert root.wait(timeout=5) == -signal.SIGTERM
+        time.sleep(0.5)                                          # a sleep's SIGTERM is taken at once
+        assert not [p for p in sleeps() if processes.alive(int(p))], "a sleep outlived its stopped tree"
+    finally:
+        for p in sleeps():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(p), signal.SIGKILL)
+
+
+def _cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
+
+
 def test_a_tree_is_stopped_only_if_its_root_is_still_the_process_recorded(tmp_path):
     root = tree(tmp_path / "terms", children=1, root_ignores_term=False)
     start = processes.start_time(root.pid)
