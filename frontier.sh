@@ -34,8 +34,23 @@ esac
 LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (losses.sh)
 NAV_DELTAS=${NAV_DELTAS:-1e-4 0.1}  # NAV δ of the presets with NAV (one point each; grpo has none)
 SEEDS=${SEEDS:-0 1}             # run_stages.sh's SEED: prompt order, sampling, minibatch order
-BUILDS=${BUILDS:-$([[ $PRESET == lab* ]] && echo "0 1" || echo 0)}   # lab tasks: the builder's --seed (the task and
-                                # its warm-started policy; 0 is data/<task>/, b > 0 data/<task>_build<b>/); else 0
+KEY_POINTS=${KEY_POINTS-$([[ $PRESET == lab* ]] && echo "grpo:4 grpo:256 mu-grpo-d1e-4:256 mu-grpo-d0.1:256 mu-grpo-d1e-4:4" || :)}
+                                # the points the paper's claims rest on: run on every build and seed; the others (the
+                                # rest of the μ sweep) only on SWEEP_BUILDS × SWEEP_SEEDS. Empty: every point everywhere
+SWEEP_BUILDS=${SWEEP_BUILDS:-first}  # "first": the first build of each regime the rule keeps (else of BUILDS)
+SWEEP_SEEDS=${SWEEP_SEEDS:-0}
+# ---- the builds (lab tasks: the builder's --seed, i.e. the task and its warm-started policy; 0 is data/<task>/, b > 0
+# data/<task>_build<b>/). Each candidate is built, then probed: GRPO at the smallest μ for PROBE_UPDATES updates (seed
+# PROBE_SEED, none of SEEDS), whose records give the build's regime (bench/frontier.py regime_name: saturated, learns,
+# stalls; $OUT/regimes/build<b>.json). The rule: candidates in CANDIDATES' order until it has the first PER_REGIME of
+# each of REGIMES; the frontier runs on those (how many it looked at and kept: frontier.md)
+BUILDS=${BUILDS:-}              # given: exactly these builds, no probe and no rule (the toy and paper presets: 0)
+CANDIDATES=${CANDIDATES:-0 1 2 3 4 5 6 7}
+REGIMES=${REGIMES:-learns stalls}   # the paper's setting (a model that solves some problems at the start and that GRPO
+                                # at small μ improves) and the lab's first builds' (it barely moves them)
+PER_REGIME=${PER_REGIME:-2}
+PROBE_UPDATES=${PROBE_UPDATES:-64}
+PROBE_SEED=${PROBE_SEED:-100}
 BASELINE=${BASELINE:-grpo:$(set -- $MUS; echo "$1")}  # label:μ the speed-ups are against (label: the LOSS, -d<δ> with NAV)
 # ---- how a point runs and is costed
 RESIDENT_MAX_MU=${RESIDENT_MAX_MU:-64}   # μ up to this run resident (RESIDENT=true)
@@ -73,9 +88,15 @@ for mu in $MUS; do
   [[ "$mu" == drift ]] || { [[ "$mu" =~ ^[0-9]+$ ]] && (( mu >= 1 && TOTAL_UPDATES % mu == 0 )); } \
     || { echo "MUS: each μ must divide TOTAL_UPDATES=$TOTAL_UPDATES (or be 'drift'), got '$mu'" >&2; exit 2; }
 done
-for x in $SEEDS $BUILDS $JOBS; do
-  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS and JOBS must be whole numbers, got '$x'" >&2; exit 2; }
+for x in $SEEDS $BUILDS $JOBS $CANDIDATES $PER_REGIME $PROBE_UPDATES $PROBE_SEED $SWEEP_SEEDS \
+         $([[ "$SWEEP_BUILDS" == first ]] || echo "$SWEEP_BUILDS"); do
+  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS, JOBS, CANDIDATES, PER_REGIME, PROBE_UPDATES, PROBE_SEED and SWEEP_*" \
+                                   "must be whole numbers (SWEEP_BUILDS or 'first'), got '$x'" >&2; exit 2; }
 done
+for r in $REGIMES; do
+  [[ " saturated learns stalls " == *" $r "* ]] || { echo "REGIMES: each is saturated, learns or stalls, got '$r'" >&2; exit 2; }
+done
+[[ $PRESET == lab* || -n "$BUILDS" ]] || BUILDS=0
 (( JOBS >= 1 )) || { echo "JOBS must be at least 1, got $JOBS" >&2; exit 2; }
 [[ "$PREFLIGHT" =~ ^(auto|0|1|force)$ ]] || { echo "PREFLIGHT must be auto, 0, 1 or force, got '$PREFLIGHT'" >&2; exit 2; }
 [[ "$PREFLIGHT" == auto ]] && PREFLIGHT=$([[ $PRESET == paper ]] && echo 1 || echo 0)
@@ -99,8 +120,9 @@ for loss in $LOSSES; do
   else labels=("$loss"); fi
   for label in "${labels[@]}"; do for mu in $MUS; do ALL+=("$label:$mu"); done; done
 done
-for p in $POINTS $BASELINE; do
-  [[ " ${ALL[*]} " == *" $p "* ]] || { echo "'$p' is not one of the points: ${ALL[*]}" >&2; exit 2; }
+for p in $POINTS $BASELINE $KEY_POINTS; do
+  [[ " ${ALL[*]} " == *" $p "* ]] || { echo "'$p' (POINTS, BASELINE or KEY_POINTS) is not one of the points:" \
+                                            "${ALL[*]}" >&2; exit 2; }
 done
 SELECTED=(${POINTS:-${ALL[@]}})
 mkdir -p "$OUT"
@@ -109,8 +131,6 @@ export TRACKER_GROUP=${TRACKER_GROUP:-$(basename "$OUT")}
 exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another frontier.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
 T0=$(date +%s)
-echo "frontier $OUT on $PRESET: ${#SELECTED[@]} point(s) [${SELECTED[*]}] × builds [$BUILDS] × seeds [$SEEDS]," \
-     "$TOTAL_UPDATES updates each, evaluated every $EVAL_UPDATES; resident up to μ = $RESIDENT_MAX_MU; baseline $BASELINE"
 
 resident_point() {              # resident_point <label:μ>: whether the point runs resident (RESIDENT_MAX_MU)
   local mu=${1##*:}; [[ "$mu" == drift ]] && mu=$DRIFT_FIRST
@@ -152,33 +172,83 @@ if [[ "$PREFLIGHT" != 0 || "$ESTIMATE" == true ]]; then   # one preflight per bo
   done
 fi
 
+CORES=($($PY -c "import os; print(*sorted(os.sched_getaffinity(0)))" 9>&-))   # the cores this may run on
+per=$(( ${#CORES[@]} / JOBS ))
+worker_cores() {                # worker_cores <k>: worker k's cores, its JOBS-th of them ("" with JOBS=1: unpinned)
+  (( JOBS > 1 )) || return 0
+  (( per > 0 )) && { local IFS=,; echo "${CORES[*]:$1*per:per}"; } || echo "${CORES[$1 % ${#CORES[@]}]}"
+}
+launch() {                      # launch <run dir> <build> <seed> <cores, "" for none> <GPUs, "" for all>: run_stages.sh
+  local run=$1 build=$2 cores=$4 BUILD_ENV=() PIN=() GPU=()    # at POINT_ENV's settings on the build's task
+  mkdir -p "$(dirname "$run")"
+  [[ -z "${LAB_DIR[$build]:-}" ]] \
+    || BUILD_ENV=(MODEL="${LAB_DIR[$build]}/model" TRAIN_DATA="${LAB_DIR[$build]}/train.jsonl" EVAL_DATA_DIR="${LAB_DIR[$build]}")
+  [[ -z "$cores" ]] || PIN=(taskset -c "$cores" env OMP_NUM_THREADS=$(( $(tr -cd , <<< "$cores" | wc -c) + 1 ))
+                            VLLM_CPU_OMP_THREADS_BIND="$cores")   # (tests/conftest.py pins its workers the same way)
+  [[ -z "$5" ]] || GPU=(CUDA_VISIBLE_DEVICES="$5" GPUS=$(( GPUS / JOBS )))
+  "${PIN[@]}" env "${BUILD_ENV[@]}" "${POINT_ENV[@]}" "${GPU[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} \
+      ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} PRESET="$PRESET" SEED="$3" RUN="$run" PREFLIGHT=0 \
+      bash run_stages.sh > "$run.log" 2>&1 9>&- \
+    || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; return 1; }
+}
+
 declare -A LAB_DIR=()           # each build's task: built once, by its builder with --seed=<build>, before any run
-for build in $BUILDS; do        # (on every core: a build's thread count is part of what it is)
-  if [[ $PRESET == lab* ]]; then
-    LAB_DIR[$build]=data/${PRESET/-/_}$( (( build == 0 )) || echo "_build$build")
-    [[ -f "${LAB_DIR[$build]}/model/config.json" && -f "${LAB_DIR[$build]}/heldout.jsonl" ]] \
-      || $PY "data/${PRESET/-/_}.py" --out_dir="${LAB_DIR[$build]}" --seed="$build" >&2 9>&-  # (the same task again
-  fi                                                                      # if only heldout.jsonl is missing: older builds)
+build_task() {                  # (on every core: a build's thread count is part of what it is)
+  LAB_DIR[$1]=data/${PRESET/-/_}$( (( $1 == 0 )) || echo "_build$1")
+  [[ -f "${LAB_DIR[$1]}/model/config.json" && -f "${LAB_DIR[$1]}/heldout.jsonl" ]] \
+    || $PY "data/${PRESET/-/_}.py" --out_dir="${LAB_DIR[$1]}" --seed="$1" >&2 9>&-  # (the same task again if only
+}                                                                                 # heldout.jsonl is missing: older builds)
+FIRSTS=""                       # the first kept build of each regime (SWEEP_BUILDS=first)
+if [[ $PRESET == lab* && -z "$BUILDS" ]]; then   # the rule: build and probe candidates until it has enough builds
+  LOOKED=() SMALL=$(set -- $MUS; echo "$1")
+  [[ "$SMALL" =~ ^[0-9]+$ ]] && (( PROBE_UPDATES % SMALL == 0 )) \
+    || { echo "PROBE_UPDATES=$PROBE_UPDATES must be a multiple of the smallest μ ($SMALL)" >&2; exit 2; }
+  for b in $CANDIDATES; do
+    build_task "$b"
+    probe=$OUT/regimes/build$b
+    if [[ ! -f "$probe.json" ]]; then
+      echo "probe of build $b: GRPO μ = $SMALL, $PROBE_UPDATES updates, seed $PROBE_SEED ($(( ($(date +%s) - T0) / 60 )) min)"
+      TOTAL_UPDATES=$PROBE_UPDATES EVAL_UPDATES=$PROBE_UPDATES point_env "grpo:$SMALL"
+      launch "$probe" "$b" "$PROBE_SEED" "$(worker_cores 0)" "${SLICES[0]:-}" || exit 1
+      $PY bench/frontier.py --regime_of="$probe" 9>&-
+    fi
+    LOOKED+=("$b")
+    chosen=$($PY bench/frontier.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
+                 --per_regime="$PER_REGIME" 2> "$OUT/regimes/selection.log" 9>&-) \
+      || { cat "$OUT/regimes/selection.log" >&2; exit 1; }
+    BUILDS=$(sed -n 1p <<< "$chosen") FIRSTS=$(sed -n 2p <<< "$chosen")
+    (( $(wc -w <<< "$BUILDS") == PER_REGIME * $(wc -w <<< "$REGIMES") )) && break
+  done
+  $PY bench/frontier.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
+      --per_regime="$PER_REGIME" 9>&- > /dev/null
+  [[ -n "$BUILDS" ]] || { echo "the rule kept no build of [$CANDIDATES] (regimes $REGIMES): see $OUT/regimes/" >&2; exit 1; }
+else
+  for build in $BUILDS; do [[ $PRESET != lab* ]] || build_task "$build"; done
+fi
+[[ "$SWEEP_BUILDS" != first ]] || SWEEP_BUILDS=${FIRSTS:-${BUILDS%% *}}
+echo "frontier $OUT on $PRESET: ${#SELECTED[@]} point(s) [${SELECTED[*]}] × builds [$BUILDS] × seeds [$SEEDS]" \
+     "${KEY_POINTS:+(the points other than [$KEY_POINTS] only on builds [$SWEEP_BUILDS] × seeds [$SWEEP_SEEDS])}," \
+     "$TOTAL_UPDATES updates each, evaluated every $EVAL_UPDATES; resident up to μ = $RESIDENT_MAX_MU; baseline $BASELINE"
+RUNS=()                         # "build seed label:μ", in the order they are taken: per seed, the key points on every
+for seed in $SEEDS; do          # build, then the rest of the sweep on its builds (stopped early, the claims' runs are done)
+  for point in "${SELECTED[@]}"; do
+    if [[ -z "$KEY_POINTS" || " $KEY_POINTS " == *" $point "* ]]; then
+      for build in $BUILDS; do RUNS+=("$build $seed $point"); done
+    fi
+  done
+  for point in "${SELECTED[@]}"; do
+    if [[ -n "$KEY_POINTS" && " $KEY_POINTS " != *" $point "* && " $SWEEP_SEEDS " == *" $seed "* ]]; then
+      for build in $SWEEP_BUILDS; do [[ " $BUILDS " != *" $build "* ]] || RUNS+=("$build $seed $point"); done
+    fi
+  done
 done
-RUNS=()                         # "build seed label:μ", in the order they are taken
-for build in $BUILDS; do for seed in $SEEDS; do for point in "${SELECTED[@]}"; do RUNS+=("$build $seed $point"); done; done; done
 
 run_point() {                   # run_point <index in RUNS> <cores to pin it to, "" for none> <its GPUs, "" for all>
   local build seed point; read -r build seed point <<< "${RUNS[$1]}"
-  local label=${point%:*} mu=${point##*:} cores=$2 BUILD_ENV=() PIN=() GPU=()
-  local run=$OUT/build$build/seed$seed/$label-mu$mu
-  mkdir -p "$(dirname "$run")"
-  echo "[$(( $1 + 1 ))/${#RUNS[@]}] $run ($(( ($(date +%s) - T0) / 60 )) min${cores:+, cores $cores}${3:+, GPUs $3})"
-  [[ -z "${LAB_DIR[$build]:-}" ]] \
-    || BUILD_ENV=(MODEL="${LAB_DIR[$build]}/model" TRAIN_DATA="${LAB_DIR[$build]}/train.jsonl" EVAL_DATA_DIR="${LAB_DIR[$build]}")
+  local run=$OUT/build$build/seed$seed/${point%:*}-mu${point##*:}
+  echo "[$(( $1 + 1 ))/${#RUNS[@]}] $run ($(( ($(date +%s) - T0) / 60 )) min${2:+, cores $2}${3:+, GPUs $3})"
   point_env "$point"
-  [[ -z "$cores" ]] || PIN=(taskset -c "$cores" env OMP_NUM_THREADS=$(( $(tr -cd , <<< "$cores" | wc -c) + 1 ))
-                            VLLM_CPU_OMP_THREADS_BIND="$cores")   # (tests/conftest.py pins its workers the same way)
-  [[ -z "$3" ]] || GPU=(CUDA_VISIBLE_DEVICES="$3" GPUS=$(( GPUS / JOBS )))
-  "${PIN[@]}" env "${BUILD_ENV[@]}" "${POINT_ENV[@]}" "${GPU[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} \
-      ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} PRESET="$PRESET" SEED="$seed" RUN="$run" PREFLIGHT=0 \
-      bash run_stages.sh > "$run.log" 2>&1 9>&- \
-    || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; return 1; }
+  launch "$run" "$build" "$seed" "$2" "$3"
 }
 
 if (( JOBS == 1 )); then
@@ -192,11 +262,9 @@ else                            # JOBS workers, each on its own cores, each taki
       run_point "$i" "$1" "$2" || return 1
     done
   }
-  CORES=($($PY -c "import os; print(*sorted(os.sched_getaffinity(0)))" 9>&-))   # the cores this may run on
-  per=$(( ${#CORES[@]} / JOBS )) WORKERS=()
+  WORKERS=()
   for (( k = 0; k < JOBS; k++ )); do   # a worker's cores: its JOBS-th of them (with more JOBS than cores, one shared)
-    worker "$( (( per > 0 )) && { IFS=,; echo "${CORES[*]:k*per:per}"; } || echo "${CORES[k % ${#CORES[@]}]}")" \
-           "${SLICES[k]:-}" 9>&- &
+    worker "$(worker_cores "$k")" "${SLICES[k]:-}" 9>&- &
     WORKERS+=($!)
   done
   # a background job here ignores Ctrl-C (bash, without job control): stopping frontier.sh stops every worker's runs

@@ -36,6 +36,9 @@ MISMATCH_LEVELS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 # 1e-3..1e-2 nats apart; on a CPU both are float32, ~1e-6): optimize.py stops a stage's first update above it, the
 # preflight gates on it. The GPU value is reasoned, not yet measured on a GPU
 AGREEMENT_MEAN = {"cuda": 0.05, "cpu": 1e-3}
+# GRPO's clip [0.8, 1.2]: every loss logs the tokens this clip would take the gradient from (A > 0 above 1.2, A < 0
+# below 0.8), so a loss with a wider clip (μ-GRPO's [0, 5]) shows where it and GRPO differ, and on which tokens
+GRPO_CLIP = (0.8, 1.2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,6 +360,7 @@ def _stats(loss, kept_loss, ratio, log_ratio, advantages, mask, keep, nav_keep, 
     """Sums over this call's tokens (names ending in _min/_max: extremes), as 0-d float32 tensors."""
     adv = advantages.float()[:, None].expand_as(ratio)
     neg, pos = mask & (adv < 0), mask & (adv > 0)
+    first = mask & (mask.long().cumsum(1) == 1)                         # each response's first token [B, T]
     count = lambda sel: sel.sum().float()                               # noqa: E731
     inf = torch.tensor(math.inf, device=ratio.device)
     engine_abs = engine_log_ratio.abs() * mask
@@ -365,6 +369,9 @@ def _stats(loss, kept_loss, ratio, log_ratio, advantages, mask, keep, nav_keep, 
         "tokens": count(mask), "kept": count(keep), "seqs": count(mask.any(1)),
         "neg_tokens": count(neg), "pos_tokens": count(pos),
         "clip_upper": count(pos & (ratio > clip_high)), "clip_lower": count(neg & (ratio < clip_low)),
+        "grpo_upper": count(pos & (ratio > GRPO_CLIP[1])), "grpo_lower": count(neg & (ratio < GRPO_CLIP[0])),
+        "grpo_first": count((pos & (ratio > GRPO_CLIP[1]) | neg & (ratio < GRPO_CLIP[0])) & first),
+        "first_tokens": count(first),
         "ratio_sum_neg": (ratio * neg).sum(), "ratio_sum_pos": (ratio * pos).sum(),
         "ratio_min": torch.where(mask, ratio, inf).min() if mask.numel() else inf,
         "ratio_max": torch.where(mask, ratio, -inf).max() if mask.numel() else -inf,
@@ -418,6 +425,12 @@ def metrics(stats, extra=None):
         "loss/policy": s["loss"], "loss/tokens": s["tokens"], "loss/kept_tokens": s["kept"],
         "loss/kept_frac": frac("kept", "tokens"),
         "clip/upper_frac": frac("clip_upper", "tokens"), "clip/lower_frac": frac("clip_lower", "tokens"),
+        # the tokens GRPO's clip would take the gradient from (= clip/*_frac for GRPO itself), and the share of
+        # them that are a response's first token (lab-fork's fork), against the first tokens' share of all tokens
+        "grpo_clip/upper_frac": frac("grpo_upper", "tokens"), "grpo_clip/lower_frac": frac("grpo_lower", "tokens"),
+        "grpo_clip/first_token_share": s["grpo_first"] / (s["grpo_upper"] + s["grpo_lower"])
+        if s["grpo_upper"] + s["grpo_lower"] > 0 else math.nan,
+        "grpo_clip/first_token_base": frac("first_tokens", "tokens"),
         "ratio/mean_neg_adv": frac("ratio_sum_neg", "neg_tokens"),
         "ratio/mean_pos_adv": frac("ratio_sum_pos", "pos_tokens"),
         "ratio/min": s["ratio_min"] if s["tokens"] else math.nan,

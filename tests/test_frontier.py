@@ -1,6 +1,7 @@
 """frontier.sh and bench/frontier.py: a reduced frontier on the toy (μ = 2 resident, μ = 4 processes per phase, and
 the drift rule), killed and resumed, whose table's numbers are the runs' own records."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -207,18 +208,21 @@ def stubbed_frontier(tmp_path, **env):
     """frontier.sh in a copy of the tree whose run_stages.sh only records its settings (and setup.sh does nothing):
     what frontier.sh asks of each run and preflight, in seconds."""
     tree = tmp_path / "tree"
-    (tree / "bench").mkdir(parents=True)
+    (tree / "bench").mkdir(parents=True, exist_ok=True)      # (a second run: the same tree, its builds kept)
+    (tree / "data").mkdir(exist_ok=True)
     for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "rollouts.py", "bench/frontier.py"):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "setup.sh").write_text("exit 0\n")
-    (tree / "run_stages.sh").write_text(STUB_RUN_STAGES)
+    (tree / "run_stages.sh").write_text(STUB_RUN_STAGES + STUB_PROBE)
+    (tree / "data" / "lab_fork.py").write_text(STUB_BUILDER)
     record = tmp_path / "record"
     record.touch()
     proc = subprocess.run(["bash", "frontier.sh"], cwd=tree, capture_output=True, text=True, timeout=300, env={
         **os.environ, "MU_GRPO_VENV": str(Path(sys.executable).parents[1]), "RECORD": str(record), "PRESET": "paper",
         "OUT": str(tmp_path / "out"), "MUS": "4 1024", "LOSSES": "grpo mu-grpo", "NAV_DELTAS": "1e-4", "SEEDS": "0",
         **env})
-    rows = [dict(kv.split("=", 1) for kv in line.split()) for line in record.read_text().splitlines()]
+    rows = [dict(kv.split("=", 1) for kv in line.split()) for line in record.read_text().splitlines()
+            if line.startswith("LOSS=")]                           # (the stub builder's lines: BUILD=<b>)
     return proc, [r for r in rows if r["PREFLIGHT_ONLY"] == "true"], [r for r in rows if r["PREFLIGHT_ONLY"] != "true"]
 
 
@@ -248,3 +252,130 @@ def test_the_gpus_are_split_evenly_between_jobs_or_refused(monkeypatch):
     for gpus, jobs in ((4, 3), (2, 4)):
         with pytest.raises(SystemExit, match=f"JOBS={jobs}"):
             frontier.gpu_slices(gpus, jobs, None)
+
+
+# ------------------------------------------------------------------ regimes, the rule over builds, paired intervals
+STUB_BUILDER = """import json, os, sys
+from pathlib import Path
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+out = Path(args["out_dir"])
+(out / "model").mkdir(parents=True, exist_ok=True)
+(out / "model" / "config.json").write_text("{}")
+(out / "heldout.jsonl").write_text("")
+with open(os.environ["RECORD"], "a") as f:
+    f.write(f"BUILD={args['seed']}\\n")
+"""
+
+# a probe's records, as run_stages.sh leaves them: the held-out accuracy before and after, the updates' metrics
+STUB_PROBE = """
+if [[ "$RUN" == */regimes/* ]]; then
+  read -r initial final zero <<< "$(tr ' ' '\\n' <<< "$PROBE_TABLE" | sed -n "s|^${MODEL%/model}:||p" | tr : ' ')"
+  mkdir -p "$RUN/stage_0" "$RUN/.done"
+  printf '{"stage": -1, "updates": 0, "hours": 0, "avg_at_k": %s}\\n{"stage": 1, "updates": %s, "hours": 0.1, "avg_at_k": %s}\\n' \\
+    "$initial" "$(( STAGES * UPDATES_PER_STAGE ))" "$final" > "$RUN/results.jsonl"
+  for u in 1 2; do echo "{\\"minibatch/zero_variance_frac\\": $zero}" >> "$RUN/stage_0/metrics.jsonl"; done
+  touch "$RUN/.done/all"
+fi
+"""
+
+
+@pytest.mark.slow
+def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regime_and_the_sweep_runs_on_the_first(
+        tmp_path):
+    # build: initial accuracy, after the probe, zero-variance fraction → regime (climb_min 0.1, solves_most 0.5)
+    table = {0: (0.02, 0.04, 0.9), 1: (0.05, 0.08, 0.8), 2: (0.14, 0.40, 0.5), 3: (0.60, 0.70, 0.3),
+             4: (0.10, 0.15, 0.7), 5: (0.20, 0.50, 0.4)}    # stalls, stalls, learns, saturated, stalls, learns
+    regimes = {0: "stalls", 1: "stalls", 2: "learns", 3: "saturated", 4: "stalls", 5: "learns"}
+    probe_table = " ".join(f"data/lab_fork{'' if b == 0 else f'_build{b}'}:{i}:{f}:{z}" for b, (i, f, z) in table.items())
+    env = {"PRESET": "lab-fork", "MUS": "4 256", "NAV_DELTAS": "1e-4", "SEEDS": "0 1", "JOBS": "2",
+           "KEY_POINTS": "grpo:4 mu-grpo-d1e-4:256", "PROBE_UPDATES": "8", "PROBE_TABLE": probe_table}
+    for attempt in ("first", "again"):
+        proc, _, runs = stubbed_frontier(tmp_path, **env)
+        assert "no finished run" in proc.stderr, proc.stderr[-3000:]                # it went on to the table
+        record = (tmp_path / "record").read_text().splitlines()
+        builds = [line for line in record if line.startswith("BUILD=")]
+        probes = [r for r in runs if "/regimes/" in r["RUN"]]
+        if attempt == "again":                                    # built and probed once: nothing again
+            assert not builds and not probes
+            break
+        # candidates in order until 2 learn and 2 stall: 0 and 1 stall, 2 learns, 3 is saturated, 4 a third that
+        # stalls, 5 learns: six looked at, four kept
+        assert builds == [f"BUILD={b}" for b in range(6)]
+        assert [(r["RUN"].rsplit("/", 1)[1], r["LOSS"], r["UPDATES_PER_STAGE"], r["STAGES"]) for r in probes] == \
+            [(f"build{b}", "grpo", "4", "2") for b in range(6)]
+        for b in range(6):
+            measured = json.loads((tmp_path / "out" / "regimes" / f"build{b}.json").read_text())
+            initial, final, zero = table[b]
+            assert measured["regime"] == regimes[b] and measured["updates"] == 8
+            assert (measured["initial"], measured["climb"], measured["groups_with_variance"]) == \
+                pytest.approx((initial, final - initial, 1 - zero))
+        selection = json.loads((tmp_path / "out" / "regimes" / "selection.json").read_text())
+        assert selection["kept"] == [0, 1, 2, 5] and selection["candidates"] == list(range(6))
+        assert "looked at 6 build(s) and kept 4" in proc.stderr
+        # the key points on every kept build and seed; the rest of the sweep on the first build of each regime
+        # (2 learns, 0 stalls), seed 0
+        ran = sorted(r["RUN"].split("/out/", 1)[1] for r in runs if "/regimes/" not in r["RUN"])
+        key = [f"build{b}/seed{s}/{p}" for b in (0, 1, 2, 5) for s in (0, 1) for p in ("grpo-mu4", "mu-grpo-d1e-4-mu256")]
+        sweep = [f"build{b}/seed0/{p}" for b in (0, 2) for p in ("grpo-mu256", "mu-grpo-d1e-4-mu4")]
+        assert ran == sorted(key + sweep)
+        (tmp_path / "record").write_text("")
+
+
+def test_a_95_percent_t_interval_and_the_verdicts_by_hand(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["frontier.py"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.modules.pop("frontier", None)
+    import frontier
+    # [1, 2, 3, 4]: mean 2.5, sd √(5/3) = 1.2910, t(0.975, df 3) = 3.182: half-width 3.182 · 1.2910 / 2 = 2.0540
+    mean, low, high = frontier.t_interval([1.0, 2.0, 3.0, 4.0])
+    assert (mean, low, high) == pytest.approx((2.5, 0.4460, 4.5540), abs=1e-4)
+    # [0.1, 0.3]: sd 0.1414, df 1: t 12.706, half-width 12.706 · 0.1414 / √2 = 1.2706
+    assert frontier.t_interval([0.1, 0.3]) == pytest.approx((0.2, -1.0706, 1.4706), abs=1e-4)
+    # df 35 is read at the tabled df 30 (2.042: wider than the exact 2.030)
+    values = [0.0, 1.0] * 18
+    half = 2.042 * math.sqrt(sum((v - 0.5) ** 2 for v in values) / 35) / 6
+    assert frontier.t_interval(values) == pytest.approx((0.5, 0.5 - half, 0.5 + half))
+    assert frontier.t_interval([0.3]) == (0.3, None, None)
+    assert [frontier.verdict("<", *ci) for ci in ((-0.2, -0.1), (-0.2, 0.1), (0.1, 0.2))] == \
+        ["reproduced", "not shown", "reversed"]
+    assert [frontier.verdict(">", *ci) for ci in ((0.1, 0.2), (-0.2, 0.1), (-0.2, -0.1))] == \
+        ["reproduced", "not shown", "reversed"]
+    # "matches" (margin 0.05): the interval above −0.05, however far up; below zero entirely: reversed
+    assert [frontier.verdict("≥", *ci) for ci in ((-0.04, 0.3), (-0.06, 0.01), (-0.2, -0.01), (-0.04, -0.01))] == \
+        ["reproduced", "not shown", "reversed", "reproduced"]
+    assert frontier.verdict("<", None, None) == "—"
+
+
+def test_the_comparisons_are_paired_by_build_and_seed_and_split_by_regime(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["frontier.py"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.modules.pop("frontier", None)
+    import frontier
+    final = {("grpo", 4): {("build0", "seed0"): 0.10, ("build0", "seed1"): 0.12, ("build2", "seed0"): 0.80,
+                           ("build2", "seed1"): 0.78, ("build7", "seed0"): 0.5},
+             ("grpo", 256): {("build0", "seed0"): 0.04, ("build0", "seed1"): 0.03, ("build2", "seed0"): 0.25,
+                             ("build2", "seed1"): 0.27}}
+    points = {k: {run: {"final": f} for run, f in runs.items()} for k, runs in final.items()}
+    measured = {"build0": {"regime": "stalls"}, "build2": {"regime": "learns"}}
+    rows = {r["regime"]: r for r in frontier.comparisons(points, measured)}
+    assert sorted(rows) == ["all", "learns", "stalls"]         # build7 has no pair: it is in none
+    stalls, learns, both = rows["stalls"], rows["learns"], rows["all"]
+    assert stalls["differences"] == pytest.approx([-0.06, -0.09]) and stalls["pairs"] == 2
+    assert learns["differences"] == pytest.approx([-0.55, -0.51]) and learns["builds"] == ["build2"]
+    # learns: mean −0.53, sd 0.02828, df 1: half-width 12.706 · 0.02828 / √2 = 0.2541
+    assert (learns["mean"], learns["low"], learns["high"]) == pytest.approx((-0.53, -0.7841, -0.2759), abs=1e-4)
+    assert learns["verdict"] == "reproduced" and stalls["claim"] == "GRPO's clip fails at large μ"
+    assert both["pairs"] == 4 and both["mean"] == pytest.approx((-0.06 - 0.09 - 0.55 - 0.51) / 4)
+
+
+def test_the_rule_keeps_the_first_builds_of_each_regime_in_candidate_order(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["frontier.py"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.modules.pop("frontier", None)
+    import frontier
+    assert [frontier.regime_name(i, c) for i, c in ((0.02, 0.03), (0.14, 0.1), (0.14, 0.099), (0.5, 0.3))] == \
+        ["stalls", "learns", "stalls", "saturated"]
+    measured = {f"build{b}": {"regime": r} for b, r in enumerate(["stalls", "learns", "stalls", "stalls", "learns"])}
+    kept, by_regime = frontier.select_builds(measured, [4, 3, 2, 1, 0], ["learns", "stalls"], 2)
+    assert kept == [4, 3, 2, 1] and by_regime == {"learns": [4, 1], "stalls": [3, 2, 0]}
+    assert frontier.select_builds(measured, [0, 1, 2], ["learns"], 2)[0] == [1]

@@ -51,6 +51,22 @@ def test_grpo_clip_stops_the_gradient_below_lo_for_negative_advantage():
     assert m["ratio/mean_neg_adv"] == pytest.approx(1.0)
 
 
+def test_every_loss_logs_the_tokens_grpos_clip_would_take_the_gradient_from_and_whether_they_are_first():
+    # μ-GRPO's clip [0, 5] binds nowhere here; GRPO's [0.8, 1.2] would bind on A>0 at 1.5 (the first token of
+    # response 0) and on A<0 at 0.5 (the second of response 1, whose first token is padding) and 0.7 (its third)
+    behavior = [[0.0] * 4, [0.0] * 4]
+    ratios = [[1.5, 1.0, 0.5, 1.3], [9.0, 0.5, 0.7, 1.4]]
+    mask = [[T_, T_, T_, F_], [F_, T_, T_, T_]]
+    _, _, m = _loss_and_grad(behavior, ratios, [1.0, -1.0], mask, clip_low=0.0, clip_high=5.0)
+    assert m["clip/upper_frac"] == 0.0 and m["clip/lower_frac"] == 0.0
+    assert m["grpo_clip/upper_frac"] == pytest.approx(1 / 6)       # 1.5 (1.3 is padding)
+    assert m["grpo_clip/lower_frac"] == pytest.approx(2 / 6)       # 0.5 and 0.7 (9.0 is padding; 1.4 has A<0: free)
+    assert m["grpo_clip/first_token_share"] == pytest.approx(2 / 3)   # 1.5 and 0.5 are their responses' first tokens
+    assert m["grpo_clip/first_token_base"] == pytest.approx(2 / 6)
+    _, _, g = _loss_and_grad(behavior, ratios, [1.0, -1.0], mask, clip_low=0.8, clip_high=1.2)
+    assert (g["grpo_clip/upper_frac"], g["grpo_clip/lower_frac"]) == (g["clip/upper_frac"], g["clip/lower_frac"])
+
+
 def test_relaxed_clip_0_5_stops_only_ratios_above_5_for_positive_advantage():
     # clip [0, 5]: ratio 6 with A>0 is clipped (zero grad), ratio 4 is not; A<0 never hits lo = 0
     loss, grad, _ = _loss_and_grad([[0.0, 0.0], [0.0, 0.0]], [[6.0, 4.0], [0.01, 4.0]], [1.0, -1.0],
