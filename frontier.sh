@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The paper's question in one command: accuracy against wall-clock across μ, at equal updates (bash frontier.sh)
+#   0. the lab tasks: candidate builds, each built and probed in order, until the rule has enough builds of each regime
+#      (bench/regimes.py; "the builds" below)
 #   1. every point — a LOSS preset (with each NAV δ of NAV_DELTAS where the preset has NAV) at a μ of MUS — on every
 #      build and seed is one run_stages.sh run of TOTAL_UPDATES updates of the preset's prompts per update:
 #      TOTAL_UPDATES / μ stages, evaluated every EVAL_UPDATES updates (after every stage when μ is larger), in
@@ -7,7 +9,8 @@
 #      start each, as the paper's GRPO baseline ran resident in verl), processes per phase above it
 #   2. bench/frontier.py: the table (frontier.md), every number (frontier.json) and the figures (plots/) from the
 #      runs' records: time split, staleness, the importance weights, speed-ups against BASELINE at equal updates,
-#      at matched accuracy and re-costed for a per-stage switching cost of each of COSTS
+#      at matched accuracy and re-costed for a per-stage switching cost of each of COSTS; the paper's comparisons as
+#      paired differences with 95 % intervals, per regime; where the ratio leaves GRPO's clip
 # Rerunning resumes: finished runs are skipped and a killed one resumes where it stopped (run_stages.sh). Every
 # variable below can be set from the environment; run_stages.sh's (LR, PROMPTS_PER_UPDATE, ...) pass through.
 set -euo pipefail
@@ -41,7 +44,7 @@ SWEEP_BUILDS=${SWEEP_BUILDS:-first}  # "first": the first build of each regime t
 SWEEP_SEEDS=${SWEEP_SEEDS:-0}
 # ---- the builds (lab tasks: the builder's --seed, i.e. the task and its warm-started policy; 0 is data/<task>/, b > 0
 # data/<task>_build<b>/). Each candidate is built, then probed: GRPO at the smallest μ for PROBE_UPDATES updates (seed
-# PROBE_SEED, none of SEEDS), whose records give the build's regime (bench/frontier.py regime_name: saturated, learns,
+# PROBE_SEED, none of SEEDS), whose records give the build's regime (bench/regimes.py regime_name: saturated, learns,
 # stalls; $OUT/regimes/build<b>.json). The rule: candidates in CANDIDATES' order until it has the first PER_REGIME of
 # each of REGIMES; the frontier runs on those (how many it looked at and kept: frontier.md)
 BUILDS=${BUILDS:-}              # given: exactly these builds, no probe and no rule (the toy and paper presets: 0)
@@ -210,16 +213,16 @@ if [[ $PRESET == lab* && -z "$BUILDS" ]]; then   # the rule: build and probe can
       echo "probe of build $b: GRPO μ = $SMALL, $PROBE_UPDATES updates, seed $PROBE_SEED ($(( ($(date +%s) - T0) / 60 )) min)"
       TOTAL_UPDATES=$PROBE_UPDATES EVAL_UPDATES=$PROBE_UPDATES point_env "grpo:$SMALL"
       launch "$probe" "$b" "$PROBE_SEED" "$(worker_cores 0)" "${SLICES[0]:-}" || exit 1
-      $PY bench/frontier.py --regime_of="$probe" 9>&-
+      $PY bench/regimes.py --regime_of="$probe" 9>&-
     fi
     LOOKED+=("$b")
-    chosen=$($PY bench/frontier.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
+    chosen=$($PY bench/regimes.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
                  --per_regime="$PER_REGIME" 2> "$OUT/regimes/selection.log" 9>&-) \
       || { cat "$OUT/regimes/selection.log" >&2; exit 1; }
     BUILDS=$(sed -n 1p <<< "$chosen") FIRSTS=$(sed -n 2p <<< "$chosen")
     (( $(wc -w <<< "$BUILDS") == PER_REGIME * $(wc -w <<< "$REGIMES") )) && break
   done
-  $PY bench/frontier.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
+  $PY bench/regimes.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
       --per_regime="$PER_REGIME" 9>&- > /dev/null
   [[ -n "$BUILDS" ]] || { echo "the rule kept no build of [$CANDIDATES] (regimes $REGIMES): see $OUT/regimes/" >&2; exit 1; }
 else

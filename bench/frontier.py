@@ -13,6 +13,11 @@ it runs as a script).
 Reads <runs_dir>/build<b>/seed<s>/<label>-mu<μ>/ (label: the LOSS preset, with -d<δ> for a preset with NAV); writes
 <out>/frontier.md (the table), frontier.json (every number, per run and per point) and plots/frontier_*.png.
 
+The paper's comparisons (GRPO's clip fails at large μ, μ-GRPO learns where it stalls, μ-GRPO at large μ matches GRPO
+at small μ) are paired differences with 95 % t intervals, per build regime (bench/regimes.py: each build's regime, the
+rule that chose the builds, the statistics); a last table shows, per point and regime, where the ratio leaves GRPO's
+clip [0.8, 1.2] (loss.py's grpo_clip/ metrics: the tokens on which a wider clip and GRPO's differ).
+
 Time is the run's wall-clock with its evaluations taken out (points evaluate at different counts: μ = 256 cannot be
 evaluated inside its one stage), split by plot.time_split into generation, training, switching and idle. Re-costing
 replaces each stage's measured switching by c: T(c) = T − switching + c · stages, so T(measured per-stage switching)
@@ -30,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import plot  # noqa: E402
+import regimes  # noqa: E402  (bench/: the builds' regimes, the paired comparisons)
 
 runs_dir = "runs/frontier-lab-fork"   # holds build<b>/seed<s>/<label>-mu<μ>/ run directories
 baseline = "grpo:4"             # label:μ of the point the speed-ups are measured against (the paper's GRPO μ = 4)
@@ -39,14 +45,6 @@ estimate_from = ""              # a preflight.json: print each point's estimated
 estimate_points = ""            # its points, label:μ space-separated (frontier.sh passes them)
 total_updates = 0               # its updates per point, and the preflight's stage's (the μ it was run at)
 preflight_updates = 0
-regime_of = ""                  # a probe's run directory: write its build's regime (<dir>.json) from its records
-select = ""                     # a directory of regimes (build<b>.json): print the builds the rule keeps, in order
-candidates = ""                 # the builds select looks at, space-separated, in the order the rule takes them
-regimes = "learns stalls"       # the regimes the rule keeps builds of ...
-per_regime = 2                  # ... and how many of each: the first per_regime candidates in it
-solves_most = 0.5               # a build whose initial held-out accuracy is at least this: "saturated"
-climb_min = 0.1                 # else GRPO at small μ gaining at least this in the probe: "learns"; less: "stalls"
-match_margin = 0.05             # "matches": the paired difference's interval lies above −match_margin (accuracy)
 jobs = 0                        # with gpus: print each of `jobs` runs at once its CUDA_VISIBLE_DEVICES, one line each
 gpus = 0                        # (gpu_slices; frontier.sh's JOBS on a box of this many GPUs)
 common.apply_overrides(globals(), sys.argv[1:] if __name__ == "__main__" else [])  # imported: not our argv (a kernel's)
@@ -131,166 +129,6 @@ def collect(runs_dir):
         if r is not None:
             points.setdefault((label, int(mu) if mu.isdigit() else mu), {})[(run_dir.parents[1].name, run_dir.parent.name)] = r
     return points, unfinished
-
-
-# ----------------------------------------------------------------------------- regimes: which builds can answer it
-# A build's regime, measured when it is built by a probe (frontier.sh: GRPO at the smallest μ for a few updates, a seed
-# of its own, the frontier's settings otherwise): its initial held-out accuracy, the fraction of groups whose rewards
-# vary (the only ones GRPO learns from), and how far the probe climbs. The paper's setting is a base model that
-# solves some but not most problems at the start and that GRPO at small μ improves: "learns" here.
-
-
-def regime_name(initial, climb):
-    """saturated: solves most problems at the start; learns: GRPO at small μ climbs at least climb_min in the probe;
-    stalls: it does not (the lab's first two builds: their accuracy starts at 0.02–0.05 and barely moves)."""
-    if initial >= solves_most:
-        return "saturated"
-    return "learns" if climb >= climb_min else "stalls"
-
-
-def regime(probe_dir):
-    """A build's regime from its probe's records: {initial, probe_accuracy, climb, groups_with_variance, updates,
-    regime} (accuracies on the held-out set the frontier evaluates on, before and after the probe; the fraction of
-    groups with reward variance over the probe's updates)."""
-    if not (Path(probe_dir) / ".done" / "all").exists():
-        sys.exit(f"{probe_dir}: the probe has not finished (no .done/all): run frontier.sh again to finish it")
-    run = plot.load_run(probe_dir)
-    curve = plot.accuracy_by_stage(run)               # [(stage, updates, hours, accuracy)]
-    zero_variance = mean_of(run["metrics"], "minibatch/zero_variance_frac")
-    if len(curve) < 2 or zero_variance is None:
-        sys.exit(f"{probe_dir}: the probe's records lack an evaluation before and after training, or its updates")
-    initial, final = curve[0][3], curve[-1][3]
-    return {"initial": initial, "probe_accuracy": final, "climb": final - initial,
-            "groups_with_variance": 1 - zero_variance, "updates": curve[-1][1],
-            "regime": regime_name(initial, final - initial), "probe": str(probe_dir)}
-
-
-def load_regimes(regimes_dir):
-    """{"build<b>": its regime} for every build<b>.json under regimes_dir (none: {})."""
-    return {f.stem: json.loads(f.read_text()) for f in sorted(Path(regimes_dir).glob("build*.json"))}
-
-
-def select_builds(measured, looked_at, kept_regimes, per):
-    """The rule: the candidates in the order given; of each regime in kept_regimes, the first `per` that are in it.
-    measured: {"build<b>": regime}; returns (the kept builds in candidate order, {regime: the candidates in it})."""
-    by_regime = {}
-    for b in looked_at:
-        by_regime.setdefault(measured[f"build{b}"]["regime"], []).append(b)
-    kept = {b for name in kept_regimes for b in by_regime.get(name, [])[:per]}
-    return [b for b in looked_at if b in kept], by_regime
-
-
-def selection_table(measured, looked_at, kept):
-    """The candidates' regimes, in the order the rule looked at them, and which it kept: a markdown table."""
-    rows = ["| build | initial accuracy | groups with reward variance | probe accuracy | climb | regime | kept |",
-            "|---|---|---|---|---|---|---|"]
-    for b in looked_at:
-        g = measured[f"build{b}"]
-        rows.append(f"| {b} | {g['initial']:.3f} | {g['groups_with_variance']:.2f} | {g['probe_accuracy']:.3f} | "
-                    f"{g['climb']:+.3f} ({g['updates']} updates) | {g['regime']} | {'yes' if b in kept else ''} |")
-    return "\n".join(rows)
-
-
-def print_selection():
-    """The rule applied to the candidates measured so far: the table and how many it kept on stderr (and in
-    selection.json); on stdout the kept builds, then the first kept build of each regime (frontier.sh's sweep)."""
-    measured = load_regimes(select)
-    looked_at = [int(b) for b in candidates.split()]
-    missing = [b for b in looked_at if f"build{b}" not in measured]
-    if missing:
-        sys.exit(f"{select}: no regime measured for build(s) {missing} (build<b>.json): run their probes first")
-    kept_regimes = regimes.split()
-    kept, by_regime = select_builds(measured, looked_at, kept_regimes, per_regime)
-    short = [f"{name}: {len(by_regime.get(name, []))} of {per_regime}" for name in kept_regimes
-             if len(by_regime.get(name, [])) < per_regime]
-    summary = (f"the rule looked at {len(looked_at)} build(s) and kept {len(kept)}: the first {per_regime} of each "
-               f"regime of {kept_regimes}" + (f" (too few candidates in {', '.join(short)})" if short else ""))
-    common.atomic_write_json(Path(select) / "selection.json", {
-        "candidates": looked_at, "kept": kept, "regimes": kept_regimes, "per_regime": per_regime,
-        "by_regime": by_regime, "rule": {"solves_most": solves_most, "climb_min": climb_min}, "summary": summary})
-    print(selection_table(measured, looked_at, kept) + "\n" + summary, file=sys.stderr)
-    print(" ".join(map(str, kept)))                                           # the builds the frontier runs on
-    print(" ".join(str(by_regime[name][0]) for name in kept_regimes if by_regime.get(name)))   # the first of each
-
-
-# ----------------------------------------------------------------------------- the paper's comparisons, paired
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}   # Student's t, 97.5 % point, by df
-
-
-def t_interval(values):
-    """(mean, low, high): the 95 % t interval of the mean of values, df = n − 1 (the t point of the largest tabled df
-    at or below it: never narrower than the exact one); low = high = None with fewer than two values."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None, None
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = T975[max(df for df in T975 if df <= n - 1)] * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
-
-
-def claims(points):
-    """The paper's comparisons the frontier's points can make: (claim, point, against, direction), each a difference
-    of final accuracy point − against; direction "<" or ">": the paper's sign; "≥": not worse by match_margin."""
-    mus = sorted(mu for _, mu in points if isinstance(mu, int))
-    if not mus:
-        return []
-    small, big = mus[0], mus[-1]
-    deltas = sorted({label.split("-d", 1)[1] for label, _ in points if label.startswith("mu-grpo-d")}, key=float)
-    out = [("GRPO's clip fails at large μ", ("grpo", big), ("grpo", small), "<")]
-    for d in deltas:
-        mg = f"mu-grpo-d{d}"
-        out += [(f"μ-GRPO (δ {d}) learns where GRPO's clip stalls", (mg, big), ("grpo", big), ">"),
-                (f"μ-GRPO (δ {d}) at large μ matches GRPO at small μ", (mg, big), ("grpo", small), "≥"),
-                (f"μ-GRPO (δ {d}) at small μ matches GRPO (the losses differ only in the clip)", (mg, small),
-                 ("grpo", small), "≥")]
-    return [c for c in out if c[1] in points and c[2] in points and c[1] != c[2]]
-
-
-def verdict(direction, low, high):
-    """"reproduced" only where the interval excludes zero in the paper's direction (for "≥", excludes −match_margin
-    from below); "reversed" where it excludes zero the other way; else "not shown"."""
-    if low is None:
-        return "—"
-    if direction == "<":
-        return "reproduced" if high < 0 else "reversed" if low > 0 else "not shown"
-    if direction == ">":
-        return "reproduced" if low > 0 else "reversed" if high < 0 else "not shown"
-    return "reproduced" if low > -match_margin else "reversed" if high < 0 else "not shown"
-
-
-def comparisons(points, measured):
-    """Per claim and regime (and all regimes together): the paired differences of final accuracy (same build, same
-    seed), their mean and 95 % t interval over the pairs, and the verdict."""
-    regime_of = lambda build: measured.get(build, {}).get("regime", "unmeasured")  # noqa: E731
-    rows = []
-    for claim, a, b, direction in claims(points):
-        pairs = sorted(k for k in points[a] if k in points[b])
-        for name in sorted({regime_of(k[0]) for k in pairs}) + ["all"]:
-            chosen = [k for k in pairs if name == "all" or regime_of(k[0]) == name]
-            if name == "all" and len({regime_of(k[0]) for k in pairs}) < 2 or not chosen:
-                continue                          # one regime: "all" is the same rows again
-            diffs = [points[a][k]["final"] - points[b][k]["final"] for k in chosen]
-            mean, low, high = t_interval(diffs)
-            rows.append({"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction,
-                         "regime": name, "builds": sorted({k[0] for k in chosen}), "pairs": len(chosen),
-                         "differences": diffs, "mean": mean, "low": low, "high": high,
-                         "verdict": verdict(direction, low, high)})
-    return rows
-
-
-def comparisons_markdown(rows):
-    if not rows:
-        return "(none: the frontier has no pair of the points the comparisons need, e.g. grpo at its smallest and largest μ)"
-    lines = ["| claim | difference | regime | builds × seeds | mean | 95 % CI | paper's direction | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
-        want = {"<": "< 0", ">": "> 0", "≥": f"> −{match_margin:g}"}[r["direction"]]
-        lines.append(f"| {r['claim']} | {r['point']} − {r['against']} | {r['regime']} | {len(r['builds'])} builds, "
-                     f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {want} | {r['verdict']} |")
-    return "\n".join(lines)
 
 
 def diagnostics_markdown(points, measured):
@@ -507,14 +345,6 @@ def main():
         return print("\n".join(gpu_slices(gpus, jobs, os.environ.get("CUDA_VISIBLE_DEVICES"))))
     if estimate_from:
         return print_estimate()
-    if regime_of:
-        measured = regime(regime_of)
-        common.atomic_write_json(Path(f"{regime_of}.json"), measured)
-        return print(f"{Path(regime_of).name}: initial accuracy {measured['initial']:.3f}, groups with reward variance "
-                     f"{measured['groups_with_variance']:.2f}, the probe's {measured['updates']} updates to "
-                     f"{measured['probe_accuracy']:.3f} ({measured['climb']:+.3f}): {measured['regime']}")
-    if select:
-        return print_selection()
     points, unfinished = collect(runs_dir)
     if unfinished:
         print(f"left out, not finished: {', '.join(str(p.relative_to(runs_dir)) for p in unfinished)}\n")
@@ -522,18 +352,18 @@ def main():
         sys.exit(f"{runs_dir}: no finished run under build*/seed*/*-mu*: run frontier.sh first")
     speed = speedups(points, baseline_key(points, baseline), costs_s)
     rows = point_rows(points, speed)
-    measured = load_regimes(Path(runs_dir) / "regimes")
-    compared = comparisons(points, measured)
+    measured = regimes.load_regimes(Path(runs_dir) / "regimes")
+    compared = regimes.comparisons(points, measured)
     where = Path(out or runs_dir)
     where.mkdir(parents=True, exist_ok=True)
     selection = Path(runs_dir) / "regimes" / "selection.json"
     chosen = json.loads(selection.read_text()) if selection.exists() else None
-    regimes_part = ["The builds' regimes (each measured by its probe when built)", selection_table(
+    regimes_part = ["The builds' regimes (each measured by its probe when built)", regimes.selection_table(
         measured, chosen["candidates"], chosen["kept"]) + "\n\n" + chosen["summary"]] if chosen else []
     chosen = chosen["summary"] if chosen else "builds given (BUILDS), not chosen by the rule"
     table = "\n\n".join([markdown(rows)] + regimes_part + [
         f"The paper's comparisons, paired (same build, same seed): final accuracy differences, 95 % t intervals over "
-        f"the pairs (df = pairs − 1), per regime ({chosen})", comparisons_markdown(compared),
+        f"the pairs (df = pairs − 1), per regime ({chosen})", regimes.comparisons_markdown(compared),
         "Where the ratio leaves GRPO's clip, per regime", diagnostics_markdown(points, measured)])
     common.atomic_write_json(where / "frontier.json", {
         "baseline": baseline, "costs": costs_s, "points": rows, "comparisons": compared, "regimes": measured,
@@ -547,7 +377,7 @@ def main():
           f"each run's first evaluation at or above the lowest final accuracy of {baseline}'s seeds on that build; "
           f"c: each stage's switching re-costed at c seconds. → {where}/frontier.md, frontier.json, plots/")
     print(f"verdicts: reproduced only where the interval excludes zero in the paper's direction (\"matches\": "
-          f"excludes −{match_margin:g}, a margin of accuracy); regimes: bench/frontier.py regime_name")
+          f"excludes −{regimes.match_margin:g}, a margin of accuracy); regimes: bench/regimes.py")
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def stubbed_frontier(tmp_path, **env):
     tree = tmp_path / "tree"
     (tree / "bench").mkdir(parents=True, exist_ok=True)      # (a second run: the same tree, its builds kept)
     (tree / "data").mkdir(exist_ok=True)
-    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "rollouts.py", "bench/frontier.py"):
+    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "rollouts.py", "bench/frontier.py", "bench/regimes.py"):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "setup.sh").write_text("exit 0\n")
     (tree / "run_stages.sh").write_text(STUB_RUN_STAGES + STUB_PROBE)
@@ -322,42 +322,38 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
 
 
 def test_a_95_percent_t_interval_and_the_verdicts_by_hand(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["frontier.py"])
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.modules.pop("frontier", None)
-    import frontier
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import regimes
     # [1, 2, 3, 4]: mean 2.5, sd √(5/3) = 1.2910, t(0.975, df 3) = 3.182: half-width 3.182 · 1.2910 / 2 = 2.0540
-    mean, low, high = frontier.t_interval([1.0, 2.0, 3.0, 4.0])
+    mean, low, high = regimes.t_interval([1.0, 2.0, 3.0, 4.0])
     assert (mean, low, high) == pytest.approx((2.5, 0.4460, 4.5540), abs=1e-4)
     # [0.1, 0.3]: sd 0.1414, df 1: t 12.706, half-width 12.706 · 0.1414 / √2 = 1.2706
-    assert frontier.t_interval([0.1, 0.3]) == pytest.approx((0.2, -1.0706, 1.4706), abs=1e-4)
+    assert regimes.t_interval([0.1, 0.3]) == pytest.approx((0.2, -1.0706, 1.4706), abs=1e-4)
     # df 35 is read at the tabled df 30 (2.042: wider than the exact 2.030)
     values = [0.0, 1.0] * 18
     half = 2.042 * math.sqrt(sum((v - 0.5) ** 2 for v in values) / 35) / 6
-    assert frontier.t_interval(values) == pytest.approx((0.5, 0.5 - half, 0.5 + half))
-    assert frontier.t_interval([0.3]) == (0.3, None, None)
-    assert [frontier.verdict("<", *ci) for ci in ((-0.2, -0.1), (-0.2, 0.1), (0.1, 0.2))] == \
+    assert regimes.t_interval(values) == pytest.approx((0.5, 0.5 - half, 0.5 + half))
+    assert regimes.t_interval([0.3]) == (0.3, None, None)
+    assert [regimes.verdict("<", *ci) for ci in ((-0.2, -0.1), (-0.2, 0.1), (0.1, 0.2))] == \
         ["reproduced", "not shown", "reversed"]
-    assert [frontier.verdict(">", *ci) for ci in ((0.1, 0.2), (-0.2, 0.1), (-0.2, -0.1))] == \
+    assert [regimes.verdict(">", *ci) for ci in ((0.1, 0.2), (-0.2, 0.1), (-0.2, -0.1))] == \
         ["reproduced", "not shown", "reversed"]
     # "matches" (margin 0.05): the interval above −0.05, however far up; below zero entirely: reversed
-    assert [frontier.verdict("≥", *ci) for ci in ((-0.04, 0.3), (-0.06, 0.01), (-0.2, -0.01), (-0.04, -0.01))] == \
+    assert [regimes.verdict("≥", *ci) for ci in ((-0.04, 0.3), (-0.06, 0.01), (-0.2, -0.01), (-0.04, -0.01))] == \
         ["reproduced", "not shown", "reversed", "reproduced"]
-    assert frontier.verdict("<", None, None) == "—"
+    assert regimes.verdict("<", None, None) == "—"
 
 
 def test_the_comparisons_are_paired_by_build_and_seed_and_split_by_regime(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["frontier.py"])
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.modules.pop("frontier", None)
-    import frontier
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import regimes
     final = {("grpo", 4): {("build0", "seed0"): 0.10, ("build0", "seed1"): 0.12, ("build2", "seed0"): 0.80,
                            ("build2", "seed1"): 0.78, ("build7", "seed0"): 0.5},
              ("grpo", 256): {("build0", "seed0"): 0.04, ("build0", "seed1"): 0.03, ("build2", "seed0"): 0.25,
                              ("build2", "seed1"): 0.27}}
     points = {k: {run: {"final": f} for run, f in runs.items()} for k, runs in final.items()}
     measured = {"build0": {"regime": "stalls"}, "build2": {"regime": "learns"}}
-    rows = {r["regime"]: r for r in frontier.comparisons(points, measured)}
+    rows = {r["regime"]: r for r in regimes.comparisons(points, measured)}
     assert sorted(rows) == ["all", "learns", "stalls"]         # build7 has no pair: it is in none
     stalls, learns, both = rows["stalls"], rows["learns"], rows["all"]
     assert stalls["differences"] == pytest.approx([-0.06, -0.09]) and stalls["pairs"] == 2
@@ -369,13 +365,11 @@ def test_the_comparisons_are_paired_by_build_and_seed_and_split_by_regime(monkey
 
 
 def test_the_rule_keeps_the_first_builds_of_each_regime_in_candidate_order(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["frontier.py"])
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.modules.pop("frontier", None)
-    import frontier
-    assert [frontier.regime_name(i, c) for i, c in ((0.02, 0.03), (0.14, 0.1), (0.14, 0.099), (0.5, 0.3))] == \
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import regimes
+    assert [regimes.regime_name(i, c) for i, c in ((0.02, 0.03), (0.14, 0.1), (0.14, 0.099), (0.5, 0.3))] == \
         ["stalls", "learns", "stalls", "saturated"]
     measured = {f"build{b}": {"regime": r} for b, r in enumerate(["stalls", "learns", "stalls", "stalls", "learns"])}
-    kept, by_regime = frontier.select_builds(measured, [4, 3, 2, 1, 0], ["learns", "stalls"], 2)
+    kept, by_regime = regimes.select_builds(measured, [4, 3, 2, 1, 0], ["learns", "stalls"], 2)
     assert kept == [4, 3, 2, 1] and by_regime == {"learns": [4, 1], "stalls": [3, 2, 0]}
-    assert frontier.select_builds(measured, [0, 1, 2], ["learns"], 2)[0] == [1]
+    assert regimes.select_builds(measured, [0, 1, 2], ["learns"], 2)[0] == [1]
