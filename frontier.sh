@@ -46,12 +46,14 @@ SWEEP_SEEDS=${SWEEP_SEEDS:-0}
 # data/<task>_build<b>/). Each candidate is built, then probed: GRPO at the smallest μ for PROBE_UPDATES updates (seed
 # PROBE_SEED, none of SEEDS), whose records give the build's regime (bench/regimes.py regime_name: saturated, learns,
 # stalls; $OUT/regimes/build<b>.json). The rule: candidates in CANDIDATES' order until it has the first PER_REGIME of
-# each of REGIMES; the frontier runs on those (how many it looked at and kept: frontier.md)
+# each of REGIMES (with too few in a regime, the next candidates of REGIMES, in order, up to MIN_BUILDS); the frontier
+# runs on those (how many it looked at and kept: frontier.md)
 BUILDS=${BUILDS:-}              # given: exactly these builds, no probe and no rule (the toy and paper presets: 0)
 CANDIDATES=${CANDIDATES:-0 1 2 3 4 5 6 7}
 REGIMES=${REGIMES:-learns stalls}   # the paper's setting (a model that solves some problems at the start and that GRPO
                                 # at small μ improves) and the lab's first builds' (it barely moves them)
 PER_REGIME=${PER_REGIME:-2}
+MIN_BUILDS=${MIN_BUILDS:-4}
 PROBE_UPDATES=${PROBE_UPDATES:-64}
 PROBE_SEED=${PROBE_SEED:-100}
 BASELINE=${BASELINE:-grpo:$(set -- $MUS; echo "$1")}  # label:μ the speed-ups are against (label: the LOSS, -d<δ> with NAV)
@@ -91,9 +93,9 @@ for mu in $MUS; do
   [[ "$mu" == drift ]] || { [[ "$mu" =~ ^[0-9]+$ ]] && (( mu >= 1 && TOTAL_UPDATES % mu == 0 )); } \
     || { echo "MUS: each μ must divide TOTAL_UPDATES=$TOTAL_UPDATES (or be 'drift'), got '$mu'" >&2; exit 2; }
 done
-for x in $SEEDS $BUILDS $JOBS $CANDIDATES $PER_REGIME $PROBE_UPDATES $PROBE_SEED $SWEEP_SEEDS \
+for x in $SEEDS $BUILDS $JOBS $CANDIDATES $PER_REGIME $MIN_BUILDS $PROBE_UPDATES $PROBE_SEED $SWEEP_SEEDS \
          $([[ "$SWEEP_BUILDS" == first ]] || echo "$SWEEP_BUILDS"); do
-  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS, JOBS, CANDIDATES, PER_REGIME, PROBE_UPDATES, PROBE_SEED and SWEEP_*" \
+  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS, JOBS, CANDIDATES, PER_REGIME, MIN_BUILDS, PROBE_UPDATES, PROBE_SEED and SWEEP_*" \
                                    "must be whole numbers (SWEEP_BUILDS or 'first'), got '$x'" >&2; exit 2; }
 done
 for r in $REGIMES; do
@@ -217,13 +219,13 @@ if [[ $PRESET == lab* && -z "$BUILDS" ]]; then   # the rule: build and probe can
     fi
     LOOKED+=("$b")
     chosen=$($PY bench/regimes.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
-                 --per_regime="$PER_REGIME" 2> "$OUT/regimes/selection.log" 9>&-) \
+                 --per_regime="$PER_REGIME" --at_least="$MIN_BUILDS" 2> "$OUT/regimes/selection.log" 9>&-) \
       || { cat "$OUT/regimes/selection.log" >&2; exit 1; }
     BUILDS=$(sed -n 1p <<< "$chosen") FIRSTS=$(sed -n 2p <<< "$chosen")
-    (( $(wc -w <<< "$BUILDS") == PER_REGIME * $(wc -w <<< "$REGIMES") )) && break
+    [[ $(sed -n 3p <<< "$chosen") != complete ]] || break
   done
   $PY bench/regimes.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
-      --per_regime="$PER_REGIME" 9>&- > /dev/null
+      --per_regime="$PER_REGIME" --at_least="$MIN_BUILDS" 9>&- > /dev/null
   [[ -n "$BUILDS" ]] || { echo "the rule kept no build of [$CANDIDATES] (regimes $REGIMES): see $OUT/regimes/" >&2; exit 1; }
 else
   for build in $BUILDS; do [[ $PRESET != lab* ]] || build_task "$build"; done

@@ -28,6 +28,8 @@ select = ""                     # a directory of regimes (build<b>.json): print 
 candidates = ""                 # the builds select looks at, space-separated, in the order the rule takes them
 regimes = "learns stalls"       # the regimes the rule keeps builds of ...
 per_regime = 2                  # ... and how many of each: the first per_regime candidates in it
+at_least = 4                    # with too few candidates in a regime, the next candidates of the kept regimes, in
+                                # order, until this many builds are kept
 solves_most = 0.5               # a build whose initial held-out accuracy is at least this: "saturated"
 climb_min = 0.1                 # else GRPO at small μ gaining at least this (accuracy) in the probe: "learns"; else "stalls"
 match_margin = 0.05             # "matches": the paired difference's interval lies above −match_margin (accuracy)
@@ -64,13 +66,18 @@ def load_regimes(regimes_dir):
     return {f.stem: json.loads(f.read_text()) for f in sorted(Path(regimes_dir).glob("build*.json"))}
 
 
-def select_builds(measured, looked_at, kept_regimes, per):
-    """The rule: the candidates in the order given; of each regime in kept_regimes, the first `per` that are in it.
-    measured: {"build<b>": regime}; returns (the kept builds in candidate order, {regime: the candidates in it})."""
+def select_builds(measured, looked_at, kept_regimes, per, least=0):
+    """The rule: the candidates in the order given; of each regime in kept_regimes, the first `per` that are in it;
+    if that is fewer than `least` builds (a regime with too few candidates), the next candidates in any of
+    kept_regimes, in order, until there are `least`. measured: {"build<b>": regime}; returns (the kept builds in
+    candidate order, {regime: the candidates in it})."""
     by_regime = {}
     for b in looked_at:
         by_regime.setdefault(measured[f"build{b}"]["regime"], []).append(b)
     kept = {b for name in kept_regimes for b in by_regime.get(name, [])[:per]}
+    for b in looked_at:
+        if len(kept) < least and measured[f"build{b}"]["regime"] in kept_regimes:
+            kept.add(b)
     return [b for b in looked_at if b in kept], by_regime
 
 
@@ -87,24 +94,28 @@ def selection_table(measured, looked_at, kept):
 
 def print_selection():
     """The rule applied to the candidates measured so far: the table and how many it kept on stderr (and in
-    selection.json); on stdout the kept builds, then the first kept build of each regime (frontier.sh's sweep)."""
+    selection.json); on stdout three lines: the kept builds, the first kept build of each regime (frontier.sh's
+    sweep), and "complete" once every regime has its per_regime builds (frontier.sh looks no further), else "short"."""
     measured = load_regimes(select)
     looked_at = [int(b) for b in candidates.split()]
     missing = [b for b in looked_at if f"build{b}" not in measured]
     if missing:
         sys.exit(f"{select}: no regime measured for build(s) {missing} (build<b>.json): run their probes first")
     kept_regimes = regimes.split()
-    kept, by_regime = select_builds(measured, looked_at, kept_regimes, per_regime)
+    kept, by_regime = select_builds(measured, looked_at, kept_regimes, per_regime, at_least)
     short = [f"{name}: {len(by_regime.get(name, []))} of {per_regime}" for name in kept_regimes
              if len(by_regime.get(name, [])) < per_regime]
     summary = (f"the rule looked at {len(looked_at)} build(s) and kept {len(kept)}: the first {per_regime} of each "
-               f"regime of {kept_regimes}" + (f" (too few candidates in {', '.join(short)})" if short else ""))
+               f"regime of {kept_regimes}" + (f" (too few candidates in {', '.join(short)}; then the next of those "
+                                                f"regimes, in order, up to {at_least} builds)" if short else ""))
     common.atomic_write_json(Path(select) / "selection.json", {
         "candidates": looked_at, "kept": kept, "regimes": kept_regimes, "per_regime": per_regime,
-        "by_regime": by_regime, "rule": {"solves_most": solves_most, "climb_min": climb_min}, "summary": summary})
+        "by_regime": by_regime, "at_least": at_least, "rule": {"solves_most": solves_most, "climb_min": climb_min},
+        "summary": summary})
     print(selection_table(measured, looked_at, kept) + "\n" + summary, file=sys.stderr)
     print(" ".join(map(str, kept)))                                           # the builds the frontier runs on
     print(" ".join(str(by_regime[name][0]) for name in kept_regimes if by_regime.get(name)))   # the first of each
+    print("short" if short else "complete")                     # whether every regime has its per_regime builds
 
 
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,

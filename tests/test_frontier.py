@@ -373,3 +373,8 @@ def test_the_rule_keeps_the_first_builds_of_each_regime_in_candidate_order(monke
     kept, by_regime = regimes.select_builds(measured, [4, 3, 2, 1, 0], ["learns", "stalls"], 2)
     assert kept == [4, 3, 2, 1] and by_regime == {"learns": [4, 1], "stalls": [3, 2, 0]}
     assert regimes.select_builds(measured, [0, 1, 2], ["learns"], 2)[0] == [1]
+    # one build stalls in five: the quotas give three, the next candidate of a kept regime (not a saturated one) a fourth
+    measured = {f"build{b}": {"regime": r} for b, r in enumerate(["saturated", "learns", "learns", "stalls", "learns"])}
+    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], ["learns", "stalls"], 2, least=4)[0] == [1, 2, 3, 4]
+    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], ["learns", "stalls"], 2)[0] == [1, 2, 3]
+    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], ["learns", "stalls"], 1, least=4)[0] == [1, 2, 3, 4]
