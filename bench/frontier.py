@@ -135,12 +135,11 @@ def diagnostics_markdown(points, measured):
     """Per point and regime, where the ratio leaves GRPO's clip [0.8, 1.2] in the direction that clip stops (A > 0
     above 1.2, A < 0 below 0.8: the tokens on which a wider clip and GRPO's differ), the share of those that are a
     response's first token (against the first tokens' share of all), vetoed and clipped fractions."""
-    regime_of = lambda build: measured.get(build, {}).get("regime", "unmeasured")  # noqa: E731
     lines = ["| point | regime | runs | final accuracy | beyond GRPO's clip: A>0, ρ>1.2 | A<0, ρ<0.8 | first tokens among "
              "them (of all tokens) | clipped by its own clip | vetoed | KL(behaviour ‖ π) |", "|" + "---|" * 10]
     for key, runs in sorted(points.items(), key=lambda kv: order(kv[0])):
-        for name in sorted({regime_of(b) for b, _ in runs}):
-            rs = [r for (b, _), r in runs.items() if regime_of(b) == name]
+        for name in sorted({regimes.build_regime(measured, b) for b, _ in runs}):
+            rs = [r for (b, _), r in runs.items() if regimes.build_regime(measured, b) == name]
             mean = lambda k: (sum(v) / len(v) if (v := [r[k] for r in rs if r.get(k) is not None]) else None)  # noqa: E731
             num = lambda k, d=4: "—" if mean(k) is None else f"{mean(k):.{d}f}"  # noqa: E731
             lines.append(f"| {key[0]} μ = {key[1]} | {name} | {len(rs)} | {num('final', 3)} | {num('grpo_clip_upper')} | "

@@ -61,6 +61,11 @@ def regime(probe_dir):
             "regime": regime_name(initial, final - initial), "probe": str(probe_dir)}
 
 
+def build_regime(measured, build):
+    """A build's regime name ("build<b>") from load_regimes' dict; "unmeasured" for a build given, not probed."""
+    return measured.get(build, {}).get("regime", "unmeasured")
+
+
 def load_regimes(regimes_dir):
     """{"build<b>": its regime} for every build<b>.json under regimes_dir (none: {})."""
     return {f.stem: json.loads(f.read_text()) for f in sorted(Path(regimes_dir).glob("build*.json"))}
@@ -167,13 +172,12 @@ def verdict(direction, low, high):
 def comparisons(points, measured):
     """Per claim and regime (and all regimes together): the paired differences of final accuracy (same build, same
     seed), their mean and 95 % t interval over the pairs, and the verdict."""
-    regime_of = lambda build: measured.get(build, {}).get("regime", "unmeasured")  # noqa: E731
     rows = []
     for claim, a, b, direction in claims(points):
         pairs = sorted(k for k in points[a] if k in points[b])
-        for name in sorted({regime_of(k[0]) for k in pairs}) + ["all"]:
-            chosen = [k for k in pairs if name == "all" or regime_of(k[0]) == name]
-            if name == "all" and len({regime_of(k[0]) for k in pairs}) < 2 or not chosen:
+        for name in sorted({build_regime(measured, k[0]) for k in pairs}) + ["all"]:
+            chosen = [k for k in pairs if name == "all" or build_regime(measured, k[0]) == name]
+            if name == "all" and len({build_regime(measured, k[0]) for k in pairs}) < 2 or not chosen:
                 continue                          # one regime: "all" is the same rows again
             diffs = [points[a][k]["final"] - points[b][k]["final"] for k in chosen]
             mean, low, high = t_interval(diffs)
