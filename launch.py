@@ -367,32 +367,58 @@ def view_command():
 def resident_command(argv):
     """The engine process and the trainer for every stage (RESIDENT=true): a failed one stops the other (and what it
     started); a rerun resumes (the engine at the first stage without a manifest, the trainer at the last train state
-    saved). Timed into timeline.jsonl as one row."""
+    saved). Timed into timeline.jsonl as one row per attempt (attempt_row)."""
     import handoff
+    import rollouts
     if "::" not in argv:
         raise SystemExit("--command=resident: ENGINE COMMAND :: TRAINER COMMAND")
     cut = argv.index("::")
     commands = {"engine": argv[:cut], "trainer": argv[cut + 1:]}
     run_dir = Path(os.environ["RUN"])
     handoff.reset(run_dir)
+    close_killed_attempt(run_dir)
     print(f"[resident] the engine process ({os.environ['ENGINES']} engine(s)) and the trainer "
           f"({os.environ['TRAIN_RANKS']} rank(s)) for every stage: {run_dir}/logs/engine.log, trainer.log", flush=True)
     t0 = time.time()
+    common.atomic_write_json(run_dir / rollouts.ATTEMPT, {"start": t0})
+    ended = "stopped"                    # by a Ctrl-C
     try:
         failed, codes = processes.run_together(
             commands, {role: Path(logs) / f"{role}.log" for role in commands}, grace_s=STOP_GRACE_S,
             view=lambda stream: common.terminal_view(stream, sys.stdout.buffer))
+        ended = "failed" if failed else "completed"
     finally:    # a Ctrl-C too: the handed-over policies (up to two, 15 GB each at 7B, in /dev/shm) are not kept, a
         handoff.clear_policies(run_dir)     # resumed trainer hands its policy over again from its files
+        attempt_row(run_dir, t0, time.time(), ended)
     if failed:
         print(f"[resident] failed (the {failed} exited with {codes[failed]}); see {run_dir}/logs/engine.log "
               f"and trainer.log; rerun to resume", file=sys.stderr)
         raise SystemExit(1)
+
+
+def attempt_row(run_dir, start, end, ended):
+    """A resident attempt's top row in timeline.jsonl (its processes' rows are parts of it: plot.time_split), then its
+    start marker removed: how it ended (completed, failed, stopped by a Ctrl-C, or killed: a SIGKILL or SIGTERM leaves
+    no time to write the row, close_killed_attempt writes it at the next start) and the last stage trained."""
     import rollouts
-    last = sum((d / rollouts.STAGE_END).exists() for _, d in rollouts.stage_dirs(run_dir)) - 1     # the stages trained
-    t1 = time.time()
+    last = sum((d / rollouts.STAGE_END).exists() for _, d in rollouts.stage_dirs(run_dir)) - 1
     common.append_jsonl(run_dir / rollouts.TIMELINE, {"phase": "resident", "name": "resident", "stage": last,
-                                                     "start": t0, "end": t1, "seconds": t1 - t0})
+                                                     "start": start, "end": end, "seconds": end - start, "ended": ended})
+    (run_dir / rollouts.ATTEMPT).unlink(missing_ok=True)
+
+
+def close_killed_attempt(run_dir):
+    """An attempt killed before it wrote its row (its start marker is still there) gets its row now, ending at the
+    last row its processes wrote: what it did after that was lost, and counts as idle, as a killed phase's time does
+    in the process-per-phase loop. Without it the run's wall-clock would start at the last attempt while its
+    records (rollouts, updates, evaluations) cover the killed ones too."""
+    import rollouts
+    marker = run_dir / rollouts.ATTEMPT
+    if not marker.exists():
+        return
+    start = json.loads(marker.read_text())["start"]
+    timeline = common.read_jsonl(run_dir / rollouts.TIMELINE) if (run_dir / rollouts.TIMELINE).exists() else []
+    attempt_row(run_dir, start, max([t["end"] for t in timeline if t["start"] >= start], default=start), "killed")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """launch.py, run_stages.sh's machinery: every knob checked against one table, the defaults resolved once, the stage
 plan, the run directory's lock and the resident pair's supervision (fast, in process or with tiny child processes)."""
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 import launch  # noqa: E402
 
 # the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve)
@@ -187,7 +189,46 @@ def test_the_resident_pair_stops_the_other_when_one_fails_and_keeps_each_ones_ou
     while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
-    assert not (tmp_path / "timeline.jsonl").exists()
+    [row] = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert (row["phase"], row["ended"], row["stage"]) == ("resident", "failed", -1)      # no stage trained
+    assert not (tmp_path / "timeline.attempt.json").exists()
+
+
+def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_split_adds_up(tmp_path, monkeypatch):
+    # attempt 1 started at t = 100 and was SIGKILLed (no row of its own, its start marker left); its processes wrote
+    # rows up to t = 150 (its engine's start 100-105, the initial evaluation 105-110, stage 0 generated 110-130 and
+    # trained 130-150). Attempt 2 runs from t = 200 to 300 (stage 1: generated 210-240, trained 240-270, evaluated
+    # 270-290). Records: generation 15 + 25 s (manifests), training 18 + 27 s (metrics), evaluation 5 + 20 s
+    import plot
+    rows = [{"phase": "start", "name": "engine_start", "stage": 0, "start": 100, "end": 105, "process": "engine"},
+            {"phase": "eval", "name": "eval_-1", "stage": -1, "start": 105, "end": 110, "seconds": 5, "process": "engine"},
+            {"phase": "generate", "name": "generate_0", "stage": 0, "start": 110, "end": 130, "process": "engine"},
+            {"phase": "optimize", "name": "optimize_0", "stage": 0, "start": 130, "end": 150, "process": "trainer"},
+            {"phase": "generate", "name": "generate_1", "stage": 1, "start": 210, "end": 240, "process": "engine"},
+            {"phase": "optimize", "name": "optimize_1", "stage": 1, "start": 240, "end": 270, "process": "trainer"},
+            {"phase": "eval", "name": "eval_1", "stage": 1, "start": 270, "end": 290, "seconds": 20, "process": "engine"}]
+    for r in rows[:4]:
+        r.setdefault("seconds", r["end"] - r["start"])
+        common.append_jsonl(tmp_path / "timeline.jsonl", r)
+    common.atomic_write_json(tmp_path / "timeline.attempt.json", {"start": 100})
+    for s, (generation, training) in enumerate(((15, [9, 9]), (25, [13, 14]))):
+        (tmp_path / f"stage_{s}" / "rollouts").mkdir(parents=True)
+        common.atomic_write_json(tmp_path / f"stage_{s}" / "rollouts" / "manifest.json", {"generation_seconds": generation})
+        common.atomic_write_lines(tmp_path / f"stage_{s}" / "metrics.jsonl", [{"seconds": x} for x in training])
+    launch.close_killed_attempt(tmp_path)          # what resident_command does first
+    for r in rows[4:]:
+        common.append_jsonl(tmp_path / "timeline.jsonl", {**r, "seconds": r.get("seconds", r["end"] - r["start"])})
+    launch.attempt_row(tmp_path, 200, 300, "completed")
+    tops = [r for r in common.read_jsonl(tmp_path / "timeline.jsonl") if "process" not in r]
+    assert [(r["start"], r["end"], r["seconds"], r["ended"]) for r in tops] == [(100, 150, 50, "killed"),
+                                                                              (200, 300, 100, "completed")]
+    # wall 100..300 = 200 s; the attempts' rows cover 50 + 100 s: idle 50 s (attempt 1's lost 20 s and the 30 s before
+    # the rerun); switching: 150 − evaluation 25 − generation 40 − training 45 = 40 s
+    split = plot.time_split(plot.load_run(tmp_path))
+    assert split == {"wall": 200, "generation": 40, "training": 45, "evaluation": 25, "switching": 40, "idle": 50,
+                     "stages": 2}
+    launch.close_killed_attempt(tmp_path)          # no marker: nothing more
+    assert len(common.read_jsonl(tmp_path / "timeline.jsonl")) == 9
 
 
 def test_the_resident_pair_that_ends_well_is_one_timeline_row(tmp_path, monkeypatch):
@@ -199,9 +240,9 @@ def test_the_resident_pair_that_ends_well_is_one_timeline_row(tmp_path, monkeypa
     monkeypatch.setenv("TRAIN_RANKS", "1")
     monkeypatch.setattr(launch, "logs", str(tmp_path / "logs"))
     launch.resident_command(["true", "::", "true"])
-    import json
     [row] = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
-    assert (row["phase"], row["stage"]) == ("resident", 0) and row["seconds"] == pytest.approx(row["end"] - row["start"])
+    assert (row["phase"], row["stage"], row["ended"]) == ("resident", 0, "completed")
+    assert row["seconds"] == pytest.approx(row["end"] - row["start"])
 
 
 def test_every_knob_run_stages_sh_sets_is_in_the_table():
