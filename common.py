@@ -139,6 +139,17 @@ def atomic_copytree(source, target):
     fsync_dir(target.parent)
 
 
+@contextlib.contextmanager
+def exclusive(path):
+    """Hold an exclusive lock on the file at path (created if missing) for the with block: released when the block
+    ends or the process dies, never left behind by a killed holder (flock)."""
+    import fcntl
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def append_jsonl(path, row):
     """Append one line and fsync (metrics, results tables: a crash loses at most the line)."""
     with open(path, "a") as f:

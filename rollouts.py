@@ -17,7 +17,6 @@ with nothing beyond numpy (a notebook too: np.fromfile(path, dtype)); and a toke
 stage is a plain offset, which the per-stage log-prob passes (TokenColumn) share.
 """
 import dataclasses
-import fcntl
 import json
 import math
 import os
@@ -292,10 +291,7 @@ def build_columns(path):
     builder swapped its copy in while an earlier one was checking its own, and the check found no columns.
     """
     path = Path(path)
-    lock_file = columns_lock(path)
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes, or when the process dies
+    with common.exclusive(columns_lock(path)):
         if not columns_fresh(path):
             _build_columns(path)
     return str(columns_dir(path))

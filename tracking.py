@@ -252,25 +252,21 @@ def follow(run, report, knobs, parent, stop_path=""):
     comes, then a last pass; parent 0: one pass."""
     if not trackers_of(report):
         return
-    import fcntl
     stop = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
-    (Path(run) / "tracking").mkdir(parents=True, exist_ok=True)
-    lock = open(Path(run) / "tracking" / ".lock", "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)        # a killed attempt's follower makes its last pass first
-    follower = Follower(run, report, knobs)
-    try:
-        while True:
-            follower.sync()
-            if not parent or stop or not _alive(parent) or (stop_path and os.path.exists(stop_path)):
+    with common.exclusive(Path(run) / "tracking" / ".lock"):      # a killed attempt's follower makes its last pass first
+        follower = Follower(run, report, knobs)
+        try:
+            while True:
                 follower.sync()
-                return
-            deadline = time.monotonic() + poll_s
-            while time.monotonic() < deadline and not stop and not (stop_path and os.path.exists(stop_path)):
-                time.sleep(0.1)
-    finally:
-        follower.close()
-        lock.close()
+                if not parent or stop or not _alive(parent) or (stop_path and os.path.exists(stop_path)):
+                    follower.sync()
+                    return
+                deadline = time.monotonic() + poll_s
+                while time.monotonic() < deadline and not stop and not (stop_path and os.path.exists(stop_path)):
+                    time.sleep(0.1)
+        finally:
+            follower.close()
 
 
 def _alive(process):
