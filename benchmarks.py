@@ -3,11 +3,17 @@ mode's evaluations) and evaluate.py share it: every benchmark's prompts sampled 
 of one data-parallel engine), graded by reward.py; per benchmark avg@k, pass@k and avg@k's standard error, one
 results row (results.jsonl, keyed on stage, benchmark and policy) and the graded samples.
 
+A policy's evaluation can be kept in a cache directory and reused by every later run that evaluates the same policy
+under the same protocol (evaluate.py --cache, run_stages.sh EVAL_CACHE: runs that start from one initial policy
+evaluate it once).
+
 Nothing here parses a command line; the scripts pass their settings.
 """
 import dataclasses
+import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -180,3 +186,52 @@ def write_part(directory, r, samples):
 def read_parts(directory, n):
     """The graded samples that n data-parallel engine processes left in directory/part_<r>.json."""
     return [json.loads(part_path(directory, r).read_text()) for r in range(n)]
+
+
+# ----------------------------------------------------------------------------- evaluations reused across runs
+
+
+def evaluation_key(ev, policy):
+    """What one policy's evaluation depends on, as sha256 (16 hex digits): the policy's fingerprint (its files), every
+    field of the protocol but the graders' count (the benchmarks' problems included), the libraries, this code's
+    commit and the engines' dtype. Every request samples from its own seed (sample_and_grade), so two evaluations
+    with one key give the same rows whichever run, mode or engine count makes them."""
+    protocol = {f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "grader_workers"}
+    return hashlib.sha256(json.dumps({"policy": common.policy_fingerprint(str(policy)), "protocol": protocol,
+                                      "versions": common.versions(), "dtype": common.engine_dtype()},
+                                     sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_entry(cache_dir, key):
+    """Where an evaluation is kept: <cache_dir>/<key>/ with rows.json (its results rows) and the graded samples
+    (<benchmark>.jsonl), renamed into place whole; beside it <key>.lock, held while one process evaluates it."""
+    return Path(cache_dir) / key
+
+
+def keep(entry, rows, sample_dir):
+    """Put an evaluation into the cache: its rows and the sample files policy_rows wrote into sample_dir."""
+    tmp = entry.with_name(f".{entry.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for row in rows:
+        shutil.copy2(Path(sample_dir) / f"{row['benchmark']}.jsonl", tmp / f"{row['benchmark']}.jsonl")
+    common.atomic_write_json(tmp / "rows.json", rows)
+    tmp.replace(entry)
+    common.fsync_dir(entry.parent)
+
+
+def reuse(entry, results, *, stage, updates, policy, run_start, sample_dir):
+    """A kept evaluation as this run's: its rows labelled as policy_rows labels them (stage, updates, hours since
+    run_start, policy), with "reused": the entry and "seconds" the copy's, written into the results table; its samples
+    copied into sample_dir. Returns the rows."""
+    t0 = time.perf_counter()
+    kept = json.loads((entry / "rows.json").read_text())
+    Path(sample_dir).mkdir(parents=True, exist_ok=True)
+    for row in kept:
+        common.atomic_write((Path(sample_dir) / f"{row['benchmark']}.jsonl"),
+                            (entry / f"{row['benchmark']}.jsonl").read_bytes())
+    hours = (time.time() - run_start) / 3600 if run_start else 0.0
+    rows = [{**row, "stage": stage, "updates": updates, "hours": hours, "policy": str(policy), "time": time.time(),
+             "seconds": time.perf_counter() - t0, "reused": str(entry)} for row in kept]
+    update_results(results, rows)
+    return rows

@@ -51,6 +51,9 @@ grader_timeout_s = 10.0
 
 # the results table and its rows' labels
 results = ""                    # results table (JSONL) to update; empty: print only
+cache = ""                      # a directory of kept evaluations: one policy's rows and samples are taken from it when
+                                # it holds this policy under this protocol (benchmarks.evaluation_key), else evaluated
+                                # and kept there (run_stages.sh EVAL_CACHE: runs from one initial policy evaluate it once)
 samples_dir = ""                # graded samples go here (default: next to the results table)
 stage = -1                      # labels for the results row: stage index (-1: the initial policy)
 run_start = 0.0                 # unix time the run started (for hours since start; 0: now)
@@ -100,17 +103,46 @@ def score_policies(ev, policies, parts, seconds, engines):
     one; returns the rows."""
     out_rows = []
     for path, samples in zip(policies, parts):
-        if len(policies) == 1:
-            sample_dir = Path(samples_dir) if samples_dir else (
-                B.stage_samples_dir(results, stage) if results else None)
-        else:
-            sample_dir = (Path(samples_dir) if samples_dir else Path(path).parent / rollouts.EVAL_SAMPLES) / Path(path).name
         out_rows += B.policy_rows(samples, ev, stage=stage, updates=common.policy_record(path).get("run_updates", 0),
                                   policy=path, seconds=seconds, engines=engines, run_start=run_start,
-                                  sample_dir=sample_dir, say=f"{path} " if len(policies) > 1 else "")
+                                  sample_dir=sample_dir_of(path, len(policies)),
+                                  say=f"{path} " if len(policies) > 1 else "")
     if results:       # rows are keyed on (stage, benchmark, policy): a rerun on a subset keeps the others
         B.update_results(results, out_rows)
     return out_rows
+
+
+def engines_here():
+    """This node's engines, the index of its first among every node's, and every node's together."""
+    n = engines or engine.n_engines(gpus, tensor_parallel)
+    return n, node_rank * n, nnodes * n
+
+
+def sample_dir_of(path, n_policies):
+    """Where a policy's graded samples go: samples_dir, else beside the results table (one policy) or beside the
+    policy (a comma list)."""
+    if n_policies == 1:
+        return Path(samples_dir) if samples_dir else (B.stage_samples_dir(results, stage) if results else None)
+    return (Path(samples_dir) if samples_dir else Path(path).parent / rollouts.EVAL_SAMPLES) / Path(path).name
+
+
+def evaluate_once(ev, path):
+    """One policy's rows from the cache when it holds this policy under this protocol, else evaluated here and kept
+    there. Its lock is held meanwhile, so runs that start together evaluate the policy once (the others wait for the
+    first, then reuse its rows)."""
+    key = B.evaluation_key(ev, path)
+    entry = B.cache_entry(cache, key)
+    with common.exclusive(entry.with_name(f"{key}.lock")):
+        if not entry.exists():
+            rows = evaluate(ev, [path])
+            B.keep(entry, rows, sample_dir_of(path, 1))
+            print(f"kept for later runs: {entry}")
+            return
+        rows = B.reuse(entry, results, stage=stage, updates=common.policy_record(path).get("run_updates", 0),
+                       policy=path, run_start=run_start, sample_dir=sample_dir_of(path, 1))
+    for r in rows:
+        print(f"{r['benchmark']}: avg@{r['k']} {r['avg_at_k']:.4f}  pass@{r['k']} {r['pass_at_k']:.4f}  "
+              f"({r['problems']} problems), reused: {entry}")
 
 
 def main():
@@ -124,11 +156,23 @@ def main():
         sys.exit(f"--policy lists checkpoints of different models ({len(shapes)} shapes): one engine reloads the "
                  f"weights of one architecture; evaluate them separately")
     ev = evaluation()
-    n = engines or engine.n_engines(gpus, tensor_parallel)          # this node's engines
-    first, total = node_rank * n, nnodes * n                        # their index among every node's
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
+        _, first, total = engines_here()
         B.write_part(parts_dir, first + worker_rank, sample_and_grade(policies, ev, first + worker_rank, total))
         return
+    if not cache:
+        evaluate(ev, policies)
+    elif len(policies) > 1 or nnodes > 1 or not results:
+        sys.exit("--cache reuses one policy's evaluation on one node, into a results table: give one --policy, "
+                 "--nnodes=1 and --results")
+    else:
+        evaluate_once(ev, policies[0])
+
+
+def evaluate(ev, policies):
+    """Sample and grade every policy on this node's engines (on several nodes node 0 scores them all), write the
+    rows and samples; returns the rows (node 0's; [] on the others)."""
+    n, first, total = engines_here()
     import nodes
     cluster = nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator))
     if nnodes > 1 and not results:
@@ -147,7 +191,7 @@ def main():
             if cluster.rank > 0:                    # node 0 scores every node's samples
                 cluster.barrier(f"eval_{stage}/scored")
                 print(f"node {node_rank}: its {n} engine(s)' samples handed to node 0")
-                return
+                return []
             common.wait_visible([B.part_path(tmp, r) for r in range(total)])    # one node: there already
             per_rank = B.read_parts(tmp, total)
             parts = [[x for part in per_rank for x in part[i]] for i in range(len(policies))]
@@ -158,6 +202,7 @@ def main():
     mean = sum(r["avg_at_k"] for r in out_rows) / max(1, len(out_rows))
     print(f"average avg@k over {len(out_rows)} rows: {mean:.4f} ({total} engine(s), {seconds:.1f} s per policy)")
     cluster.barrier(f"eval_{stage}/scored")
+    return out_rows
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ RESIDENT_MAX_MU=${RESIDENT_MAX_MU:-64}   # μ up to this run resident (RESIDENT=
 DRIFT_FIRST=${DRIFT_FIRST:-64}  # "drift" in MUS: stages that end on drift (STAGE_END=drift), the first of this μ, the
                                 # next planned from where each ended, up to TOTAL_UPDATES; evaluated after every stage
 COSTS=${COSTS:-0,2,20,180}      # per-stage switching costs (seconds) the points are re-costed at
+EVAL_CACHE=${EVAL_CACHE-$OUT/eval_cache}  # the runs' kept evaluations (run_stages.sh EVAL_CACHE): a build's initial
+                                # policy is evaluated by its first run (the probe) and reused by the others, the same
+                                # rows (every request samples from its own seed); empty: every run evaluates it
 # ---- which points run, and what runs before them (the estimate, the preflight)
 POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024" (default: all)
 ESTIMATE=${ESTIMATE:-$([[ $PRESET == paper ]] && echo true || echo false)}  # print every point's estimated hours
@@ -192,7 +195,7 @@ launch() {                      # launch <run dir> <build> <seed> <cores, "" for
                             VLLM_CPU_OMP_THREADS_BIND="$cores")   # (tests/conftest.py pins its workers the same way)
   [[ -z "$5" ]] || GPU=(CUDA_VISIBLE_DEVICES="$5" GPUS=$(( GPUS / JOBS )))
   "${PIN[@]}" env "${BUILD_ENV[@]}" "${POINT_ENV[@]}" "${GPU[@]}" ${EVAL_K:+EVAL_K="$EVAL_K"} \
-      ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} PRESET="$PRESET" SEED="$3" RUN="$run" PREFLIGHT=0 \
+      ${BENCHMARKS:+BENCHMARKS="$BENCHMARKS"} PRESET="$PRESET" SEED="$3" RUN="$run" PREFLIGHT=0 EVAL_CACHE="$EVAL_CACHE" \
       bash run_stages.sh > "$run.log" 2>&1 9>&- \
     || { echo "$run failed; see $run.log (rerun frontier.sh to resume):" >&2; tail -5 "$run.log" >&2; return 1; }
 }

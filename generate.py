@@ -602,7 +602,8 @@ def resident_stages(problems, procs, partner, llm, server, first, flag, started,
             print(engine.verify_weights(llm, flag["policy"] if not flag["path"] else flag["path"], where(s),
                                         record=flag.get("engine_weights")), flush=True)
         t, prompts = s - 1, flag["next_stage_prompts"]
-        if eval_due(t, last=prompts == 0) and not (writes_run_files and benchmarks.evaluated(results, t, ev)):
+        # (rows of t are written only after every engine sampled t: all of them see the same table here)
+        if eval_due(t, last=prompts == 0) and not benchmarks.evaluated(results, t, ev):
             t0 = time.time()
             if has_engine:
                 samples = benchmarks.sample_and_grade(llm, ev, rank, n_engines)

@@ -104,7 +104,7 @@ SETTINGS = {
     "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
     # evaluation and saving
     "EVAL_K": (whole(),), "EVAL_TEMPERATURE": (number,), "EVAL_TOP_P": (number,), "EVAL_EVERY": (whole(),),
-    "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,),
+    "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,), "EVAL_CACHE": (anything,),
     # the box
     "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
     "RESIDENT_GPU_MEMORY": (share_or_auto,), "HANDOFF": (one_of("transfer", "files"),),
@@ -151,6 +151,8 @@ def resolve(knobs):
     if k["RESIDENT"] == "true" and nnodes > 1:
         return k, (f"RESIDENT=true runs on one node (its hand-off goes through one machine's /dev/shm); use "
                    f"RESIDENT=false on {nnodes} nodes")
+    if k["EVAL_CACHE"] and nnodes > 1:
+        return k, f"EVAL_CACHE reuses evaluations on one node; leave it empty on {nnodes} nodes"
     if k["RESIDENT"] == "true" and k["RESET_OPTIMIZER"] == "true":
         return k, ("RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase "
                    "loop")

@@ -27,6 +27,9 @@ DRIFT_ARGS=${DRIFT_ARGS:-}      # drift: optimize.py's warning, e.g. "--drift_wi
 RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and warmup afresh from the saved policy
 # ---- evaluation and what is kept
 EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last); 0: never
+EVAL_CACHE=${EVAL_CACHE:-}      # a directory of kept evaluations: the initial policy's is taken from it when it holds
+                                # that policy under this protocol, else made and kept there (runs from one MODEL, as
+                                # frontier.sh's, evaluate it once; evaluate.py --cache)
 SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy, train state saved every N stages and at the end (default EVAL_EVERY)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
 # ---- the box
@@ -213,8 +216,11 @@ if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0
 elif (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS")
 else TRAIN=($PY); fi
 
+INIT_EVAL=($PY evaluate.py --policy="$MODEL" --stage=-1 "${EVAL_ARGS[@]}" ${EVAL_CACHE:+"--cache=$EVAL_CACHE"})
 if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed one stops the other); a rerun resumes:
                                      # the engine at the first stage without rollouts, the trainer at its last state
+  # the engines evaluate the initial policy themselves, unless a kept evaluation may spare it
+  [[ -z "$EVAL_CACHE" ]] || (( EVAL_EVERY == 0 )) || phase eval_init -1 "${INIT_EVAL[@]}"
   $PY launch.py --command=resident --logs="$RUN/logs" \
       $PY generate.py --resident=true --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
       --prompts_per_stage="$PROMPTS_PER_STAGE" --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" \
@@ -225,7 +231,7 @@ if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed o
       --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --save_every="$SAVE_EVERY" --total_updates="$TOTAL_UPDATES" \
       --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else
-  (( EVAL_EVERY == 0 )) || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 "${EVAL_ARGS[@]}"
+  (( EVAL_EVERY == 0 )) || phase eval_init -1 "${INIT_EVAL[@]}"
   # stage s has μ = launch.py plan's updates_per_stage (rollouts.StagePlan), until 0; several nodes: node 0's plan
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
   updates_per_stage=$($PY launch.py --command=plan --stage=0)     # μ of this stage

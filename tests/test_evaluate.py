@@ -132,3 +132,50 @@ def test_two_nodes_evaluate_and_node_0_writes_the_rows_one_node_would(files, mon
     for name in ("a", "b"):
         assert (tmp_path / "two" / "eval_samples" / "stage_3" / f"{name}.jsonl").read_bytes() == \
             (tmp_path / "alone" / "eval_samples" / "stage_3" / f"{name}.jsonl").read_bytes()
+
+
+def evaluate_kept(monkeypatch, tmp_path, policy, out, *flags):
+    """evaluate.py --cache on the initial policy into <out>/results.jsonl, its engine's samples SAMPLES: the policies
+    its engine was asked to sample (none when the evaluation was reused)."""
+    evaluate = import_script(monkeypatch, "evaluate", f"--policy={policy}", "--benchmarks=a,b",
+                             f"--data_dir={tmp_path / 'bench'}", "--k=2", "--top_p=0.7", "--stage=-1",
+                             "--run_start=1000", f"--results={tmp_path / out / 'results.jsonl'}", "--engines=1",
+                             f"--cache={tmp_path / 'cache'}", *PROMPTS, *flags)
+    asked = []
+    monkeypatch.setattr(evaluate, "time", CLOCK)
+    monkeypatch.setattr(evaluate, "sample_and_grade", lambda policies, ev, rank, n: asked.append(policies) or [list(SAMPLES)])
+    evaluate.main()
+    return asked
+
+
+def test_a_kept_evaluation_is_reused_only_for_the_same_policy_under_the_same_protocol(files, monkeypatch, capsys):
+    tmp_path, _ = files
+    initial, other = tmp_path / "initial", tmp_path / "other"        # two initial models (no policy_id.json)
+    for policy, width in ((initial, 128), (other, 256)):
+        policy.mkdir()
+        (policy / "config.json").write_text(json.dumps({"architectures": ["Toy"], "hidden_size": width}))
+    assert evaluate_kept(monkeypatch, tmp_path, initial, "first") == [[str(initial)]]       # evaluated and kept
+    [entry] = (tmp_path / "cache").glob("*/rows.json")
+    # the next run of the same policy and protocol (another grader count too) reuses it: no engine, the same numbers
+    # and samples, labelled as this run's rows (stage, updates, policy, hours) and saying where they came from
+    assert evaluate_kept(monkeypatch, tmp_path, initial, "second", "--grader_workers=2") == []
+    first, second = (common.read_jsonl(tmp_path / out / "results.jsonl") for out in ("first", "second"))
+    assert [r["reused"] for r in second] == [str(entry.parent)] * 2 and all("reused" not in r for r in first)
+    assert [{k: v for k, v in r.items() if k not in ("reused", "seconds")} for r in second] == \
+        [{k: v for k, v in r.items() if k != "seconds"} for r in first]
+    assert [(r["benchmark"], r["avg_at_k"], r["stage"], r["updates"]) for r in second] == [("a", 0.25, -1, 0),
+                                                                                         ("b", 1.0, -1, 0)]
+    for name in ("a", "b"):
+        assert (tmp_path / "second" / "eval_samples" / "stage_-1" / f"{name}.jsonl").read_bytes() == \
+            (tmp_path / "first" / "eval_samples" / "stage_-1" / f"{name}.jsonl").read_bytes()
+    assert "reused: " in capsys.readouterr().out
+    # another protocol (k, top_p, the benchmarks' problems) or another policy: evaluated again, and kept beside
+    assert evaluate_kept(monkeypatch, tmp_path, initial, "k1", "--k=1") == [[str(initial)]]
+    assert evaluate_kept(monkeypatch, tmp_path, initial, "top_p", "--top_p=1.0") == [[str(initial)]]
+    assert evaluate_kept(monkeypatch, tmp_path, other, "other") == [[str(other)]]
+    common.atomic_write_lines(tmp_path / "bench" / "b.jsonl", [{"id": "b0", "problem": "b 0", "answer": "1", "source": "b"},
+                                                              {"id": "b1", "problem": "b 1", "answer": "1", "source": "b"}])
+    assert evaluate_kept(monkeypatch, tmp_path, initial, "new_answers") == [[str(initial)]]
+    assert len(list((tmp_path / "cache").glob("*/rows.json"))) == 5
+    with pytest.raises(SystemExit, match="--cache reuses one policy's evaluation"):
+        evaluate_kept(monkeypatch, tmp_path, f"{initial},{initial}", "two")

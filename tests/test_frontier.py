@@ -77,6 +77,12 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     report = json.loads((out / "frontier.json").read_text())
     runs = {k: v["build0/seed0"] for k, v in report["runs"].items()}
     assert set(runs) == {"grpo:2", "grpo:4", "grpo:drift"}
+    # the initial policy was evaluated once, by the run that came first (the two started together: the other waited
+    # for it), and its rows reused by the others (EVAL_CACHE)
+    initial = [next(r for r in read_lines(out / "build0" / "seed0" / name / "results.jsonl") if r["stage"] == -1)
+               for name in ("grpo-mu2", "grpo-mu4", "grpo-mudrift")]
+    assert sum("reused" not in r for r in initial) == 1 and len({(r["avg_at_k"], r["problems"]) for r in initial}) == 1
+    assert len(list((out / "eval_cache").glob("*/rows.json"))) == 1
     # the drift point: its first stage of 2 updates ends without a warning (a 16-update window), the next is planned
     # at 2 · 2 = 4, cut to the 2 updates left
     drift = out / "build0" / "seed0" / "grpo-mudrift"

@@ -23,7 +23,7 @@ TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "--clip_low=0", "RUN": "
        "WARMUP": "0", "KL_COEF": "", "MAX_PROMPT": "64", "MAX_RESPONSE": "16", "TEMPERATURE": "1.0", "SEED": "0",
        "PER_REQUEST_SEED": "true", "RESET_OPTIMIZER": "false", "MICRO_BATCH_TOKENS": "4096", "GRAD_CKPT": "false",
        "SHARD_PROMPTS": "64", "EVAL_K": "4", "EVAL_TEMPERATURE": "1.0", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
-       "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "GPUS": "0", "RESIDENT": "false",
+       "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "EVAL_CACHE": "", "GPUS": "0", "RESIDENT": "false",
        "RESIDENT_GPU_MEMORY": "auto", "HANDOFF": "transfer", "PREFLIGHT": "auto", "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false",
        "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "JOIN_TIMEOUT": "600",
        "DEAD_AFTER": "10", "COLLECTIVE_TIMEOUT": "60", "HSDP": "false", "REPORT_TO": "none", "TRACKER_GROUP": ""}
@@ -75,6 +75,7 @@ def test_settings_are_every_knob_but_a_nodes_own():
     ({"GPUS": "2", "ENGINES": "3"}, "ENGINES=3 is more than GPUS=2"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be in 0..1 (NNODES=2), got 2"),
     ({"NNODES": "2", "RESIDENT": "true"}, "RESIDENT=true runs on one node"),
+    ({"NNODES": "2", "EVAL_CACHE": "runs/cache"}, "EVAL_CACHE reuses evaluations on one node"),
     ({"RESIDENT": "true", "RESET_OPTIMIZER": "true"}, "RESIDENT=true keeps one AdamW for the whole run"),
     ({"HANDOFF": "ipc"}, "HANDOFF must be transfer or files, got 'ipc'"),
     # CUDA IPC shares a GPU's memory with the engine on that GPU: an engine without a trainer rank beside it
