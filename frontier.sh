@@ -45,14 +45,15 @@ SWEEP_SEEDS=${SWEEP_SEEDS:-0}
 # ---- the builds (lab tasks: the builder's --seed, i.e. the task and its warm-started policy; 0 is data/<task>/, b > 0
 # data/<task>_build<b>/). Each candidate is built, then probed: GRPO at the smallest μ for PROBE_UPDATES updates (seed
 # PROBE_SEED, none of SEEDS), whose records give the build's regime (bench/regimes.py regime_name: saturated, learns,
-# stalls; $OUT/regimes/build<b>.json). The rule: candidates in CANDIDATES' order until it has the first PER_REGIME of
-# each of REGIMES (with too few in a regime, the next candidates of REGIMES, in order, up to MIN_BUILDS); the frontier
-# runs on those (how many it looked at and kept: frontier.md)
+# stalls; $OUT/regimes/build<b>.json). The rule: candidates in CANDIDATES' order until it has each regime's quota of
+# REGIMES (with too few in a regime, the next candidates of REGIMES, in order, up to MIN_BUILDS); the frontier runs on
+# those (how many it looked at and kept: frontier.md)
 BUILDS=${BUILDS:-}              # given: exactly these builds, no probe and no rule (the toy and paper presets: 0)
 CANDIDATES=${CANDIDATES:-0 1 2 3 4 5 6 7}
-REGIMES=${REGIMES:-learns stalls}   # the paper's setting (a model that solves some problems at the start and that GRPO
-                                # at small μ improves) and the lab's first builds' (it barely moves them)
-PER_REGIME=${PER_REGIME:-2}
+REGIMES=${REGIMES:-learns:3 stalls:1}  # <regime>:<quota>, the first quota candidates of each: the paper's setting (a
+                                # model that solves some problems at the start and that GRPO at small μ improves) on
+                                # three builds, so each claim has 6 pairs there; the lab's first builds' (GRPO barely
+                                # moves them) on one, as the contrast: such builds are rare (1 of 8 candidates)
 MIN_BUILDS=${MIN_BUILDS:-4}
 PROBE_UPDATES=${PROBE_UPDATES:-64}
 PROBE_SEED=${PROBE_SEED:-100}
@@ -96,13 +97,14 @@ for mu in $MUS; do
   [[ "$mu" == drift ]] || { [[ "$mu" =~ ^[0-9]+$ ]] && (( mu >= 1 && TOTAL_UPDATES % mu == 0 )); } \
     || { echo "MUS: each μ must divide TOTAL_UPDATES=$TOTAL_UPDATES (or be 'drift'), got '$mu'" >&2; exit 2; }
 done
-for x in $SEEDS $BUILDS $JOBS $CANDIDATES $PER_REGIME $MIN_BUILDS $PROBE_UPDATES $PROBE_SEED $SWEEP_SEEDS \
+for x in $SEEDS $BUILDS $JOBS $CANDIDATES $MIN_BUILDS $PROBE_UPDATES $PROBE_SEED $SWEEP_SEEDS \
          $([[ "$SWEEP_BUILDS" == first ]] || echo "$SWEEP_BUILDS"); do
-  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS, JOBS, CANDIDATES, PER_REGIME, MIN_BUILDS, PROBE_UPDATES, PROBE_SEED and SWEEP_*" \
+  [[ "$x" =~ ^[0-9]+$ ]] || { echo "SEEDS, BUILDS, JOBS, CANDIDATES, MIN_BUILDS, PROBE_UPDATES, PROBE_SEED and SWEEP_*" \
                                    "must be whole numbers (SWEEP_BUILDS or 'first'), got '$x'" >&2; exit 2; }
 done
 for r in $REGIMES; do
-  [[ " saturated learns stalls " == *" $r "* ]] || { echo "REGIMES: each is saturated, learns or stalls, got '$r'" >&2; exit 2; }
+  [[ "$r" =~ ^(saturated|learns|stalls):[1-9][0-9]*$ ]] \
+    || { echo "REGIMES: each is <regime>:<quota>, a regime of saturated, learns or stalls, got '$r'" >&2; exit 2; }
 done
 [[ $PRESET == lab* || -n "$BUILDS" ]] || BUILDS=0
 (( JOBS >= 1 )) || { echo "JOBS must be at least 1, got $JOBS" >&2; exit 2; }
@@ -222,7 +224,7 @@ if [[ $PRESET == lab* && -z "$BUILDS" ]]; then   # the rule: build and probe can
     fi
     LOOKED+=("$b")
     chosen=$($PY bench/regimes.py --select="$OUT/regimes" --candidates="${LOOKED[*]}" --regimes="$REGIMES" \
-                 --per_regime="$PER_REGIME" --at_least="$MIN_BUILDS" 2> "$OUT/regimes/selection.log" 9>&-) \
+                 --at_least="$MIN_BUILDS" 2> "$OUT/regimes/selection.log" 9>&-) \
       || { cat "$OUT/regimes/selection.log" >&2; exit 1; }
     BUILDS=$(sed -n 1p <<< "$chosen") FIRSTS=$(sed -n 2p <<< "$chosen")
     [[ $(sed -n 3p <<< "$chosen") != complete ]] || break

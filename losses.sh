@@ -2,7 +2,7 @@
 # flags. Sourced by run_stages.sh and ablate.sh: `loss_args NAME` sets LOSS_ARGS (and KL_COEF's default
 # for offpolicy-grpo), or fails naming the presets.
 NAV_DELTA=${NAV_DELTA:-1e-4}    # NAV's trigger threshold δ on the ratio, for every preset with NAV (the paper's 1e-4)
-LOSS_PRESETS="mu-grpo grpo dapo m2po relaxed-no-nav nav-none nav-T nav-S nav-seq offpolicy-grpo"
+LOSS_PRESETS="mu-grpo grpo dapo m2po relaxed-no-nav relaxed-low relaxed-high nav-none nav-T nav-S nav-seq offpolicy-grpo"
 loss_args() {
   [[ "$NAV_DELTA" =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] \
     || { echo "NAV_DELTA must be a positive number, got '$NAV_DELTA'" >&2; return 2; }
@@ -12,6 +12,8 @@ loss_args() {
     dapo)           LOSS_ARGS="--clip_low=0.8 --clip_high=1.28 --nav_delta=none" ;;
     m2po)           LOSS_ARGS="--clip_low=0 --clip_high=1e9 --nav_delta=none --m2po_tau=0.04" ;;
     relaxed-no-nav) LOSS_ARGS="--clip_low=0 --clip_high=5 --nav_delta=none" ;;
+    relaxed-low)    LOSS_ARGS="--clip_low=0 --clip_high=1.2 --nav_delta=$NAV_DELTA --nav_scope=H" ;;  # μ-GRPO with one
+    relaxed-high)   LOSS_ARGS="--clip_low=0.8 --clip_high=5 --nav_delta=$NAV_DELTA --nav_scope=H" ;; # side of its clip
     offpolicy-grpo) LOSS_ARGS="--clip_low=0.8 --clip_high=1.2 --nav_delta=none --kl_estimator=k3"
                     : "${KL_COEF:=0.04}" ;;   # our choice (DeepSeekMath's GRPO β); the lag v is UPDATES_PER_STAGE
     nav-none|nav-T|nav-S|nav-seq)

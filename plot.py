@@ -8,6 +8,7 @@
 The same functions are used by notebooks/results.ipynb: load_run(path) returns plain lists of dicts.
 """
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -216,6 +217,48 @@ def metric_curve(metrics, key, window=8):
     return xs, smooth
 
 
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}   # Student's t, 97.5 % point, by df
+
+
+def t_interval(values):
+    """(mean, low, high): the 95 % t interval of the mean of values, df = n − 1 (the t point of the largest tabled df
+    at or below it: never narrower than the exact one); low = high = None with fewer than two values."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = T975[max(df for df in T975 if df <= n - 1)] * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def ablation_comparisons(ablation, against=("relaxed-no-nav", "grpo", "onpolicy-grpo")):
+    """Every variant's final accuracy against each variant of `against` (the relaxed clip alone, GRPO's clip on the
+    same stale rollouts, GRPO at small μ with fresh rollouts), paired by seed: the differences, their mean and 95 %
+    t interval over the seeds. Replays of one seed share the stage's rollouts and their minibatch order."""
+    rows = []
+    for base in [b for b in against if b in ablation]:
+        for variant, v in ablation.items():
+            seeds = sorted(set(v["curves"]) & set(ablation[base]["curves"]))
+            if variant == base or variant.startswith("onpolicy-") or not seeds:
+                continue
+            diffs = [v["curves"][s][-1][1] - ablation[base]["curves"][s][-1][1] for s in seeds]
+            mean, low, high = t_interval(diffs)
+            rows.append({"variant": variant, "against": base, "seeds": seeds, "differences": diffs, "mean": mean,
+                         "low": low, "high": high})
+    return rows
+
+
+def comparisons_markdown(rows):
+    lines = ["| variant − against | seeds | differences | mean | 95 % t interval |", "|---|---|---|---|---|"]
+    for r in rows:
+        ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
+        lines.append(f"| {r['variant']} − {r['against']} | {len(r['seeds'])} | "
+                     f"{', '.join(f'{d:+.3f}' for d in r['differences'])} | {r['mean']:+.3f} | {ci} |")
+    return "\n".join(lines) + "\n"
+
+
 def ablation_table(ablation, initial):
     """One row per variant: final and best mean accuracy (spread over seeds), the seeds that collapsed and
     the first update where one did, the lowest E[ρ | A<0], and the mean vetoed and clipped token fractions."""
@@ -313,11 +356,14 @@ def main_ablation():
     out = Path(out_dir or Path(ablation_dir) / "plots")
     for path in ablation_figures(ablation, out):
         print(f"wrote {path}")
-    table = ablation_table(ablation, initial)
+    table, paired = ablation_table(ablation, initial), ablation_comparisons(ablation)
     common.atomic_write_json(out / "table.json", table)
-    (out / "table.md").write_text(table_markdown(table, initial))
+    common.atomic_write_json(out / "comparisons.json", paired)
+    text = (table_markdown(table, initial) + "\nfinal accuracy, paired by seed (95 % t interval over the seeds, df = "
+            "seeds − 1; a claim holds where its interval excludes zero):\n\n" + comparisons_markdown(paired))
+    (out / "table.md").write_text(text)
     print(f"wrote {out / 'table.md'}\n")
-    print(table_markdown(table, initial))
+    print(text)
 
 
 if __name__ == "__main__":

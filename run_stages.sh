@@ -9,8 +9,9 @@ set -a     # every knob below is exported: launch.py checks them all against one
 # ------------------------------------------------------------------------------ hyperparameters
 # ---- the run
 PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy | lab | lab-fork (ablate.sh's tasks)
-LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | nav-none | nav-T | nav-S | nav-seq
-                                # | offpolicy-grpo (clip [0.8, 1.2] + β·KL to the initial policy): losses.sh
+LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | relaxed-low | relaxed-high | nav-none
+                                # | nav-T | nav-S | nav-seq | offpolicy-grpo (clip [0.8, 1.2] + β·KL to the initial
+                                # policy): losses.sh
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)

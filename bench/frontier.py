@@ -111,8 +111,13 @@ def time_to(r, target):
 
 
 def spread(values):
+    """mean, min, max, n and the mean's 95 % t interval (low, high: None below two values) of the values given."""
     values = [v for v in values if v is not None]
-    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)} if values else None
+    if not values:
+        return None
+    _, low, high = plot.t_interval(values)
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values), "low": low,
+            "high": high}
 
 
 def collect(runs_dir):
@@ -187,6 +192,13 @@ def fmt(s, digits=2):
     return "—" if s is None else f"{s['mean']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
 
 
+def fmt_ci(s, digits=2):
+    """mean [95 % t interval] (a speed-up over its pairs); one pair: its value."""
+    if s is None:
+        return "—"
+    return f"{s['mean']:.{digits}f}" + ("" if s["low"] is None else f" [{s['low']:.{digits}f}, {s['high']:.{digits}f}]")
+
+
 def order(key):
     """Points by label, then μ, the drift rule ("drift") after the fixed μ."""
     label, mu = key
@@ -224,14 +236,14 @@ def markdown(rows):
         split = " / ".join(f"{round(100 * p['split'][k]):d}" for k in ("generation", "training", "switching", "evaluation",
                                                                    "idle"))
         se = "—" if p["final_stderr"] is None else f"{p['final_stderr']:.3f}"
-        matched = fmt(sp["matched_accuracy"]) if sp["matched_accuracy"] else ""
+        matched = fmt_ci(sp["matched_accuracy"]) if sp["matched_accuracy"] else ""
         matched += f"{', ' if matched else ''}never in {sp['never']} of {sp['pairs']}" if sp["never"] else ""
         lines.append(
             f"| {p['label']} μ = {p['mu']} | {p['runs']} | {fmt(p['final'], 3)} | {se} | {p['minutes']:.1f} | {split} | "
             f"{p['staleness']['p50']:.0f} / {p['staleness']['p95']:.0f} / {p['staleness']['max']:.0f} | "
             f"{fmt(p['ess_frac'])} | {fmt(p['kl_behavior'], 4)} | {fmt(p['ratio_neg_adv'], 3)} | "
-            f"{fmt(p['vetoed_frac'], 3)} | {fmt(p['clipped_frac'], 3)} | {fmt(sp['equal_updates'])} | "
-            f"{matched or '—'} | " + " | ".join(fmt(sp["recost"][c]) for c in costs_s) + " |")
+            f"{fmt(p['vetoed_frac'], 3)} | {fmt(p['clipped_frac'], 3)} | {fmt_ci(sp['equal_updates'])} | "
+            f"{matched or '—'} | " + " | ".join(fmt_ci(sp["recost"][c]) for c in costs_s) + " |")
     return "\n".join(lines)
 
 
@@ -372,7 +384,8 @@ def main():
     print(table)
     print(f"\n± SE: the final accuracy's test-set standard error (each run's avg@k over its problems, in quadrature "
           f"over the point's runs); min–max: over builds and seeds.")
-    print(f"speed-ups against {baseline} over the (build, seed) pairs both ran: mean (min–max); matched accuracy: "
+    print(f"speed-ups against {baseline} over the (build, seed) pairs both ran: mean [95 % t interval over the pairs]; "
+          f"other columns: mean (min–max) over the runs; matched accuracy: "
           f"each run's first evaluation at or above the lowest final accuracy of {baseline}'s seeds on that build; "
           f"c: each stage's switching re-costed at c seconds. → {where}/frontier.md, frontier.json, plots/")
     print(f"verdicts: reproduced only where the interval excludes zero in the paper's direction (\"matches\": "

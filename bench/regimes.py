@@ -4,17 +4,16 @@ A build's regime is measured when it is built, by a probe: GRPO at the frontier'
 seed of its own), run as any frontier run, whose records give its initial held-out accuracy, the fraction of groups
 whose rewards vary (the only ones GRPO learns from) and how far it climbs. The paper's setting is a base model that
 solves some but not most problems at the start and that GRPO at small μ improves: "learns" here. frontier.sh builds
-and probes candidate builds in order until the rule (select_builds) has the first per_regime of each regime it keeps.
+and probes candidate builds in order until the rule (select_builds) has each regime's quota of builds.
 
     python bench/regimes.py --regime_of=runs/frontier-lab-fork/regimes/build3     # → build3.json, one line
-    python bench/regimes.py --select=runs/frontier-lab-fork/regimes --candidates="0 1 2 3"   # the kept builds
+    python bench/regimes.py --select=runs/frontier-lab-fork/regimes --candidates="0 1 2 3" --regimes="learns:3 stalls:1"
 
 bench/frontier.py reports each comparison the paper makes as a paired difference of final accuracy (same build, same
-seed) with a 95 % t interval over the pairs, per regime, and calls it reproduced only where the interval excludes zero
-in the paper's direction.
+seed) with a 95 % t interval over the pairs (plot.t_interval), per regime, and calls it reproduced only where the
+interval excludes zero in the paper's direction.
 """
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import plot  # noqa: E402
 regime_of = ""                  # a probe's run directory: write its build's regime (<dir>.json) from its records
 select = ""                     # a directory of regimes (build<b>.json): print the builds the rule keeps, in order
 candidates = ""                 # the builds select looks at, space-separated, in the order the rule takes them
-regimes = "learns stalls"       # the regimes the rule keeps builds of ...
-per_regime = 2                  # ... and how many of each: the first per_regime candidates in it
+regimes = "learns:3 stalls:1"   # the rule: the regimes it keeps builds of, each with its quota n (the first n
+                                # candidates in it): the paper's setting three times, the lab's first builds' once
 at_least = 4                    # with too few candidates in a regime, the next candidates of the kept regimes, in
                                 # order, until this many builds are kept
 solves_most = 0.5               # a build whose initial held-out accuracy is at least this: "saturated"
@@ -71,17 +70,34 @@ def load_regimes(regimes_dir):
     return {f.stem: json.loads(f.read_text()) for f in sorted(Path(regimes_dir).glob("build*.json"))}
 
 
-def select_builds(measured, looked_at, kept_regimes, per, least=0):
-    """The rule: the candidates in the order given; of each regime in kept_regimes, the first `per` that are in it;
-    if that is fewer than `least` builds (a regime with too few candidates), the next candidates in any of
-    kept_regimes, in order, until there are `least`. measured: {"build<b>": regime}; returns (the kept builds in
+REGIME_NAMES = ("saturated", "learns", "stalls")
+
+
+def parse_quotas(text):
+    """"learns:3 stalls:1" → {"learns": 3, "stalls": 1}, in order; one line naming what is allowed otherwise."""
+    quotas = {}
+    for item in text.split():
+        name, _, n = item.partition(":")
+        if name not in REGIME_NAMES or not n.isdigit() or int(n) < 1 or name in quotas:
+            sys.exit(f"regimes: each is <regime>:<quota>, a regime of {', '.join(REGIME_NAMES)} once with a whole "
+                     f"number >= 1, e.g. 'learns:3 stalls:1'; got '{item}'")
+        quotas[name] = int(n)
+    if not quotas:
+        sys.exit("regimes: give at least one <regime>:<quota>, e.g. 'learns:3 stalls:1'")
+    return quotas
+
+
+def select_builds(measured, looked_at, quotas, least=0):
+    """The rule: the candidates in the order given; of each regime of quotas ({regime: n}), the first n that are in
+    it; if that is fewer than `least` builds (a regime with too few candidates), the next candidates in any of those
+    regimes, in order, until there are `least`. measured: {"build<b>": {"regime": ...}}; returns (the kept builds in
     candidate order, {regime: the candidates in it})."""
     by_regime = {}
     for b in looked_at:
         by_regime.setdefault(measured[f"build{b}"]["regime"], []).append(b)
-    kept = {b for name in kept_regimes for b in by_regime.get(name, [])[:per]}
+    kept = {b for name, n in quotas.items() for b in by_regime.get(name, [])[:n]}
     for b in looked_at:
-        if len(kept) < least and measured[f"build{b}"]["regime"] in kept_regimes:
+        if len(kept) < least and measured[f"build{b}"]["regime"] in quotas:
             kept.add(b)
     return [b for b in looked_at if b in kept], by_regime
 
@@ -100,48 +116,35 @@ def selection_table(measured, looked_at, kept):
 def print_selection():
     """The rule applied to the candidates measured so far: the table and how many it kept on stderr (and in
     selection.json); on stdout three lines: the kept builds, the first kept build of each regime (frontier.sh's
-    sweep), and "complete" once every regime has its per_regime builds (frontier.sh looks no further), else "short"."""
+    sweep), and "complete" once every regime has its quota of builds (frontier.sh looks no further), else "short"."""
     measured = load_regimes(select)
     looked_at = [int(b) for b in candidates.split()]
     missing = [b for b in looked_at if f"build{b}" not in measured]
     if missing:
         sys.exit(f"{select}: no regime measured for build(s) {missing} (build<b>.json): run their probes first")
-    kept_regimes = regimes.split()
-    kept, by_regime = select_builds(measured, looked_at, kept_regimes, per_regime, at_least)
-    short = [f"{name}: {len(by_regime.get(name, []))} of {per_regime}" for name in kept_regimes
-             if len(by_regime.get(name, [])) < per_regime]
-    summary = (f"the rule looked at {len(looked_at)} build(s) and kept {len(kept)}: the first {per_regime} of each "
-               f"regime of {kept_regimes}" + (f" (too few candidates in {', '.join(short)}; then the next of those "
-                                                f"regimes, in order, up to {at_least} builds)" if short else ""))
+    quotas = parse_quotas(regimes)
+    kept, by_regime = select_builds(measured, looked_at, quotas, at_least)
+    short = [f"{name}: {len(by_regime.get(name, []))} of {n}" for name, n in quotas.items()
+             if len(by_regime.get(name, [])) < n]
+    rule = ", ".join(f"the first {n} that {name}" if name != "saturated" else f"the first {n} saturated"
+                     for name, n in quotas.items())
+    summary = (f"the rule looked at {len(looked_at)} build(s) and kept {len(kept)}: {rule}"
+               + (f" (too few candidates in {', '.join(short)}; then the next of those regimes, in order, up to "
+                  f"{at_least} builds)" if short else ""))
     common.atomic_write_json(Path(select) / "selection.json", {
-        "candidates": looked_at, "kept": kept, "regimes": kept_regimes, "per_regime": per_regime,
-        "by_regime": by_regime, "at_least": at_least, "rule": {"solves_most": solves_most, "climb_min": climb_min},
-        "summary": summary})
+        "candidates": looked_at, "kept": kept, "quotas": quotas, "by_regime": by_regime, "at_least": at_least,
+        "rule": {"solves_most": solves_most, "climb_min": climb_min}, "summary": summary})
     print(selection_table(measured, looked_at, kept) + "\n" + summary, file=sys.stderr)
     print(" ".join(map(str, kept)))                                           # the builds the frontier runs on
-    print(" ".join(str(by_regime[name][0]) for name in kept_regimes if by_regime.get(name)))   # the first of each
-    print("short" if short else "complete")                     # whether every regime has its per_regime builds
-
-
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}   # Student's t, 97.5 % point, by df
-
-
-def t_interval(values):
-    """(mean, low, high): the 95 % t interval of the mean of values, df = n − 1 (the t point of the largest tabled df
-    at or below it: never narrower than the exact one); low = high = None with fewer than two values."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, None, None
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = T975[max(df for df in T975 if df <= n - 1)] * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
+    print(" ".join(str(by_regime[name][0]) for name in quotas if by_regime.get(name)))   # the first of each
+    print("short" if short else "complete")                     # whether every regime has its quota
 
 
 def claims(points):
     """The paper's comparisons the frontier's points can make: (claim, point, against, direction), each a difference
-    of final accuracy point − against; direction "<" or ">": the paper's sign; "≥": not worse by match_margin."""
+    of final accuracy point − against; direction "<" or ">": the paper's sign; "≥": not worse by match_margin. Then
+    every other loss at the smallest μ (e.g. relaxed-low, relaxed-high: one side of μ-GRPO's clip) against GRPO and
+    μ-GRPO there, with no paper's sign ("≠")."""
     mus = sorted(mu for _, mu in points if isinstance(mu, int))
     if not mus:
         return []
@@ -154,14 +157,23 @@ def claims(points):
                 (f"μ-GRPO (δ {d}) at large μ matches GRPO at small μ", (mg, big), ("grpo", small), "≥"),
                 (f"μ-GRPO (δ {d}) at small μ matches GRPO (the losses differ only in the clip)", (mg, small),
                  ("grpo", small), "≥")]
+    for label in sorted({label for label, mu in points if mu == small}):
+        if label != "grpo" and not label.startswith("mu-grpo-d"):
+            out += [(f"{label} at small μ against GRPO", (label, small), ("grpo", small), "≠")]
+            if "-d" in label:
+                out += [(f"{label} at small μ against μ-GRPO", (label, small),
+                         (f"mu-grpo-d{label.rsplit('-d', 1)[1]}", small), "≠")]
     return [c for c in out if c[1] in points and c[2] in points and c[1] != c[2]]
 
 
 def verdict(direction, low, high):
     """"reproduced" only where the interval excludes zero in the paper's direction (for "≥", excludes −match_margin
-    from below); "reversed" where it excludes zero the other way; else "not shown"."""
+    from below); "reversed" where it excludes zero the other way; else "not shown". With no paper's sign ("≠"):
+    "below" or "above" where the interval excludes zero, else "not shown"."""
     if low is None:
         return "—"
+    if direction == "≠":
+        return "below" if high < 0 else "above" if low > 0 else "not shown"
     if direction == "<":
         return "reproduced" if high < 0 else "reversed" if low > 0 else "not shown"
     if direction == ">":
@@ -180,7 +192,7 @@ def comparisons(points, measured):
             if name == "all" and len({build_regime(measured, k[0]) for k in pairs}) < 2 or not chosen:
                 continue                          # one regime: "all" is the same rows again
             diffs = [points[a][k]["final"] - points[b][k]["final"] for k in chosen]
-            mean, low, high = t_interval(diffs)
+            mean, low, high = plot.t_interval(diffs)
             rows.append({"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction,
                          "regime": name, "builds": sorted({k[0] for k in chosen}), "pairs": len(chosen),
                          "differences": diffs, "mean": mean, "low": low, "high": high,
@@ -195,7 +207,7 @@ def comparisons_markdown(rows):
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
-        want = {"<": "< 0", ">": "> 0", "≥": f"> −{match_margin:g}"}[r["direction"]]
+        want = {"<": "< 0", ">": "> 0", "≥": f"> −{match_margin:g}", "≠": "(none)"}[r["direction"]]
         lines.append(f"| {r['claim']} | {r['point']} − {r['against']} | {r['regime']} | {len(r['builds'])} builds, "
                      f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {want} | {r['verdict']} |")
     return "\n".join(lines)

@@ -294,7 +294,8 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
     regimes = {0: "stalls", 1: "stalls", 2: "learns", 3: "saturated", 4: "stalls", 5: "learns"}
     probe_table = " ".join(f"data/lab_fork{'' if b == 0 else f'_build{b}'}:{i}:{f}:{z}" for b, (i, f, z) in table.items())
     env = {"PRESET": "lab-fork", "MUS": "4 256", "NAV_DELTAS": "1e-4", "SEEDS": "0 1", "JOBS": "2",
-           "KEY_POINTS": "grpo:4 mu-grpo-d1e-4:256", "PROBE_UPDATES": "8", "PROBE_TABLE": probe_table}
+           "KEY_POINTS": "grpo:4 mu-grpo-d1e-4:256", "PROBE_UPDATES": "8", "PROBE_TABLE": probe_table,
+           "REGIMES": "learns:2 stalls:2"}
     for attempt in ("first", "again"):
         proc, _, runs = stubbed_frontier(tmp_path, **env)
         assert "no finished run" in proc.stderr, proc.stderr[-3000:]                # it went on to the table
@@ -329,17 +330,18 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
 
 def test_a_95_percent_t_interval_and_the_verdicts_by_hand(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import plot
     import regimes
     # [1, 2, 3, 4]: mean 2.5, sd √(5/3) = 1.2910, t(0.975, df 3) = 3.182: half-width 3.182 · 1.2910 / 2 = 2.0540
-    mean, low, high = regimes.t_interval([1.0, 2.0, 3.0, 4.0])
+    mean, low, high = plot.t_interval([1.0, 2.0, 3.0, 4.0])
     assert (mean, low, high) == pytest.approx((2.5, 0.4460, 4.5540), abs=1e-4)
     # [0.1, 0.3]: sd 0.1414, df 1: t 12.706, half-width 12.706 · 0.1414 / √2 = 1.2706
-    assert regimes.t_interval([0.1, 0.3]) == pytest.approx((0.2, -1.0706, 1.4706), abs=1e-4)
+    assert plot.t_interval([0.1, 0.3]) == pytest.approx((0.2, -1.0706, 1.4706), abs=1e-4)
     # df 35 is read at the tabled df 30 (2.042: wider than the exact 2.030)
     values = [0.0, 1.0] * 18
     half = 2.042 * math.sqrt(sum((v - 0.5) ** 2 for v in values) / 35) / 6
-    assert regimes.t_interval(values) == pytest.approx((0.5, 0.5 - half, 0.5 + half))
-    assert regimes.t_interval([0.3]) == (0.3, None, None)
+    assert plot.t_interval(values) == pytest.approx((0.5, 0.5 - half, 0.5 + half))
+    assert plot.t_interval([0.3]) == (0.3, None, None)
     assert [regimes.verdict("<", *ci) for ci in ((-0.2, -0.1), (-0.2, 0.1), (0.1, 0.2))] == \
         ["reproduced", "not shown", "reversed"]
     assert [regimes.verdict(">", *ci) for ci in ((0.1, 0.2), (-0.2, 0.1), (-0.2, -0.1))] == \
@@ -376,11 +378,37 @@ def test_the_rule_keeps_the_first_builds_of_each_regime_in_candidate_order(monke
     assert [regimes.regime_name(i, c) for i, c in ((0.02, 0.03), (0.14, 0.1), (0.14, 0.099), (0.5, 0.3))] == \
         ["stalls", "learns", "stalls", "saturated"]
     measured = {f"build{b}": {"regime": r} for b, r in enumerate(["stalls", "learns", "stalls", "stalls", "learns"])}
-    kept, by_regime = regimes.select_builds(measured, [4, 3, 2, 1, 0], ["learns", "stalls"], 2)
+    kept, by_regime = regimes.select_builds(measured, [4, 3, 2, 1, 0], {"learns": 2, "stalls": 2})
     assert kept == [4, 3, 2, 1] and by_regime == {"learns": [4, 1], "stalls": [3, 2, 0]}
-    assert regimes.select_builds(measured, [0, 1, 2], ["learns"], 2)[0] == [1]
+    assert regimes.select_builds(measured, [0, 1, 2], {"learns": 2})[0] == [1]
+    # quotas per regime: the first learning build and the first two stalling ones
+    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], {"learns": 1, "stalls": 2})[0] == [0, 1, 2]
     # one build stalls in five: the quotas give three, the next candidate of a kept regime (not a saturated one) a fourth
     measured = {f"build{b}": {"regime": r} for b, r in enumerate(["saturated", "learns", "learns", "stalls", "learns"])}
-    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], ["learns", "stalls"], 2, least=4)[0] == [1, 2, 3, 4]
-    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], ["learns", "stalls"], 2)[0] == [1, 2, 3]
-    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], ["learns", "stalls"], 1, least=4)[0] == [1, 2, 3, 4]
+    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], {"learns": 2, "stalls": 2}, least=4)[0] == [1, 2, 3, 4]
+    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], {"learns": 2, "stalls": 2})[0] == [1, 2, 3]
+    assert regimes.select_builds(measured, [0, 1, 2, 3, 4], {"learns": 1, "stalls": 1}, least=4)[0] == [1, 2, 3, 4]
+    # the default: three that learn, one that stalls; four candidates suffice when the fourth is the one that stalls
+    assert regimes.parse_quotas(regimes.regimes) == {"learns": 3, "stalls": 1}
+    assert regimes.select_builds(measured, [1, 2, 3, 4], regimes.parse_quotas("learns:3 stalls:1"), 4)[0] == [1, 2, 3, 4]
+    for bad in ("learns", "learns:0", "learns:2 learns:1", "fast:2", "learns:x", ""):
+        with pytest.raises(SystemExit, match="regimes: "):
+            regimes.parse_quotas(bad)
+
+
+def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_without_a_papers_sign(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import regimes
+    # relaxed-low (μ-GRPO's lower clip alone) against grpo and μ-GRPO at μ = 4: differences −0.05, −0.07 (mean −0.06,
+    # sd 0.01414, df 1: half-width 12.706 · 0.01414 / √2 = 0.1271) and +0.01, −0.01 (mean 0: not shown)
+    final = {("grpo", 4): [0.30, 0.40], ("mu-grpo-d1e-4", 4): [0.24, 0.34], ("relaxed-low-d1e-4", 4): [0.25, 0.33],
+             ("grpo", 256): [0.1, 0.2], ("relaxed-low-d1e-4", 256): [0.5, 0.5]}
+    points = {k: {("build1", f"seed{s}"): {"final": f} for s, f in enumerate(v)} for k, v in final.items()}
+    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})}
+    low = rows["relaxed-low-d1e-4:4", "grpo:4"]
+    assert (low["direction"], low["verdict"]) == ("≠", "not shown")
+    assert (low["mean"], low["low"], low["high"]) == pytest.approx((-0.06, -0.1871, 0.0671), abs=1e-4)
+    assert rows["relaxed-low-d1e-4:4", "mu-grpo-d1e-4:4"]["mean"] == pytest.approx(0.0)
+    assert ("relaxed-low-d1e-4:256", "grpo:256") not in rows             # only at the smallest μ
+    assert [regimes.verdict("≠", *ci) for ci in ((-0.2, -0.1), (-0.1, 0.1), (0.1, 0.2))] == \
+        ["below", "not shown", "above"]

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT
 
-NAV_PRESETS = ["mu-grpo", "nav-none", "nav-T", "nav-S", "nav-seq"]
+NAV_PRESETS = ["mu-grpo", "nav-none", "nav-T", "nav-S", "nav-seq", "relaxed-low", "relaxed-high"]
 NO_NAV_PRESETS = ["grpo", "dapo", "m2po", "relaxed-no-nav", "offpolicy-grpo"]
 
 
@@ -33,3 +33,9 @@ def test_a_bad_NAV_DELTA_or_preset_is_refused_naming_what_is_allowed():
     assert code == 2 and "NAV_DELTA must be a positive number, got '1e-4x'" in err
     code, _, err = loss_args("nav-X")
     assert code == 2 and "LOSS must be one of mu-grpo grpo" in err
+
+
+def test_the_one_sided_presets_are_mu_grpo_with_one_side_of_grpos_clip_back():
+    mu_grpo = loss_args("mu-grpo")[1]
+    assert loss_args("relaxed-low")[1] == [f.replace("--clip_high=5", "--clip_high=1.2") for f in mu_grpo]
+    assert loss_args("relaxed-high")[1] == [f.replace("--clip_low=0", "--clip_low=0.8") for f in mu_grpo]
