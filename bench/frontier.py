@@ -153,6 +153,16 @@ def diagnostics_markdown(points, measured):
     return "\n".join(lines)
 
 
+def runs_markdown(points):
+    """Every run's final accuracy: a row per point, a column per (build, seed)."""
+    runs = sorted({k for r in points.values() for k in r}, key=lambda k: (int(k[0][5:]), int(k[1][4:])))
+    lines = ["| point | " + " | ".join(f"{b} {s}" for b, s in runs) + " |", "|" + "---|" * (len(runs) + 1)]
+    for key, rs in sorted(points.items(), key=lambda kv: order(kv[0])):
+        lines.append(f"| {key[0]} μ = {key[1]} | " + " | ".join(f"{rs[k]['final']:.3f}" if k in rs else ""
+                                                              for k in runs) + " |")
+    return "\n".join(lines)
+
+
 def point_key(point):
     """A point's key (label, μ) from its label:μ (μ a whole number, or "drift")."""
     label, mu = point.rsplit(":", 1)
@@ -219,6 +229,7 @@ def point_rows(points, speed):
                      "split": {k: mean(lambda r: r["split"][k]) / max(wall, 1e-9)
                                for k in ("generation", "training", "switching", "evaluation", "idle")},
                      "stages": mean(lambda r: r["split"]["stages"]),
+                     "switch_per_stage": spread([r["split"]["switching"] / r["split"]["stages"] for r in rs]),
                      "staleness": {q: mean(lambda r: r["staleness"][q]) for q in ("p50", "p95", "max")},
                      "ess_frac": opt("ess_frac"), "kl_behavior": opt("kl_behavior"),
                      "ratio_neg_adv": opt("ratio_neg_adv"), "vetoed_frac": opt("vetoed_frac"),
@@ -228,9 +239,9 @@ def point_rows(points, speed):
 
 def markdown(rows):
     cs = " | ".join(f"c = {c:g} s" for c in costs_s)
-    lines = [f"| point | runs | final accuracy | ± SE | minutes | gen / train / switch / eval / idle % | staleness p50 / p95 / "
-             f"max | ESS | KL(behaviour ‖ π) | E[ρ \\| A<0] | vetoed | clipped | speed-up, equal updates | at matched accuracy "
-             f"| {cs} |", "|" + "---|" * (14 + len(costs_s))]
+    lines = [f"| point | runs | final accuracy | ± SE | minutes | gen / train / switch / eval / idle % | switching per stage, s "
+             f"| staleness p50 / p95 / max | ESS | KL(behaviour ‖ π) | E[ρ \\| A<0] | vetoed | clipped | speed-up, equal "
+             f"updates | at matched accuracy | {cs} |", "|" + "---|" * (15 + len(costs_s))]
     for p in rows:
         sp = p["speedup"]
         split = " / ".join(f"{round(100 * p['split'][k]):d}" for k in ("generation", "training", "switching", "evaluation",
@@ -240,6 +251,7 @@ def markdown(rows):
         matched += f"{', ' if matched else ''}never in {sp['never']} of {sp['pairs']}" if sp["never"] else ""
         lines.append(
             f"| {p['label']} μ = {p['mu']} | {p['runs']} | {fmt(p['final'], 3)} | {se} | {p['minutes']:.1f} | {split} | "
+            f"{fmt_ci(p['switch_per_stage'])} | "
             f"{p['staleness']['p50']:.0f} / {p['staleness']['p95']:.0f} / {p['staleness']['max']:.0f} | "
             f"{fmt(p['ess_frac'])} | {fmt(p['kl_behavior'], 4)} | {fmt(p['ratio_neg_adv'], 3)} | "
             f"{fmt(p['vetoed_frac'], 3)} | {fmt(p['clipped_frac'], 3)} | {fmt_ci(sp['equal_updates'])} | "
@@ -248,31 +260,37 @@ def markdown(rows):
 
 
 def point_styles(keys):
-    """{(label, μ): plot keyword arguments}: a colour per μ, a line style per loss."""
+    """{(label, μ): plot keyword arguments}: a colour per μ, a line style and marker per loss."""
     labels = sorted({label for label, _ in keys})
     mus = sorted({mu for _, mu in keys}, key=lambda mu: order(("", mu)))
-    return {(label, mu): dict(color=f"C{mus.index(mu) % 10}", ls=("-", "--", ":", "-.")[labels.index(label) % 4])
-            for label, mu in keys}
+    return {(label, mu): dict(color=f"C{mus.index(mu) % 10}", ls=("-", "--", ":", "-.")[labels.index(label) % 4],
+                              marker="osD^v*"[labels.index(label) % 6]) for label, mu in keys}
 
 
-def accuracy_figure(points):
-    """Accuracy (mean over a point's runs) against minutes, evaluations taken out, and against updates: a matplotlib
-    Figure (made without pyplot: no backend is chosen, none is left open)."""
+def accuracy_figure(points, runs=None):
+    """Accuracy against minutes, evaluations taken out, and against updates, each point's mean over the same runs
+    (`runs`, (build, seed) pairs; default: every pair a point has; a point without all of them is left out, so no
+    curve is an average over other builds than the next): a matplotlib Figure (made without pyplot: no backend is
+    chosen, none is left open)."""
     from matplotlib.figure import Figure
+    runs = set(runs) if runs is not None else {k for rs in points.values() for k in rs}
     style = point_styles(points)
     fig = Figure(figsize=(12, 4.5))
     ax_t, ax_u = fig.subplots(1, 2)
-    for (label, mu), runs in sorted(points.items(), key=lambda kv: order(kv[0])):
-        curves = [r["curve"] for r in runs.values()]
+    for (label, mu), point_runs in sorted(points.items(), key=lambda kv: order(kv[0])):
+        if not runs <= set(point_runs):
+            continue
+        curves = [point_runs[k]["curve"] for k in sorted(runs)]
         n = min(len(c) for c in curves)          # the evaluations every run of the point has
         acc = [np.mean([c[i][2] for c in curves]) for i in range(n)]
         minutes = [np.mean([(c[i][1] or 0.0) / 60 for c in curves]) for i in range(n)]
-        ax_t.plot(minutes, acc, marker="o", ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
-        ax_u.plot([curves[0][i][0] for i in range(n)], acc, marker="o", ms=3, label=f"{label} μ={mu}",
-                  **style[(label, mu)])
-    ax_t.set(xlabel="minutes (evaluations taken out)", ylabel="test accuracy (mean over runs)",
+        ax_t.plot(minutes, acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
+        ax_u.plot([curves[0][i][0] for i in range(n)], acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
+    builds = sorted({b for b, _ in runs}, key=lambda b: int(b[5:]))
+    ax_t.set(xlabel="minutes (evaluations taken out)", ylabel=f"test accuracy (mean over the same {len(runs)} runs)",
              title="accuracy against wall-clock")
-    ax_u.set(xlabel="updates", ylabel="test accuracy (mean over runs)", title="accuracy against updates")
+    ax_u.set(xlabel="updates", ylabel=f"test accuracy (mean over the same {len(runs)} runs)",
+             title=f"accuracy against updates ({', '.join(builds)})")
     ax_u.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -288,7 +306,7 @@ def recost_figure(speed, baseline, costs):
     x = [max(c, 0.1) for c in costs]             # c = 0 drawn at 0.1 s on the log axis
     for (label, mu), sp in sorted(speed.items(), key=lambda kv: order(kv[0])):
         if all(sp["recost"][c] for c in costs):
-            ax.plot(x, [sp["recost"][c]["mean"] for c in costs], marker="o", label=f"{label} μ={mu}",
+            ax.plot(x, [sp["recost"][c]["mean"] for c in costs], ms=4, label=f"{label} μ={mu}",
                     **style[(label, mu)])
     ax.set_xscale("log")
     ax.set(xlabel="switching cost per stage c, seconds (0 at 0.1)", ylabel=f"speed-up over {baseline} at equal updates",
@@ -300,12 +318,17 @@ def recost_figure(speed, baseline, costs):
 
 
 def figures(points, speed, baseline, costs, where):
-    """The accuracy and the re-costing figures, saved in where as frontier_accuracy.png and frontier_recost.png:
-    {path: its Figure}."""
+    """The accuracy and the re-costing figures, saved in where as frontier_accuracy.png (the points that ran on every
+    build and seed the baseline did, over those runs) and frontier_recost.png, and, when some points ran on fewer
+    runs (the sweep beside KEY_POINTS), frontier_sweep.png: every point over the runs they all have. {path: Figure}."""
     where = Path(where)
     where.mkdir(parents=True, exist_ok=True)
-    drawn = {where / "frontier_accuracy.png": accuracy_figure(points),
+    base_runs = set(points[point_key(baseline)])
+    shared = set.intersection(*(set(rs) for rs in points.values()))
+    drawn = {where / "frontier_accuracy.png": accuracy_figure(points, base_runs),
              where / "frontier_recost.png": recost_figure(speed, baseline, costs)}
+    if shared != base_runs and shared:
+        drawn[where / "frontier_sweep.png"] = accuracy_figure(points, shared)
     for path, fig in drawn.items():
         fig.savefig(path, dpi=120)
     return drawn
@@ -375,7 +398,8 @@ def main():
     table = "\n\n".join([markdown(rows)] + regimes_part + [
         f"The paper's comparisons, paired (same build, same seed): final accuracy differences, 95 % t intervals over "
         f"the pairs (df = pairs − 1), per regime ({chosen})", regimes.comparisons_markdown(compared),
-        "Where the ratio leaves GRPO's clip, per regime", diagnostics_markdown(points, measured)])
+        "Where the ratio leaves GRPO's clip, per regime", diagnostics_markdown(points, measured),
+        "Every run's final accuracy", runs_markdown(points)])
     common.atomic_write_json(where / "frontier.json", {
         "baseline": baseline, "costs": costs_s, "points": rows, "comparisons": compared, "regimes": measured,
         "runs": {f"{k[0]}:{k[1]}": {f"{b}/{s}": r for (b, s), r in runs.items()} for k, runs in points.items()}})

@@ -113,6 +113,12 @@ def selection_table(measured, looked_at, kept):
     return "\n".join(rows)
 
 
+def quota_phrase(name, n):
+    """"the first 3 builds that learn", "the first build that stalls"."""
+    verb = {"learns": ("learns", "learn"), "stalls": ("stalls", "stall"), "saturated": ("is saturated", "are saturated")}
+    return f"the first {f'{n} builds' if n > 1 else 'build'} that {verb[name][n > 1]}"
+
+
 def print_selection():
     """The rule applied to the candidates measured so far: the table and how many it kept on stderr (and in
     selection.json); on stdout three lines: the kept builds, the first kept build of each regime (frontier.sh's
@@ -126,8 +132,7 @@ def print_selection():
     kept, by_regime = select_builds(measured, looked_at, quotas, at_least)
     short = [f"{name}: {len(by_regime.get(name, []))} of {n}" for name, n in quotas.items()
              if len(by_regime.get(name, [])) < n]
-    rule = ", ".join(f"the first {n} that {name}" if name != "saturated" else f"the first {n} saturated"
-                     for name, n in quotas.items())
+    rule = ", ".join(quota_phrase(name, n) for name, n in quotas.items())
     summary = (f"the rule looked at {len(looked_at)} build(s) and kept {len(kept)}: {rule}"
                + (f" (too few candidates in {', '.join(short)}; then the next of those regimes, in order, up to "
                   f"{at_least} builds)" if short else ""))
