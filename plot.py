@@ -233,28 +233,44 @@ def t_interval(values):
     return mean, mean - half, mean + half
 
 
+def lowest_ratio_neg(rows):
+    """A replay's lowest per-update E[ρ | A<0] (the paper's collapse warning; None: no update had an A<0 token)."""
+    return min((m["ratio/mean_neg_adv"] for m in rows if m.get("ratio/mean_neg_adv") is not None), default=None)
+
+
+ABLATION_STATISTICS = {         # what ablation_comparisons compares: a replay's (variant's, seed's) number
+    "final accuracy": lambda v, seed: v["curves"][seed][-1][1],
+    "lowest E[ρ | A<0]": lambda v, seed: lowest_ratio_neg(v["metrics"].get(seed, [])),
+}
+
+
 def ablation_comparisons(ablation, against=("relaxed-no-nav", "grpo", "onpolicy-grpo")):
-    """Every variant's final accuracy against each variant of `against` (the relaxed clip alone, GRPO's clip on the
-    same stale rollouts, GRPO at small μ with fresh rollouts), paired by seed: the differences, their mean and 95 %
-    t interval over the seeds. Replays of one seed share the stage's rollouts and their minibatch order."""
+    """Every variant against each variant of `against` (the relaxed clip alone, GRPO's clip on the same stale
+    rollouts, GRPO at small μ with fresh rollouts), paired by seed, for each of ABLATION_STATISTICS (final accuracy;
+    the lowest E[ρ | A<0], which the reference's records lack): the differences, their mean and 95 % t interval over
+    the seeds. Replays of one seed share the stage's rollouts and their minibatch order."""
     rows = []
-    for base in [b for b in against if b in ablation]:
-        for variant, v in ablation.items():
-            seeds = sorted(set(v["curves"]) & set(ablation[base]["curves"]))
-            if variant == base or variant.startswith("onpolicy-") or not seeds:
-                continue
-            diffs = [v["curves"][s][-1][1] - ablation[base]["curves"][s][-1][1] for s in seeds]
-            mean, low, high = t_interval(diffs)
-            rows.append({"variant": variant, "against": base, "seeds": seeds, "differences": diffs, "mean": mean,
-                         "low": low, "high": high})
+    for statistic, of in ABLATION_STATISTICS.items():
+        for base in [b for b in against if b in ablation]:
+            for variant, v in ablation.items():
+                seeds = sorted(set(v["curves"]) & set(ablation[base]["curves"]))
+                pairs = [(s, of(v, s), of(ablation[base], s)) for s in seeds]
+                pairs = [(s, a, b) for s, a, b in pairs if a is not None and b is not None]
+                if variant == base or variant.startswith("onpolicy-") or not pairs:
+                    continue
+                diffs = [a - b for _, a, b in pairs]
+                mean, low, high = t_interval(diffs)
+                rows.append({"statistic": statistic, "variant": variant, "against": base, "seeds": [s for s, _, _ in pairs],
+                             "differences": diffs, "mean": mean, "low": low, "high": high})
     return rows
 
 
 def comparisons_markdown(rows):
-    lines = ["| variant − against | seeds | differences | mean | 95 % t interval |", "|---|---|---|---|---|"]
+    lines = ["| statistic | variant − against | seeds | differences | mean | 95 % t interval |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
-        lines.append(f"| {r['variant']} − {r['against']} | {len(r['seeds'])} | "
+        lines.append(f"| {r['statistic']} | {r['variant']} − {r['against']} | {len(r['seeds'])} | "
                      f"{', '.join(f'{d:+.3f}' for d in r['differences'])} | {r['mean']:+.3f} | {ci} |")
     return "\n".join(lines) + "\n"
 
@@ -267,8 +283,7 @@ def ablation_table(ablation, initial):
         curve = mean_curve(v["curves"])
         finals = [c[-1][1] for c in v["curves"].values()]
         collapsed = [next((u for u, a in c if a < collapse_below * initial), None) for c in v["curves"].values()]
-        per_seed_min = [min(r) for rows in v["metrics"].values()      # None: a minibatch without A<0 tokens
-                        if (r := [m["ratio/mean_neg_adv"] for m in rows if m.get("ratio/mean_neg_adv") is not None])]
+        per_seed_min = [r for rows in v["metrics"].values() if (r := lowest_ratio_neg(rows)) is not None]
 
         def mean_metric(key):
             vals = [m.get(key) or 0.0 for rows in v["metrics"].values() for m in rows]
@@ -359,8 +374,9 @@ def main_ablation():
     table, paired = ablation_table(ablation, initial), ablation_comparisons(ablation)
     common.atomic_write_json(out / "table.json", table)
     common.atomic_write_json(out / "comparisons.json", paired)
-    text = (table_markdown(table, initial) + "\nfinal accuracy, paired by seed (95 % t interval over the seeds, df = "
-            "seeds − 1; a claim holds where its interval excludes zero):\n\n" + comparisons_markdown(paired))
+    text = (table_markdown(table, initial) + "\npaired by seed: final accuracy and the lowest E[ρ | A<0] (95 % t "
+            "interval over the seeds, df = seeds − 1; a difference is shown where its interval excludes zero):\n\n"
+            + comparisons_markdown(paired))
     (out / "table.md").write_text(text)
     print(f"wrote {out / 'table.md'}\n")
     print(text)

@@ -149,7 +149,7 @@ def claims(points):
     """The paper's comparisons the frontier's points can make: (claim, point, against, direction), each a difference
     of final accuracy point − against; direction "<" or ">": the paper's sign; "≥": not worse by match_margin. Then
     every other loss at the smallest μ (e.g. relaxed-low, relaxed-high: one side of μ-GRPO's clip) against GRPO and
-    μ-GRPO there, with no paper's sign ("≠")."""
+    μ-GRPO there, with no paper's sign ("≠"); and a loss's stages that end on drift against each fixed μ it ran at."""
     mus = sorted(mu for _, mu in points if isinstance(mu, int))
     if not mus:
         return []
@@ -162,6 +162,9 @@ def claims(points):
                 (f"μ-GRPO (δ {d}) at large μ matches GRPO at small μ", (mg, big), ("grpo", small), "≥"),
                 (f"μ-GRPO (δ {d}) at small μ matches GRPO (the losses differ only in the clip)", (mg, small),
                  ("grpo", small), "≥")]
+    for label in sorted({label for label, mu in points if mu == "drift"}):    # the drift rule against fixed μ
+        out += [(f"{label}: stages that end on drift against μ = {mu}", (label, "drift"), (label, mu), "≠")
+                for mu in mus if (label, mu) in points]
     for label in sorted({label for label, mu in points if mu == small}):
         if label != "grpo" and not label.startswith("mu-grpo-d"):
             out += [(f"{label} at small μ against GRPO", (label, small), ("grpo", small), "≠")]

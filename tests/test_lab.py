@@ -208,11 +208,14 @@ def test_ablation_table_by_hand(tmp_path):
     assert "| b | 2 | 0.250 (0.100–0.400) | 0.500 (0) | 1 (2) | 0.010 |" in md
     # b against a, paired by seed: finals 0.1 − 0.7 = −0.6 and 0.4 − 0.5 = −0.1; mean −0.35, sd 0.3536, df 1:
     # half-width 12.706 · 0.3536 / √2 = 3.1765 (printed to 3 places)
-    [row] = plot.ablation_comparisons(ablation, against=("a", "relaxed-no-nav"))
-    assert (row["variant"], row["against"], row["seeds"]) == ("b", "a", [0, 1])
+    row, ratio = plot.ablation_comparisons(ablation, against=("a", "relaxed-no-nav"))
+    assert (row["statistic"], row["variant"], row["against"], row["seeds"]) == ("final accuracy", "b", "a", [0, 1])
     assert row["differences"] == pytest.approx([-0.6, -0.1])
     assert (row["mean"], row["low"], row["high"]) == pytest.approx((-0.35, -3.5265, 2.8265), abs=1e-4)
-    assert "| b − a | 2 | -0.600, -0.100 | -0.350 | -3.526 to +2.826 |" in plot.comparisons_markdown([row])
+    assert "| final accuracy | b − a | 2 | -0.600, -0.100 | -0.350 | -3.526 to +2.826 |" in \
+        plot.comparisons_markdown([row])
+    # the lowest E[ρ | A<0] of each seed: b 0.01 against a 0.25 in both seeds (their metrics are the same per seed)
+    assert ratio["statistic"] == "lowest E[ρ | A<0]" and ratio["differences"] == pytest.approx([-0.24, -0.24])
 
 
 @pytest.mark.slow
