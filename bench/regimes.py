@@ -150,7 +150,7 @@ def claims(points):
     of final accuracy point − against; direction "<" or ">": the paper's sign; "≥": not worse by match_margin. Then
     every other loss at the smallest μ (e.g. relaxed-low, relaxed-high: one side of μ-GRPO's clip) against GRPO and
     μ-GRPO there, with no paper's sign ("≠"); and a loss's stages that end on drift against each fixed μ it ran at."""
-    mus = sorted(mu for _, mu in points if isinstance(mu, int))
+    mus = sorted({mu for _, mu in points if isinstance(mu, int)})
     if not mus:
         return []
     small, big = mus[0], mus[-1]

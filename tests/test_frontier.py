@@ -412,6 +412,8 @@ def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_witho
     assert ("relaxed-low-d1e-4:256", "grpo:256") not in rows             # only at the smallest μ
     # the drift rule against each fixed μ of its loss: 0.5 − 0.1, 0.5 − 0.2 against grpo μ = 256 (+0.35)
     points[("grpo", "drift")] = {("build1", f"seed{s}"): {"final": 0.5} for s in range(2)}
+    listed = [(r["point"], r["against"]) for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})]
+    assert len(listed) == len(set(listed)) == 6     # each once: grpo 256 − 4, μ-GRPO 4 − grpo 4, drift − 4 and − 256, relaxed-low − 2
     rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})}
     assert rows["grpo:drift", "grpo:256"]["differences"] == pytest.approx([0.4, 0.3])
     assert rows["grpo:drift", "grpo:256"]["direction"] == "≠" and ("grpo:drift", "grpo:4") in rows
