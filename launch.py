@@ -411,9 +411,9 @@ def attempt_row(run_dir, start, end, ended):
 
 def close_killed_attempt(run_dir):
     """An attempt killed before it wrote its row (its start marker is still there) gets its row now, ending at the
-    last row its processes wrote: what it did after that was lost, and counts as idle, as a killed phase's time does
-    in the process-per-phase loop. Without it the run's wall-clock would start at the last attempt while its
-    records (rollouts, updates, evaluations) cover the killed ones too."""
+    last row its processes wrote: what it did after that was lost, and is not timed, as the wait before this rerun
+    is not (plot.time_split). Without it the run's wall-clock would start at the last attempt while its records
+    (rollouts, updates, evaluations) cover the killed ones too."""
     import rollouts
     marker = run_dir / rollouts.ATTEMPT
     if not marker.exists():

@@ -76,11 +76,15 @@ def time_split(run):
     """A run's wall-clock in seconds, taken apart: generation (the engines' sampling, manifest generation_seconds),
     training (the updates, metrics seconds), evaluation, switching (the rest of the phases: process and engine
     starts, loads, saves, hand-offs, grading tails) and idle (between phases: the wall-clock no phase covers).
-    The five add up to the wall-clock; stages: how many stages paid a switch."""
+    The five add up to the wall-clock; stages: how many stages paid a switch. A resumed run's wall-clock leaves out
+    the time between a resident attempt's end (its row: launch.attempt_row; a killed one's ends at its last record)
+    and the next start: nothing of the run ran then, however long the rerun waited."""
     _, total, generation, training, _ = phase_summary(run)
     evaluation = sum(t["seconds"] for t in run["timeline"] if t["phase"] == "eval")
-    top = [t for t in run["timeline"] if "process" not in t]          # a resident run's one row, or the phases
-    wall = max(t["end"] for t in top) - min(t["start"] for t in top) if top else 0.0
+    top = sorted((t for t in run["timeline"] if "process" not in t), key=lambda t: t["start"])  # resident: its
+    wall = max(t["end"] for t in top) - min(t["start"] for t in top) if top else 0.0           # attempts; or phases
+    wall -= sum(max(0.0, later["start"] - t["end"]) for t, later in zip(top, top[1:])
+                if t["phase"] == "resident")
     return {"wall": wall, "generation": generation, "training": training, "evaluation": evaluation,
             "switching": total - evaluation - generation - training, "idle": wall - total,
             "stages": len(run["manifests"])}

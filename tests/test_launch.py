@@ -223,13 +223,18 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
     tops = [r for r in common.read_jsonl(tmp_path / "timeline.jsonl") if "process" not in r]
     assert [(r["start"], r["end"], r["seconds"], r["ended"]) for r in tops] == [(100, 150, 50, "killed"),
                                                                               (200, 300, 100, "completed")]
-    # wall 100..300 = 200 s; the attempts' rows cover 50 + 100 s: idle 50 s (attempt 1's lost 20 s and the 30 s before
-    # the rerun); switching: 150 − evaluation 25 − generation 40 − training 45 = 40 s
+    # wall: 100..300 less the 50 s from the killed attempt's last row to the rerun (150..200: what it lost after its
+    # last row, and the wait) = 150 s, all covered by the attempts' rows (50 + 100 s): idle 0; switching: 150 −
+    # evaluation 25 − generation 40 − training 45 = 40 s
     split = plot.time_split(plot.load_run(tmp_path))
-    assert split == {"wall": 200, "generation": 40, "training": 45, "evaluation": 25, "switching": 40, "idle": 50,
+    assert split == {"wall": 150, "generation": 40, "training": 45, "evaluation": 25, "switching": 40, "idle": 0,
                      "stages": 2}
     launch.close_killed_attempt(tmp_path)          # no marker: nothing more
     assert len(common.read_jsonl(tmp_path / "timeline.jsonl")) == 9
+    # a rerun after a completed attempt (more stages) at t = 1000 for 10 s: its wait is not timed either (wall 160)
+    common.append_jsonl(tmp_path / "timeline.jsonl", {"phase": "resident", "name": "resident", "stage": 1,
+                                                     "start": 1000, "end": 1010, "seconds": 10, "ended": "completed"})
+    assert {k: plot.time_split(plot.load_run(tmp_path))[k] for k in ("wall", "idle")} == {"wall": 160, "idle": 0}
 
 
 def test_the_resident_pair_that_ends_well_is_one_timeline_row(tmp_path, monkeypatch):
