@@ -77,17 +77,23 @@ def time_split(run):
     training (the updates, metrics seconds), evaluation, switching (the rest of the phases: process and engine
     starts, loads, saves, hand-offs, grading tails) and idle (between phases: the wall-clock no phase covers).
     The five add up to the wall-clock; stages: how many stages paid a switch. A resumed run's wall-clock leaves out
-    the time between a resident attempt's end (its row: launch.attempt_row; a killed one's ends at its last record)
-    and the next start: nothing of the run ran then, however long the rerun waited."""
+    its pauses (nothing of it ran then)."""
     _, total, generation, training, _ = phase_summary(run)
     evaluation = sum(t["seconds"] for t in run["timeline"] if t["phase"] == "eval")
-    top = sorted((t for t in run["timeline"] if "process" not in t), key=lambda t: t["start"])  # resident: its
-    wall = max(t["end"] for t in top) - min(t["start"] for t in top) if top else 0.0           # attempts; or phases
-    wall -= sum(max(0.0, later["start"] - t["end"]) for t, later in zip(top, top[1:])
-                if t["phase"] == "resident")
+    top = [t for t in run["timeline"] if "process" not in t]          # a resident run's attempts, or the phases
+    wall = max(t["end"] for t in top) - min(t["start"] for t in top) if top else 0.0
+    wall -= sum(end - start for start, end in pauses(run))
     return {"wall": wall, "generation": generation, "training": training, "evaluation": evaluation,
             "switching": total - evaluation - generation - training, "idle": wall - total,
             "stages": len(run["manifests"])}
+
+
+def pauses(run):
+    """[(from, to)]: when nothing of a resumed run ran, from a resident attempt's end (its row: launch.attempt_row; a
+    killed one's ends at its last record) to the next start, however long the rerun waited."""
+    top = sorted((t for t in run["timeline"] if "process" not in t), key=lambda t: t["start"])
+    return [(t["end"], later["start"]) for t, later in zip(top, top[1:])
+            if t["phase"] == "resident" and later["start"] > t["end"]]
 
 
 def resident_parts(run):

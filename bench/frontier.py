@@ -80,9 +80,10 @@ def summarize(run_dir):
     if not run["results"] or not tops or not run["metrics"]:
         return None
     start = min(t["start"] for t in tops)
-    at = {}                                      # stage → seconds to its evaluation, earlier evaluations taken out
+    at = {}                     # stage → seconds to its evaluation, earlier evaluations and a resumed run's pauses out
     for t in evals:
-        at[t["stage"]] = t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"])
+        at[t["stage"]] = t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"]) \
+            - sum(to - since for since, to in plot.pauses(run) if to <= t["start"])
     curve = [(updates, at.get(s, 0.0 if s < 0 else None), acc) for s, updates, _, acc in plot.accuracy_by_stage(run)]
     last = [r for r in run["results"] if r["stage"] == max(x["stage"] for x in run["results"])]
     m = run["metrics"]

@@ -227,6 +227,7 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
     # last row, and the wait) = 150 s, all covered by the attempts' rows (50 + 100 s): idle 0; switching: 150 −
     # evaluation 25 − generation 40 − training 45 = 40 s
     split = plot.time_split(plot.load_run(tmp_path))
+    assert plot.pauses(plot.load_run(tmp_path)) == [(150, 200)]
     assert split == {"wall": 150, "generation": 40, "training": 45, "evaluation": 25, "switching": 40, "idle": 0,
                      "stages": 2}
     launch.close_killed_attempt(tmp_path)          # no marker: nothing more
