@@ -268,6 +268,18 @@ def point_styles(keys):
                               marker="osD^v*"[labels.index(label) % 6]) for label, mu in keys}
 
 
+def mean_curve(curves):
+    """Runs' accuracy curves [(updates, seconds or None, accuracy)] averaged at every update count any of them was
+    evaluated at, each run taken at its last evaluation at or before it (stages that end on drift are evaluated at
+    other counts in every run): [(updates, mean seconds, mean accuracy)], up to the fewest updates a run reached."""
+    last = min(c[-1][0] for c in curves)
+    out = []
+    for u in sorted({e[0] for c in curves for e in c if e[0] <= last}):
+        at = [max((e for e in c if e[0] <= u), key=lambda e: e[0]) for c in curves]
+        out.append((u, float(np.mean([e[1] or 0.0 for e in at])), float(np.mean([e[2] for e in at]))))
+    return out
+
+
 def accuracy_figure(points, runs=None):
     """Accuracy against minutes, evaluations taken out, and against updates, each point's mean over the same runs
     (`runs`, (build, seed) pairs; default: every pair a point has; a point without all of them is left out, so no
@@ -281,12 +293,9 @@ def accuracy_figure(points, runs=None):
     for (label, mu), point_runs in sorted(points.items(), key=lambda kv: order(kv[0])):
         if not runs <= set(point_runs):
             continue
-        curves = [point_runs[k]["curve"] for k in sorted(runs)]
-        n = min(len(c) for c in curves)          # the evaluations every run of the point has
-        acc = [np.mean([c[i][2] for c in curves]) for i in range(n)]
-        minutes = [np.mean([(c[i][1] or 0.0) / 60 for c in curves]) for i in range(n)]
-        ax_t.plot(minutes, acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
-        ax_u.plot([curves[0][i][0] for i in range(n)], acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
+        updates, minutes, acc = zip(*mean_curve([point_runs[k]["curve"] for k in sorted(runs)]))
+        ax_t.plot(np.array(minutes) / 60, acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
+        ax_u.plot(updates, acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
     builds = sorted({b for b, _ in runs}, key=lambda b: int(b[5:]))
     ax_t.set(xlabel="minutes (evaluations taken out)", ylabel=f"test accuracy (mean over the same {len(runs)} runs)",
              title="accuracy against wall-clock")

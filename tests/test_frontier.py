@@ -419,3 +419,15 @@ def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_witho
     assert rows["grpo:drift", "grpo:256"]["direction"] == "≠" and ("grpo:drift", "grpo:4") in rows
     assert [regimes.verdict("≠", *ci) for ci in ((-0.2, -0.1), (-0.1, 0.1), (0.1, 0.2))] == \
         ["below", "not shown", "above"]
+
+
+def test_runs_evaluated_at_other_update_counts_are_averaged_at_each_runs_last_evaluation_before_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import frontier
+    # two drift runs evaluated at their stage ends: (updates, seconds, accuracy)
+    a = [(0, 0.0, 0.1), (37, 50.0, 0.2), (72, 100.0, 0.3), (256, 300.0, 0.5)]
+    b = [(0, None, 0.1), (64, 80.0, 0.4), (256, 280.0, 0.6)]
+    assert frontier.mean_curve([a, b]) == [pytest.approx(e) for e in
+                                           ((0, 0.0, 0.1), (37, 25.0, 0.15), (64, 65.0, 0.3), (72, 90.0, 0.35), (256, 290.0, 0.55))]
+    # runs evaluated at the same counts: the mean at each; a run that stopped early bounds the curve
+    assert frontier.mean_curve([a[:3], a]) == [pytest.approx(e) for e in a[:3]]
