@@ -81,19 +81,31 @@ def time_split(run):
     _, total, generation, training, _ = phase_summary(run)
     evaluation = sum(t["seconds"] for t in run["timeline"] if t["phase"] == "eval")
     top = [t for t in run["timeline"] if "process" not in t]          # a resident run's attempts, or the phases
-    wall = max(t["end"] for t in top) - min(t["start"] for t in top) if top else 0.0
-    wall -= sum(end - start for start, end in pauses(run))
+    first, last = (min(t["start"] for t in top), max(t["end"] for t in top)) if top else (0.0, 0.0)
+    wall = last - first - sum(max(0.0, min(to, last) - max(since, first)) for since, to in pauses(run))
     return {"wall": wall, "generation": generation, "training": training, "evaluation": evaluation,
             "switching": total - evaluation - generation - training, "idle": wall - total,
             "stages": len(run["manifests"])}
 
 
 def pauses(run):
-    """[(from, to)]: when nothing of a resumed run ran, from a resident attempt's end (its row: launch.attempt_row; a
-    killed one's ends at its last record) to the next start, however long the rerun waited."""
-    top = sorted((t for t in run["timeline"] if "process" not in t), key=lambda t: t["start"])
-    return [(t["end"], later["start"]) for t, later in zip(top, top[1:])
-            if t["phase"] == "resident" and later["start"] > t["end"]]
+    """[(from, to)]: when nothing of a resumed run ran, however long the rerun waited: from the last record before an
+    attempt's start (run_stages.sh's zero-length "attempt" row) to it, and from a resident attempt's end (its row:
+    launch.attempt_row; a killed one's ends at its last record) to the next start (runs recorded before the
+    attempt rows). What a killed phase or attempt did after its last record is lost with the wait."""
+    rows = sorted(run["timeline"], key=lambda t: t["start"])
+    top = [t for t in rows if "process" not in t]
+    found = [(t["end"], later["start"]) for t, later in zip(top, top[1:]) if t["phase"] == "resident"]
+    for i, t in enumerate(rows):
+        if t["phase"] == "attempt" and i > 0:
+            found.append((max(r["end"] for r in rows[:i]), t["start"]))
+    merged = []
+    for since, to in sorted(p for p in found if p[1] > p[0]):      # the two kinds overlap on a resident run
+        if merged and since <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], to))
+        else:
+            merged.append((since, to))
+    return merged
 
 
 def resident_parts(run):

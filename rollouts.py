@@ -154,7 +154,8 @@ class ColumnWriter:
 #   <run>/stage_<s>/train_state/    optimize.py: fp32 weights, AdamW, counts (the next stage starts from it)
 #   <run>/stage_<s>/metrics.jsonl   optimize.py: one row per update; beside it stage_end.json
 #   <run>/results.jsonl, eval_samples/   evaluate.py: one row per (stage, benchmark), the graded samples
-#   <run>/timeline.jsonl            run_stages.sh and the resident processes: one row per phase; beside it
+#   <run>/timeline.jsonl            run_stages.sh and the resident processes: one row per phase (and a zero-length
+#                                   "attempt" row at each start: plot.pauses); beside it
 #                                   timeline.attempt.json, the start of a resident pair's attempt that has no row yet
 # and the directories their owners name: resident/ (handoff.py), .nodes/ (nodes.py), tracking/ (tracking.py), logs/
 # and .done/ (run_stages.sh, whose loop, the part a researcher reads, spells stage_<s>/policy and train_state/ itself)

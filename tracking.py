@@ -134,6 +134,8 @@ def rows(run):
             **({f"eval/{b}/avg_at_{r['k']}_stderr": r["avg_at_k_stderr"]} if r.get("avg_at_k_stderr") else {})}))
     timeline, totals = run / rollouts.TIMELINE, {}
     for r in common.read_jsonl(timeline) if timeline.exists() else []:
+        if r["phase"] == "attempt":                        # an attempt's start: no time of its own
+            continue
         after = r["phase"] in ("optimize", "eval")         # at the updates the phase ended with, else began with
         step = _updates_after(run, r["stage"] if after else r["stage"] - 1)
         if step is None:

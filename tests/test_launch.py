@@ -238,6 +238,37 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
     assert {k: plot.time_split(plot.load_run(tmp_path))[k] for k in ("wall", "idle")} == {"wall": 160, "idle": 0}
 
 
+def test_the_time_before_a_rerun_is_not_the_runs_in_either_mode():
+    import plot
+
+    def attempt(t):                 # run_stages.sh's row at each start
+        return {"phase": "attempt", "name": "attempt", "stage": -1, "start": t, "end": t, "seconds": 0,
+                "process": "run_stages.sh"}
+
+    def row(phase, stage, start, end, **more):
+        return {"phase": phase, "name": f"{phase}_{stage}", "stage": stage, "start": start, "end": end,
+                "seconds": end - start, **more}
+    # process per phase, killed during eval_0 (its row never written) at t = 60, rerun at t = 500: the 450 s from
+    # optimize_0's end are not the run's; the phases cover 10 + 20 + 20 + 10 + 20 = 80 s of wall 530 − 450 = 80: idle 0
+    run = {"timeline": [attempt(0), row("eval", -1, 0, 10), row("generate", 0, 10, 30), row("optimize", 0, 30, 50),
+                        attempt(500), row("eval", 0, 500, 510), row("generate", 1, 510, 530)],
+           "manifests": {0: {"generation_seconds": 18}, 1: {"generation_seconds": 19}}, "metrics": [{"seconds": 15}]}
+    assert plot.pauses(run) == [(50, 500)]
+    split = plot.time_split(run)
+    assert (split["wall"], split["idle"], split["evaluation"], split["switching"]) == (80, 0, 20, 80 - 20 - 37 - 15)
+    # resident, killed at t = 170 (its row ends at its last record, 150), rerun at 200 whose pair starts at 200.5 (the
+    # script's checks before it): the attempt row's pause (150, 200) and the resident row's (150, 200.5) are one
+    run = {"timeline": [attempt(100), row("generate", 0, 101, 130, process="engine"), row("optimize", 0, 130, 150,
+                                                                                         process="trainer"),
+                        row("resident", 0, 100, 150, ended="killed"), attempt(200),
+                        row("generate", 1, 201, 240, process="engine"), row("resident", 1, 200.5, 300, ended="completed")],
+           "manifests": {}, "metrics": []}
+    assert plot.pauses(run) == [(150, 200.5)]
+    assert plot.time_split(run)["wall"] == pytest.approx(300 - 100 - 50.5)
+    # the first attempt, and a run never resumed: no pause
+    assert plot.pauses({"timeline": run["timeline"][:4]}) == []
+
+
 def test_the_resident_pair_that_ends_well_is_one_timeline_row(tmp_path, monkeypatch):
     (tmp_path / "logs").mkdir()
     (tmp_path / "stage_0").mkdir()
