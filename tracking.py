@@ -301,7 +301,9 @@ def where_line(run, total, s):
         parts.append(f"last evaluation: avg@{last['k']} {mean:.3f} after {last['updates']} updates"
                      + (f" (mean of {len(same)} benchmarks)" if len(same) > 1 else ""))
     timeline = common.read_jsonl(run / rollouts.TIMELINE) if (run / rollouts.TIMELINE).exists() else []
-    spent = sum(r["seconds"] for r in timeline)
+    ended = max((r["end"] for r in timeline if r["phase"] == "resident"), default=float("-inf"))
+    spent = sum(r["seconds"] for r in timeline         # a resident attempt's row, once written, holds its processes'
+                if "process" not in r or r["start"] >= ended)                    # rows: those of the running one
     if done and total > done:
         parts.append(f"ETA {_duration(spent / done * (total - done))} ({_duration(spent)} measured for {done} updates)")
     elif not done:

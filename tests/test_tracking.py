@@ -162,6 +162,13 @@ def test_the_stage_line_says_the_updates_done_the_last_evaluation_and_an_eta_fro
     common.append_jsonl(run / "timeline.jsonl", {"phase": "eval", "name": "eval_x", "stage": 1, "start": 0, "end": 0,
                                                   "seconds": 14360.0})       # 4 h in all: 3 h 20 min per 4 updates
     assert tracking.where_line(run, 8, 2).endswith("ETA 4 h 00 min (4 h 00 min measured for 4 updates)")
+    # resumed resident: a killed attempt's row (100 s) holds its processes' rows (60 s, before its end), the running
+    # attempt's rows (20 s) count on their own: 4 h + 100 + 20 s = 14,520 s per 4 updates, 4 h 02 min
+    for r in ({"phase": "generate", "start": 10, "end": 70, "seconds": 60, "process": "engine"},
+              {"phase": "resident", "start": 0, "end": 100, "seconds": 100, "ended": "killed"},
+              {"phase": "generate", "start": 200, "end": 220, "seconds": 20, "process": "engine"}):
+        common.append_jsonl(run / "timeline.jsonl", {"name": r["phase"], "stage": 1, **r})
+    assert tracking.where_line(run, 8, 2).endswith("ETA 4 h 02 min (4 h 02 min measured for 4 updates)")
 
 
 def test_following_ends_after_a_last_pass_once_run_stages_sh_says_it_exits(tmp_path, monkeypatch):
