@@ -80,10 +80,10 @@ def summarize(run_dir):
     if not run["results"] or not tops or not run["metrics"]:
         return None
     start = min(t["start"] for t in tops)
-    at = {}                     # stage → seconds to its evaluation, earlier evaluations and a resumed run's pauses out
+    at, pauses = {}, plot.pauses(run)    # stage → seconds to its evaluation, earlier evaluations and pauses out
     for t in evals:
         at[t["stage"]] = t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"]) \
-            - sum(to - since for since, to in plot.pauses(run) if to <= t["start"])
+            - sum(to - since for since, to in pauses if to <= t["start"])
     curve = [(updates, at.get(s, 0.0 if s < 0 else None), acc) for s, updates, _, acc in plot.accuracy_by_stage(run)]
     last = [r for r in run["results"] if r["stage"] == max(x["stage"] for x in run["results"])]
     m = run["metrics"]
@@ -268,10 +268,11 @@ def point_styles(keys):
                               marker="osD^v*"[labels.index(label) % 6]) for label, mu in keys}
 
 
-def mean_curve(curves):
-    """Runs' accuracy curves [(updates, seconds or None, accuracy)] averaged at every update count any of them was
-    evaluated at, each run taken at its last evaluation at or before it (stages that end on drift are evaluated at
-    other counts in every run): [(updates, mean seconds, mean accuracy)], up to the fewest updates a run reached."""
+def point_curve(curves):
+    """A point's runs' accuracy curves [(updates, seconds or None, accuracy)] averaged at every update count any of
+    them was evaluated at, each run taken at its last evaluation at or before it (stages that end on drift are
+    evaluated at other counts in every run; plot.mean_curve, for an ablation's replays, needs the same counts):
+    [(updates, mean seconds, mean accuracy)], up to the fewest updates a run reached."""
     last = min(c[-1][0] for c in curves)
     out = []
     for u in sorted({e[0] for c in curves for e in c if e[0] <= last}):
@@ -293,7 +294,7 @@ def accuracy_figure(points, runs=None):
     for (label, mu), point_runs in sorted(points.items(), key=lambda kv: order(kv[0])):
         if not runs <= set(point_runs):
             continue
-        updates, minutes, acc = zip(*mean_curve([point_runs[k]["curve"] for k in sorted(runs)]))
+        updates, minutes, acc = zip(*point_curve([point_runs[k]["curve"] for k in sorted(runs)]))
         ax_t.plot(np.array(minutes) / 60, acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
         ax_u.plot(updates, acc, ms=3, label=f"{label} μ={mu}", **style[(label, mu)])
     builds = sorted({b for b, _ in runs}, key=lambda b: int(b[5:]))

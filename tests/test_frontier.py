@@ -427,7 +427,7 @@ def test_runs_evaluated_at_other_update_counts_are_averaged_at_each_runs_last_ev
     # two drift runs evaluated at their stage ends: (updates, seconds, accuracy)
     a = [(0, 0.0, 0.1), (37, 50.0, 0.2), (72, 100.0, 0.3), (256, 300.0, 0.5)]
     b = [(0, None, 0.1), (64, 80.0, 0.4), (256, 280.0, 0.6)]
-    assert frontier.mean_curve([a, b]) == [pytest.approx(e) for e in
+    assert frontier.point_curve([a, b]) == [pytest.approx(e) for e in
                                            ((0, 0.0, 0.1), (37, 25.0, 0.15), (64, 65.0, 0.3), (72, 90.0, 0.35), (256, 290.0, 0.55))]
     # runs evaluated at the same counts: the mean at each; a run that stopped early bounds the curve
-    assert frontier.mean_curve([a[:3], a]) == [pytest.approx(e) for e in a[:3]]
+    assert frontier.point_curve([a[:3], a]) == [pytest.approx(e) for e in a[:3]]
