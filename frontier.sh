@@ -29,7 +29,7 @@ case "$PRESET" in               # the points' μ ("drift": the drift rule), thei
                                 # accuracy (with 200 test problems it was 0.015–0.019 after training, measured on
                                 # lab-fork with 12 samples each: problems differ more than samples do)
   paper) : "${MUS:=4 16 64 256 1024}" "${TOTAL_UPDATES:=4096}" "${EVAL_UPDATES:=256}" "${BENCHMARKS:=}" "${EVAL_K:=}" ;;
-  lab|lab-fork) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=64}" "${BENCHMARKS:=heldout}" "${EVAL_K:=1}" ;;
+  lab|lab-fork) : "${MUS:=4 16 64 256}" "${TOTAL_UPDATES:=256}" "${EVAL_UPDATES:=128}" "${BENCHMARKS:=heldout}" "${EVAL_K:=1}" ;;
   toy) : "${MUS:=2 4}" "${TOTAL_UPDATES:=8}" "${EVAL_UPDATES:=4}" "${BENCHMARKS:=}" "${EVAL_K:=}" ;;
   *) echo "PRESET must be lab, lab-fork, paper or toy, got '$PRESET'" >&2; exit 2 ;;
 esac
@@ -37,9 +37,11 @@ esac
 LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (losses.sh)
 NAV_DELTAS=${NAV_DELTAS:-1e-4 0.1}  # NAV δ of the presets with NAV (one point each; grpo has none)
 SEEDS=${SEEDS:-0 1}             # run_stages.sh's SEED: prompt order, sampling, minibatch order
-KEY_POINTS=${KEY_POINTS-$([[ $PRESET == lab* ]] && echo "grpo:4 grpo:256 mu-grpo-d1e-4:256 mu-grpo-d0.1:256 mu-grpo-d1e-4:4" || :)}
+KEY_POINTS=${KEY_POINTS-$([[ $PRESET == lab* ]] && echo "grpo:4 grpo:64 grpo:256 mu-grpo-d1e-4:64 mu-grpo-d1e-4:256 mu-grpo-d0.1:256 mu-grpo-d1e-4:4" || :)}
                                 # the points the paper's claims rest on: run on every build and seed; the others (the
-                                # rest of the μ sweep) only on SWEEP_BUILDS × SWEEP_SEEDS. Empty: every point everywhere
+                                # rest of the μ sweep) only on SWEEP_BUILDS × SWEEP_SEEDS. Empty: every point everywhere.
+                                # The lab's: μ = 64 is the paper's shape (4 stages, μ/4 = 16), μ = 256 one stage on the
+                                # initial policy's rollouts (another experiment: docs/multistage.md)
 SWEEP_BUILDS=${SWEEP_BUILDS:-first}  # "first": the first build of each regime the rule keeps (else of BUILDS)
 SWEEP_SEEDS=${SWEEP_SEEDS:-0}
 # ---- the builds (lab tasks: the builder's --seed, i.e. the task and its warm-started policy; 0 is data/<task>/, b > 0

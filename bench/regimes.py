@@ -145,32 +145,49 @@ def print_selection():
     print("short" if short else "complete")                     # whether every regime has its quota
 
 
+def stages_of(points, key):
+    """' (n stages)' for a fixed-μ point whose runs all trained n = updates / μ stages, else ''."""
+    counts = {r["updates"] // key[1] for r in points.get(key, {}).values() if r.get("updates") and isinstance(key[1], int)}
+    if len(counts) != 1:
+        return ""
+    n = counts.pop()
+    return f" ({n} stage{'' if n == 1 else 's'})"
+
+
 def claims(points):
     """The paper's comparisons the frontier's points can make: (claim, point, against, direction), each a difference
-    of final accuracy point − against; direction "<" or ">": the paper's sign; "≥": not worse by match_margin. Then
-    every other loss at the smallest μ (e.g. relaxed-low, relaxed-high: one side of μ-GRPO's clip) against GRPO and
-    μ-GRPO there, with no paper's sign ("≠"); and a loss's stages that end on drift against each fixed μ it ran at."""
+    of final accuracy point − against; direction "<" or ">": the paper's sign; "≥": not worse by match_margin. The
+    large-μ claims are made at every μ above the smallest, each labelled with its runs' stage count: the paper trains
+    μ-GRPO as 4 stages of μ = 1024 updates, and one stage at large μ (every update on the initial policy's rollouts) is
+    a different experiment. Then every other loss against GRPO and μ-GRPO at each μ it ran at, with no paper's sign
+    ("≠"; e.g. relaxed-low, relaxed-high: one side of μ-GRPO's clip); and a loss's stages that end on drift against
+    each fixed μ it ran at."""
     mus = sorted({mu for _, mu in points if isinstance(mu, int)})
     if not mus:
         return []
-    small, big = mus[0], mus[-1]
+    small = mus[0]
     deltas = sorted({label.split("-d", 1)[1] for label, _ in points if label.startswith("mu-grpo-d")}, key=float)
-    out = [("GRPO's clip fails at large μ", ("grpo", big), ("grpo", small), "<")]
+    out = []
+    for big in mus[1:]:
+        shape = next((t for k in [("grpo", big)] + [(f"mu-grpo-d{d}", big) for d in deltas] if (t := stages_of(points, k))), "")
+        at = f"at μ = {big}{shape}"
+        out += [(f"GRPO's clip fails {at}", ("grpo", big), ("grpo", small), "<")]
+        for d in deltas:
+            mg = f"mu-grpo-d{d}"
+            out += [(f"μ-GRPO (δ {d}) learns where GRPO's clip stalls, {at}", (mg, big), ("grpo", big), ">"),
+                    (f"μ-GRPO (δ {d}) {at} matches GRPO at μ = {small}", (mg, big), ("grpo", small), "≥")]
     for d in deltas:
-        mg = f"mu-grpo-d{d}"
-        out += [(f"μ-GRPO (δ {d}) learns where GRPO's clip stalls", (mg, big), ("grpo", big), ">"),
-                (f"μ-GRPO (δ {d}) at large μ matches GRPO at small μ", (mg, big), ("grpo", small), "≥"),
-                (f"μ-GRPO (δ {d}) at small μ matches GRPO (the losses differ only in the clip)", (mg, small),
+        out += [(f"μ-GRPO (δ {d}) at small μ matches GRPO (the losses differ only in the clip)", (f"mu-grpo-d{d}", small),
                  ("grpo", small), "≥")]
     for label in sorted({label for label, mu in points if mu == "drift"}):    # the drift rule against fixed μ
         out += [(f"{label}: stages that end on drift against μ = {mu}", (label, "drift"), (label, mu), "≠")
                 for mu in mus if (label, mu) in points]
-    for label in sorted({label for label, mu in points if mu == small}):
+    for label, mu in sorted((k for k in points if isinstance(k[1], int)), key=lambda k: (k[1], k[0])):
         if label != "grpo" and not label.startswith("mu-grpo-d"):
-            out += [(f"{label} at small μ against GRPO", (label, small), ("grpo", small), "≠")]
+            at = f"at μ = {mu}{stages_of(points, (label, mu))}"
+            out += [(f"{label} {at} against GRPO", (label, mu), ("grpo", mu), "≠")]
             if "-d" in label:
-                out += [(f"{label} at small μ against μ-GRPO", (label, small),
-                         (f"mu-grpo-d{label.rsplit('-d', 1)[1]}", small), "≠")]
+                out += [(f"{label} {at} against μ-GRPO", (label, mu), (f"mu-grpo-d{label.rsplit('-d', 1)[1]}", mu), "≠")]
     return [c for c in out if c[1] in points and c[2] in points and c[1] != c[2]]
 
 

@@ -368,8 +368,26 @@ def test_the_comparisons_are_paired_by_build_and_seed_and_split_by_regime(monkey
     assert learns["differences"] == pytest.approx([-0.55, -0.51]) and learns["builds"] == ["build2"]
     # learns: mean −0.53, sd 0.02828, df 1: half-width 12.706 · 0.02828 / √2 = 0.2541
     assert (learns["mean"], learns["low"], learns["high"]) == pytest.approx((-0.53, -0.7841, -0.2759), abs=1e-4)
-    assert learns["verdict"] == "reproduced" and stalls["claim"] == "GRPO's clip fails at large μ"
+    assert learns["verdict"] == "reproduced" and stalls["claim"] == "GRPO's clip fails at μ = 256"
     assert both["pairs"] == 4 and both["mean"] == pytest.approx((-0.06 - 0.09 - 0.55 - 0.51) / 4)
+
+
+def test_the_papers_claims_are_made_at_each_large_mu_and_say_how_many_stages_it_ran(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import regimes
+    # 256 updates each: μ = 64 is four stages (the paper's shape), μ = 256 one stage on the initial policy's rollouts
+    final = {("grpo", 4): [0.6, 0.7], ("grpo", 64): [0.5, 0.4], ("grpo", 256): [0.2, 0.3],
+             ("mu-grpo-d1e-4", 64): [0.1, 0.2], ("mu-grpo-d1e-4", 256): [0.7, 0.6]}
+    points = {k: {("build1", f"seed{s}"): {"final": f, "updates": 256} for s, f in enumerate(v)} for k, v in final.items()}
+    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})}
+    assert rows["grpo:64", "grpo:4"]["claim"] == "GRPO's clip fails at μ = 64 (4 stages)"
+    assert rows["grpo:256", "grpo:4"]["claim"] == "GRPO's clip fails at μ = 256 (1 stage)"
+    four = rows["mu-grpo-d1e-4:64", "grpo:4"]
+    assert four["claim"] == "μ-GRPO (δ 1e-4) at μ = 64 (4 stages) matches GRPO at μ = 4"
+    assert four["differences"] == pytest.approx([-0.5, -0.5]) and four["verdict"] == "reversed"
+    assert rows["mu-grpo-d1e-4:64", "grpo:64"]["differences"] == pytest.approx([-0.4, -0.2])
+    assert rows["mu-grpo-d1e-4:256", "grpo:256"]["verdict"] != "—" and len(rows) == 6   # no μ-GRPO at μ = 4
+    assert regimes.stages_of(points, ("grpo", 4)) == " (64 stages)" and regimes.stages_of({}, ("grpo", 4)) == ""
 
 
 def test_the_rule_keeps_the_first_builds_of_each_regime_in_candidate_order(monkeypatch):
@@ -409,11 +427,14 @@ def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_witho
     assert (low["direction"], low["verdict"]) == ("≠", "not shown")
     assert (low["mean"], low["low"], low["high"]) == pytest.approx((-0.06, -0.1871, 0.0671), abs=1e-4)
     assert rows["relaxed-low-d1e-4:4", "mu-grpo-d1e-4:4"]["mean"] == pytest.approx(0.0)
-    assert ("relaxed-low-d1e-4:256", "grpo:256") not in rows             # only at the smallest μ
+    # at every μ it ran at: relaxed-low μ = 256 against grpo μ = 256 (0.5 − 0.1, 0.5 − 0.2), no μ-GRPO there
+    assert rows["relaxed-low-d1e-4:256", "grpo:256"]["differences"] == pytest.approx([0.4, 0.3])
+    assert ("relaxed-low-d1e-4:256", "mu-grpo-d1e-4:256") not in rows
     # the drift rule against each fixed μ of its loss: 0.5 − 0.1, 0.5 − 0.2 against grpo μ = 256 (+0.35)
     points[("grpo", "drift")] = {("build1", f"seed{s}"): {"final": 0.5} for s in range(2)}
     listed = [(r["point"], r["against"]) for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})]
-    assert len(listed) == len(set(listed)) == 6     # each once: grpo 256 − 4, μ-GRPO 4 − grpo 4, drift − 4 and − 256, relaxed-low − 2
+    assert len(listed) == len(set(listed)) == 7     # each once: grpo 256 − 4, μ-GRPO 4 − grpo 4, drift − 4 and − 256,
+                                                    # relaxed-low − 2 at μ = 4, − grpo at μ = 256
     rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})}
     assert rows["grpo:drift", "grpo:256"]["differences"] == pytest.approx([0.4, 0.3])
     assert rows["grpo:drift", "grpo:256"]["direction"] == "≠" and ("grpo:drift", "grpo:4") in rows

@@ -291,3 +291,84 @@ def test_the_lab_build_is_the_same_whichever_kernels_the_cpu_would_pick(tmp_path
         digests.append([hashlib.sha256((out / name).read_bytes()).hexdigest()
                         for name in ("model/model.safetensors", "model/tokenizer.json", "train.jsonl", "test.jsonl")])
     assert digests[0] == digests[1]
+
+
+def _stage_audit(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["stage_audit.py"])
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    sys.modules.pop("stage_audit", None)
+    import stage_audit
+    return stage_audit
+
+
+def test_the_stage_audit_recomputes_answers_and_texts_by_hand(small_lab, monkeypatch):
+    audit = _stage_audit(monkeypatch)
+    assert audit.chain_value("Compute 7 + 8 - 5 + 9 step by step.") == 19
+    assert audit.chain_value("Compute 13 - 3 + 5 + 1 step by step.") == 16
+    # its worked texts are the builder's without slips (an independent writer of the same task)
+    row = lab.problem_row(7, [("+", 8), ("-", 5), ("+", 9)])
+    solution, detour = audit.worked_texts(row["problem"])
+    options = dict(fork="start", detour="restate", p_slip=0.0)
+    assert solution == lab_fork.demonstration(row, random.Random(0), p_detour=0.0, **options)
+    assert detour == lab_fork.demonstration(row, random.Random(0), p_detour=1.0, **options)
+    # the probed tokens spell each step's result (15, 10, 19), in the solution and in the detour
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(small_lab / "model")
+    for text in (solution, detour):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        spelled = [tokenizer.decode([enc["input_ids"][i] for i in p]).strip()
+                   for p in audit.result_positions(enc["offset_mapping"], text)]
+        assert spelled == ["15", "10", "19"]
+    probe = audit.probe_policy(str(small_lab / "model"), [row["problem"]])
+    assert all(0 < v <= 1 for v in probe.values())
+
+
+def test_the_stage_audit_finds_a_planted_pairing_reward_and_advantage_fault(tmp_path, monkeypatch):
+    audit = _stage_audit(monkeypatch)
+    monkeypatch.setattr(audit, "max_responses", 0)
+    stage = tmp_path / "stage_0"
+    (stage / "rollouts").mkdir(parents=True)
+    problem = "Compute 7 + 8 - 5 + 9 step by step."
+    # one group of four: two right (\\boxed{19}), two wrong; rewards 1, 1, 0, 0: mean 0.5, sample std 0.57735,
+    # advantages ±0.5 / 0.57735 = ±0.866025
+    responses = [" \\boxed{19}", " \\boxed{ 19}", " \\boxed{18}", " Answer: 19"]
+    rows = [{"prompt_id": "p", "group": 0, "prompt": problem, "answer": "19", "response": r, "reward": w,
+             "advantage": a, "finish_reason": "stop", "response_token_ids": [5] * 3, "behavior_logprobs": [0.0] * 3,
+             "reward_info": {"reason": "correct" if w else "wrong"}}
+            for r, w, a in zip(responses, (1.0, 1.0, 0.0, 0.0), (0.866025, 0.866025, -0.866025, -0.866025))]
+    manifest = {"stage": 0, "policy": str(tmp_path / "no_policy"), "plan": {"temperature": 1.0}}
+
+    def audit_of(rows):
+        (stage / "rollouts" / "shard_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (stage / "rollouts" / "manifest.json").write_text(json.dumps(manifest))
+        return audit.audit_stage(stage, [], [])
+
+    clean = audit_of(rows)
+    assert (clean["gold_pairing_ok"], clean["rewards_differing"]) == (1.0, 0)
+    assert clean["advantage_max_error"] < 1e-5 and clean["mean_reward"] == 0.5 and clean["groups_with_variance"] == 1
+    faulty = [dict(r) for r in rows]
+    faulty[0]["answer"] = "18"          # paired with another problem's answer
+    faulty[2]["reward"] = 1.0           # graded right though it is wrong
+    faulty[3]["advantage"] = -0.5       # not the group's normalization
+    found = audit_of(faulty)
+    assert found["gold_pairing_ok"] == 0.75 and found["rewards_differing"] == 1
+    # the advantages are recomputed from the stored rewards (1, 1, 1, 0: mean 0.75, sd 0.5, so 0.5, 0.5, 0.5, −1.5):
+    # off by 0.366, 0.366, 1.366 (response 2's stored −0.866 against 0.5, the largest) and 1.0
+    assert found["advantage_max_error"] == pytest.approx(1.366025, abs=1e-4)
+
+
+def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["paired.py"])
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import paired
+    a = {("build1", "seed0"): {"final": 0.6}, ("build1", "seed1"): {"final": 0.7}, ("build0", "seed0"): {"final": 0.2},
+         ("build2", "seed0"): {"final": 0.9}}
+    b = {("build1", "seed0"): {"final": 0.1}, ("build1", "seed1"): {"final": 0.3}, ("build0", "seed0"): {"final": 0.25}}
+    rows = {r["regime"]: r for r in paired.paired_rows(a, b, {"build0": {"regime": "stalls"}, "build1": {"regime": "learns"}})}
+    # learns: 0.5, 0.4: mean 0.45, sd 0.07071, df 1: half-width 12.706 · 0.07071 / √2 = 0.6353
+    assert rows["learns"]["differences"] == pytest.approx([0.5, 0.4])
+    assert (rows["learns"]["low"], rows["learns"]["high"]) == pytest.approx((-0.1853, 1.0853), abs=1e-4)
+    assert rows["stalls"]["mean"] == pytest.approx(-0.05) and rows["stalls"]["verdict"] == "—"
+    # all three pairs (build2 has none): mean 0.28333, sd 0.29297, df 2: half-width 4.303 · 0.29297 / √3 = 0.7278
+    assert rows["all"]["pairs"] == 3
+    assert (rows["all"]["mean"], rows["all"]["low"], rows["all"]["high"]) == pytest.approx((0.2833, -0.4445, 1.0111), abs=1e-3)
