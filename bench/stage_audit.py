@@ -1,6 +1,7 @@
 """Audit a lab run's stages independently of the code that wrote them, and describe each stage's rollouts.
 
     python bench/stage_audit.py --run_dir=runs/trace/b2/s0/mu-grpo
+    python bench/stage_audit.py --run_dir="μ-GRPO=runs/a,GRPO=runs/b" --probe_problems=0 --plot=docs/x.png
 
 For every stage_<s>/rollouts of a run on a lab task (data/lab.py, data/lab_fork.py) it checks, with plain json,
 HF transformers and Python arithmetic rather than rollouts.py, generate.py or reward.py:
@@ -14,7 +15,8 @@ HF transformers and Python arithmetic rather than rollouts.py, generate.py or re
     stage's last metrics line, and this stage's first line continuing AdamW's count (optimizer_update) at its lr.
 and describes the stage: mean reward, share of groups with reward variance, response length and truncation, the
 share of responses taking lab-fork's detour (" Check"), the first response token's distribution, the grader's
-reasons. Prints one table; writes <run_dir>/stage_audit.json.
+reasons. Prints one table per run; writes <run_dir>/stage_audit.json, and with --plot a figure of every run's
+rollouts per stage (correct, wrong on the solution's path, detour).
 
 It also probes each policy of the run (the initial one, then every stage's saved policy) on `probe_problems`
 held-out problems, teacher-forced on their worked texts without slips: the probability of taking the solution at
@@ -35,7 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
-run_dir = "runs/trace/b2/s0/mu-grpo"    # a run_stages.sh run directory on a lab task
+run_dir = "runs/trace/b2/s0/mu-grpo"    # a run_stages.sh run directory on a lab task; several: a comma list, each
+                                        # optionally named (name=dir) for the figure
+plot = ""                               # a PNG: the rollouts' composition per stage, one panel per run
+window = 64                             # run updates per row of the training table (a long stage: several rows)
 max_responses = 512                     # responses per stage whose behaviour log-probs are recomputed (0: none)
 probe_problems = 200                    # held-out problems the policies are probed on (0: no probe)
 # -----------------------------------------------------------------------------
@@ -166,20 +171,37 @@ def audit_stage(stage_dir, previous_metrics, metrics):
     }
 
 
-def main():
-    run = Path(run_dir)
+TRAINING = ("grpo_clip/lower_frac", "grpo_clip/upper_frac", "nav/vetoed_frac", "ratio/kl", "ratio/mean_neg_adv",
+            "entropy", "reward/mean")
+
+
+def training_windows(rows):
+    """The metrics lines' means over each `window` run updates: where A<0 tokens fell below GRPO's clip (ρ < 0.8) and
+    A>0 ones rose above it, the vetoed share, KL(behaviour ‖ π), E[ρ | A<0], the entropy, the minibatches' reward."""
+    out = []
+    for start in range(0, len(rows), window):
+        chunk = rows[start:start + window]
+        mean = lambda k: (sum(v) / len(v)) if (v := [r[k] for r in chunk if r.get(k) is not None]) else None  # noqa: E731
+        out.append({"updates": f"{chunk[0]['run_update']}–{chunk[-1]['run_update']}", **{k: mean(k) for k in TRAINING}})
+    return out
+
+
+def audit_run(run):
+    """Every stage's audit, printed as a table, and the probes of the run's policies; written to
+    <run>/stage_audit.json and returned."""
     stages = sorted((int(p.name.split("_")[1]), p) for p in run.glob("stage_*") if (p / "rollouts" / "manifest.json").exists())
+    if not stages:
+        sys.exit(f"{run}: no stage_<s>/rollouts/manifest.json (not a run directory, or nothing generated yet)")
     out, previous = [], []
-    for s, stage_dir in stages:
+    for _, stage_dir in stages:
         path = stage_dir / "metrics.jsonl"
         metrics = [json.loads(line) for line in open(path)] if path.exists() else []
         out.append(audit_stage(stage_dir, previous, metrics))
         previous = metrics
-    keys = ["stage", "policy_run_updates", "trained_run_updates_before", "adamw_continues", "lr", "gold_pairing_ok", "rewards_differing",
-            "advantage_max_error", "behavior_lp_mean_abs_diff", "behavior_lp_max_abs_diff", "mean_reward",
-            "groups_with_variance", "mean_response_tokens", "truncated", "detour"]
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
+    keys = ["stage", "policy_run_updates", "trained_run_updates_before", "adamw_continues", "lr", "gold_pairing_ok",
+            "rewards_differing", "advantage_max_error", "behavior_lp_mean_abs_diff", "behavior_lp_max_abs_diff",
+            "mean_reward", "groups_with_variance", "mean_response_tokens", "truncated", "detour"]
+    print(f"{run}\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for row in out:
         print("| " + " | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys) + " |")
     for row in out:
@@ -191,13 +213,57 @@ def main():
         problems = [json.loads(line)["problem"] for line in open(data_dir / "heldout.jsonl")][::7][:probe_problems]
         policies = [(0, first["policy"])] + [(json.loads((d / "policy" / "policy_id.json").read_text())["run_updates"],
                                               str(d / "policy")) for _, d in stages if (d / "policy" / "config.json").exists()]
-        print("| run updates | P(solution at the fork) | P(correct step result), solution | ..., detour |")
-        print("|---|---|---|---|")
+        print("| run updates | P(solution at the fork) | P(correct step result), solution | ..., detour |\n|---|---|---|---|")
         for updates, policy in policies:
             probes.append({"run_updates": updates, "policy": policy, **probe_policy(policy, problems)})
             p = probes[-1]
             print(f"| {updates} | {p['fork_solution']:.3f} | {p['step_correct_solution']:.3f} | {p['step_correct_detour']:.3f} |")
-    common.atomic_write_json(run / "stage_audit.json", {"stages": out, "probes": probes})
+    training = training_windows([json.loads(line) for _, d in stages if (d / "metrics.jsonl").exists()
+                                 for line in open(d / "metrics.jsonl")])
+    print(f"| run updates | {' | '.join(TRAINING)} |\n|" + "---|" * (len(TRAINING) + 1))
+    for row in training:
+        print(f"| {row['updates']} | " + " | ".join("—" if row[k] is None else f"{row[k]:.4f}" for k in TRAINING) + " |")
+    audit = {"stages": out, "probes": probes, "training": training}
+    common.atomic_write_json(run / "stage_audit.json", audit)
+    return audit
+
+
+def composition_figure(audits, path):
+    """One panel per run: its rollouts per stage as shares of correct answers, wrong ones on the solution's path
+    (a slip), the detour (no box) and the rest."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(audits), figsize=(3.2 * len(audits), 3.2), sharey=True, squeeze=False)
+    kinds = [("correct", "tab:green"), ("wrong", "tab:red"), ("no_box", "tab:gray")]
+    for ax, (name, audit) in zip(axes[0], audits.items()):
+        stages = [r["stage"] for r in audit["stages"]]
+        bottom = [0.0] * len(stages)
+        for kind, colour in kinds + [("other", "tab:olive")]:
+            share = [(r["grader_reasons"].get(kind, 0) if kind != "other" else
+                      r["responses"] - sum(r["grader_reasons"].get(k, 0) for k, _ in kinds)) / r["responses"]
+                     for r in audit["stages"]]
+            ax.bar(stages, share, bottom=bottom, color=colour, label={"no_box": "detour (no box)",
+                                                                      "wrong": "wrong (a slip)"}.get(kind, kind))
+            bottom = [b + v for b, v in zip(bottom, share)]
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("stage (its rollouts)")
+        ax.set_xticks(stages)
+    axes[0][0].set_ylabel("share of the stage's rollouts")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"figure: {path}")
+
+
+def main():
+    audits = {}
+    for item in run_dir.split(","):
+        name, _, directory = item.rpartition("=")      # name=dir, or a bare dir (named by its path)
+        audits[name or directory] = audit_run(Path(directory))
+    if plot:
+        composition_figure(audits, plot)
 
 
 if __name__ == "__main__":

@@ -372,3 +372,15 @@ def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
     # all three pairs (build2 has none): mean 0.28333, sd 0.29297, df 2: half-width 4.303 · 0.29297 / √3 = 0.7278
     assert rows["all"]["pairs"] == 3
     assert (rows["all"]["mean"], rows["all"]["low"], rows["all"]["high"]) == pytest.approx((0.2833, -0.4445, 1.0111), abs=1e-3)
+
+
+def test_the_stage_audit_averages_training_metrics_over_windows_of_run_updates(monkeypatch):
+    audit = _stage_audit(monkeypatch)
+    monkeypatch.setattr(audit, "window", 2)
+    rows = [{"run_update": u, "nav/vetoed_frac": v, "ratio/kl": 0.1 * u, "entropy": None}
+            for u, v in enumerate([0.0, 0.2, 0.4, 0.6, 1.0])]
+    out = audit.training_windows(rows)
+    assert [r["updates"] for r in out] == ["0–1", "2–3", "4–4"]
+    assert [r["nav/vetoed_frac"] for r in out] == pytest.approx([0.1, 0.5, 1.0])
+    assert [r["ratio/kl"] for r in out] == pytest.approx([0.05, 0.25, 0.4])
+    assert out[0]["entropy"] is None and out[0]["grpo_clip/lower_frac"] is None     # never logged: no mean
