@@ -10,8 +10,8 @@ as bench/regimes.py), "above" or "below" where the interval excludes zero, else 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (frontier puts the repository on the path)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import common  # noqa: E402
 import frontier  # noqa: E402
 import plot  # noqa: E402
 import regimes  # noqa: E402

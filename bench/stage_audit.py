@@ -10,7 +10,8 @@ HF transformers and Python arithmetic rather than rollouts.py, generate.py or re
   - the advantages: (r − mean_group) / (std_group + 1e-6) over the responses of one prompt_id (the sample
     std, n − 1, as TRL's and verl's GRPO);
   - the behaviour log-probs: the stage policy (the manifest's `policy`, loaded by transformers in float32) scores
-    every response at the manifest's temperature; mean and max |recomputed − stored| per token;
+    the first `max_responses` responses at the manifest's temperature (the lab samples with top_p 1, so the
+    temperature is the whole processing); mean and max |recomputed − stored| per token;
   - the policy and the optimizer across the boundary: the policy's policy_id.json run_updates against the previous
     stage's last metrics line, and this stage's first line continuing AdamW's count (optimizer_update) at its lr.
 and describes the stage: mean reward, share of groups with reward variance, response length and truncation, the
