@@ -4,8 +4,8 @@ rate, which frontier.sh runs as a second frontier: `LR=3e-5 OUT=runs/frontier-lr
     python bench/paired.py --a=runs/frontier-lr3e-5:mu-grpo-d1e-4:64 --b=runs/frontier-lab-fork:mu-grpo-d1e-4:64
 
 Each side is <runs_dir>:<label>:<μ>. The runs are paired by (build, seed); per regime (the regimes of b's frontier,
-else a's) and over all of them: the mean difference a − b and its 95 % t interval over the pairs (plot.t_interval,
-as bench/regimes.py), "above" or "below" where the interval excludes zero, else "not shown".
+else a's) and over all of them: the mean difference a − b and its 95 % t interval over the pairs (regimes.paired_by_regime,
+as the frontier's comparisons), "above" or "below" where the interval excludes zero, else "not shown".
 """
 import sys
 from pathlib import Path
@@ -13,7 +13,6 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import common  # noqa: E402
 import frontier  # noqa: E402
-import plot  # noqa: E402
 import regimes  # noqa: E402
 
 a = ""      # <runs_dir>:<label>:<μ>
@@ -32,27 +31,13 @@ def side(spec):
     return Path(runs_dir), points[key]
 
 
-def paired_rows(runs_a, runs_b, measured):
-    """Per regime (then all, when there are several): pairs, differences a − b, mean, 95 % interval, verdict."""
-    pairs = sorted(k for k in runs_a if k in runs_b)
-    names = sorted({regimes.build_regime(measured, k[0]) for k in pairs})
-    rows = []
-    for name in names + (["all"] if len(names) > 1 else []):
-        chosen = [k for k in pairs if name == "all" or regimes.build_regime(measured, k[0]) == name]
-        diffs = [runs_a[k]["final"] - runs_b[k]["final"] for k in chosen]
-        mean, low, high = plot.t_interval(diffs)
-        rows.append({"regime": name, "pairs": len(chosen), "differences": diffs, "mean": mean, "low": low,
-                     "high": high, "verdict": regimes.verdict("≠", low, high)})
-    return rows
-
-
 def main():
     if not a or not b:
         sys.exit("give --a=<runs_dir>:<label>:<μ> and --b=<runs_dir>:<label>:<μ>")
     dir_a, runs_a = side(a)
     dir_b, runs_b = side(b)
     measured = regimes.load_regimes(dir_b / "regimes") or regimes.load_regimes(dir_a / "regimes")
-    rows = paired_rows(runs_a, runs_b, measured)
+    rows = regimes.paired_by_regime(runs_a, runs_b, measured, "≠")
     if not rows:
         sys.exit(f"{a} and {b} share no (build, seed)")
     print(f"| {a} − {b} | pairs | mean | 95 % CI | verdict |\n|---|---|---|---|---|")

@@ -206,23 +206,29 @@ def verdict(direction, low, high):
     return "reproduced" if low > -match_margin else "reversed" if high < 0 else "not shown"
 
 
+def paired_by_regime(runs_a, runs_b, measured, direction):
+    """Runs of two points ({(build, seed): summary}) paired by build and seed, per regime and over all regimes (when
+    there are several): {regime, builds, pairs, differences a − b of final accuracy, mean, low, high (95 % t
+    interval), verdict}."""
+    pairs = sorted(k for k in runs_a if k in runs_b)
+    names = sorted({build_regime(measured, k[0]) for k in pairs})
+    rows = []
+    for name in names + (["all"] if len(names) > 1 else []):    # one regime: "all" would be the same rows again
+        chosen = [k for k in pairs if name == "all" or build_regime(measured, k[0]) == name]
+        diffs = [runs_a[k]["final"] - runs_b[k]["final"] for k in chosen]
+        mean, low, high = plot.t_interval(diffs)
+        rows.append({"regime": name, "builds": sorted({k[0] for k in chosen}), "pairs": len(chosen),
+                     "differences": diffs, "mean": mean, "low": low, "high": high,
+                     "verdict": verdict(direction, low, high)})
+    return rows
+
+
 def comparisons(points, measured):
     """Per claim and regime (and all regimes together): the paired differences of final accuracy (same build, same
     seed), their mean and 95 % t interval over the pairs, and the verdict."""
-    rows = []
-    for claim, a, b, direction in claims(points):
-        pairs = sorted(k for k in points[a] if k in points[b])
-        for name in sorted({build_regime(measured, k[0]) for k in pairs}) + ["all"]:
-            chosen = [k for k in pairs if name == "all" or build_regime(measured, k[0]) == name]
-            if name == "all" and len({build_regime(measured, k[0]) for k in pairs}) < 2 or not chosen:
-                continue                          # one regime: "all" is the same rows again
-            diffs = [points[a][k]["final"] - points[b][k]["final"] for k in chosen]
-            mean, low, high = plot.t_interval(diffs)
-            rows.append({"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction,
-                         "regime": name, "builds": sorted({k[0] for k in chosen}), "pairs": len(chosen),
-                         "differences": diffs, "mean": mean, "low": low, "high": high,
-                         "verdict": verdict(direction, low, high)})
-    return rows
+    return [{"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction, **row}
+            for claim, a, b, direction in claims(points)
+            for row in paired_by_regime(points[a], points[b], measured, direction)]
 
 
 def comparisons_markdown(rows):

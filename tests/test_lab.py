@@ -364,7 +364,8 @@ def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
     a = {("build1", "seed0"): {"final": 0.6}, ("build1", "seed1"): {"final": 0.7}, ("build0", "seed0"): {"final": 0.2},
          ("build2", "seed0"): {"final": 0.9}}
     b = {("build1", "seed0"): {"final": 0.1}, ("build1", "seed1"): {"final": 0.3}, ("build0", "seed0"): {"final": 0.25}}
-    rows = {r["regime"]: r for r in paired.paired_rows(a, b, {"build0": {"regime": "stalls"}, "build1": {"regime": "learns"}})}
+    measured = {"build0": {"regime": "stalls"}, "build1": {"regime": "learns"}}
+    rows = {r["regime"]: r for r in paired.regimes.paired_by_regime(a, b, measured, "≠")}
     # learns: 0.5, 0.4: mean 0.45, sd 0.07071, df 1: half-width 12.706 · 0.07071 / √2 = 0.6353
     assert rows["learns"]["differences"] == pytest.approx([0.5, 0.4])
     assert (rows["learns"]["low"], rows["learns"]["high"]) == pytest.approx((-0.1853, 1.0853), abs=1e-4)
