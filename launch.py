@@ -420,7 +420,9 @@ def close_killed_attempt(run_dir):
         return
     start = json.loads(marker.read_text())["start"]
     timeline = common.read_jsonl(run_dir / rollouts.TIMELINE) if (run_dir / rollouts.TIMELINE).exists() else []
-    attempt_row(run_dir, start, max([t["end"] for t in timeline if t["start"] >= start], default=start), "killed")
+    # its processes' rows: not run_stages.sh's "attempt" row, which the rerun writes before this runs
+    attempt_row(run_dir, start, max([t["end"] for t in timeline if t["start"] >= start and t["phase"] != "attempt"],
+                                    default=start), "killed")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,10 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
             {"phase": "generate", "name": "generate_1", "stage": 1, "start": 210, "end": 240, "process": "engine"},
             {"phase": "optimize", "name": "optimize_1", "stage": 1, "start": 240, "end": 270, "process": "trainer"},
             {"phase": "eval", "name": "eval_1", "stage": 1, "start": 270, "end": 290, "seconds": 20, "process": "engine"}]
+    def attempt_marker(t):      # run_stages.sh's zero-length row, written before launch.py starts the attempt
+        common.append_jsonl(tmp_path / "timeline.jsonl", {"phase": "attempt", "name": "attempt", "stage": -1, "start": t,
+                                                         "end": t, "seconds": 0, "process": "run_stages.sh"})
+    attempt_marker(100)
     for r in rows[:4]:
         r.setdefault("seconds", r["end"] - r["start"])
         common.append_jsonl(tmp_path / "timeline.jsonl", r)
@@ -216,7 +220,8 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
         (tmp_path / f"stage_{s}" / "rollouts").mkdir(parents=True)
         common.atomic_write_json(tmp_path / f"stage_{s}" / "rollouts" / "manifest.json", {"generation_seconds": generation})
         common.atomic_write_lines(tmp_path / f"stage_{s}" / "metrics.jsonl", [{"seconds": x} for x in training])
-    launch.close_killed_attempt(tmp_path)          # what resident_command does first
+    attempt_marker(200)                            # the rerun: run_stages.sh's row, then launch.py's resident_command,
+    launch.close_killed_attempt(tmp_path)          # which first closes the killed attempt at its own last row (150)
     for r in rows[4:]:
         common.append_jsonl(tmp_path / "timeline.jsonl", {**r, "seconds": r.get("seconds", r["end"] - r["start"])})
     launch.attempt_row(tmp_path, 200, 300, "completed")
@@ -231,7 +236,7 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
     assert split == {"wall": 150, "generation": 40, "training": 45, "evaluation": 25, "switching": 40, "idle": 0,
                      "stages": 2}
     launch.close_killed_attempt(tmp_path)          # no marker: nothing more
-    assert len(common.read_jsonl(tmp_path / "timeline.jsonl")) == 9
+    assert len(common.read_jsonl(tmp_path / "timeline.jsonl")) == 11
     # a rerun after a completed attempt (more stages) at t = 1000 for 10 s: its wait is not timed either (wall 160)
     common.append_jsonl(tmp_path / "timeline.jsonl", {"phase": "resident", "name": "resident", "stage": 1,
                                                      "start": 1000, "end": 1010, "seconds": 10, "ended": "completed"})
