@@ -690,6 +690,7 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
               ("trainer", lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()),
               # a stage trained by this attempt (an earlier attempt may have saved stage 0 before it was killed)
               ("run_stages.sh", lambda: any((run_dir / "resident").glob("trained_*.json")))]
+    kills = {}
     for target, ready in points:
         shutil.rmtree(run_dir / "resident", ignore_errors=True)     # the last attempt's pid files name dead processes
         proc = subprocess.Popen(["bash", "run_stages.sh"], cwd=ROOT, env=env, start_new_session=True,
@@ -704,7 +705,7 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
         if proc.poll() is not None:              # the run finished first: nothing was interrupted this time
             assert proc.returncode == 0, (target, seed)
             continue
-        killed_at = time.time()
+        killed_at = kills[target] = time.time()
         if target == "run_stages.sh":
             os.killpg(proc.pid, signal.SIGKILL)
         else:
@@ -719,3 +720,6 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
             assert not handoff.transfer_buffers(run_dir), (target, seed)
     run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
     assert_same_stages(resident_run, run_dir, stages=(1,))
+    # the attempt killed outright is closed by the rerun at its own last row, before the kill: the wait is a pause
+    killed = [r for r in read_lines(run_dir / "timeline.jsonl") if r.get("ended") == "killed"]
+    assert all(r["end"] <= kills["run_stages.sh"] for r in killed), (killed, kills, seed)
