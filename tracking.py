@@ -34,6 +34,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -52,7 +53,8 @@ pid = 0                         # run_stages.sh's pid: following ends, after a l
 stop_file = ""                  # or once this file exists (run_stages.sh's exit: no signal can come before the handler)
 settings = ""                   # run_stages.sh's knobs as KEY=VALUE lines: the tracker run's config
 group = ""                      # the tracker group of this run (frontier.sh, ablate.sh: one per frontier or ablation)
-poll_s = 2.0                    # seconds between passes over the records
+poll_s = 10.0                   # seconds between passes over the records (each stats them and reads what changed)
+close_s = 120.0                 # seconds the trackers may take to close at the end (W&B's finish uploads what is left)
 project = "mu-grpo"             # the W&B project (WANDB_PROJECT wins); W&B's mode is WANDB_MODE's (online, offline)
 
 # where
@@ -96,12 +98,38 @@ def _stage_dirs(run):
     return [d for _, d in rollouts.stage_dirs(run)]
 
 
-def _updates_after(run, s):
+class RecordFiles:
+    """The run's record files, each read again only when its size, mtime or inode changed: a pass over a 1,024-stage
+    run stats its ~4k files and opens only the new or grown ones (a finished stage's files never change)."""
+
+    def __init__(self):
+        self.cache = {}                 # path → ((inode, size, mtime_ns), parsed)
+
+    def read(self, path, parse):
+        """parse(path) as of now, from the cache when the file is unchanged; None when it does not exist."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self.cache.pop(path, None)
+            return None
+        key, hit = (st.st_ino, st.st_size, st.st_mtime_ns), self.cache.get(path)
+        if hit is None or hit[0] != key:
+            hit = self.cache[path] = (key, parse(path))
+        return hit[1]
+
+    def jsonl(self, path):
+        return self.read(path, common.read_jsonl) or []
+
+    def json(self, path):
+        return self.read(path, lambda p: json.loads(Path(p).read_text()))
+
+
+def _updates_after(run, s, files=None):
     """The run updates recorded when stage s ended (its stage_end.json), 0 before the first stage, None if unknown."""
     if s < 0:
         return 0
-    path = rollouts.stage_dir(run, s) / rollouts.STAGE_END
-    return json.loads(path.read_text())["run_updates"] if path.exists() else None
+    end = (files or RecordFiles()).json(rollouts.stage_dir(run, s) / rollouts.STAGE_END)
+    return end["run_updates"] if end else None
 
 
 def run_start(run):
@@ -110,34 +138,35 @@ def run_start(run):
     return float(path.read_text()) if path.exists() else None
 
 
-def rows(run):
+def rows(run, files=None):
     """Every row the trackers show, from the run's records: (key, step, wall time, {name: value}); the key names
-    the record the row comes from, so a row is logged once whatever happens to its file."""
-    run, out = Path(run), []
+    the record the row comes from, so a row is logged once whatever happens to its file. `files`: a RecordFiles kept
+    between passes (a follower's), so that only what changed is read."""
+    run, out, files = Path(run), [], files or RecordFiles()
     # an ablation replay's directory holds its metrics.jsonl (ablate.sh: optimize.py --out=<dir>/policy); a run's stages
     for metrics in [run / rollouts.METRICS, *(d / rollouts.METRICS for d in _stage_dirs(run))]:
-        for r in common.read_jsonl(metrics) if metrics.exists() else []:
+        for r in files.jsonl(metrics):
             out.append((f"train/{r['run_update']}", r["run_update"], r.get("time"),
                         _numbers(r, "train/", skip=("update", "run_update", "stage", "time"))))
     for d in _stage_dirs(run):
         s = int(d.name[6:])
         manifest = d / rollouts.ROLLOUTS / rollouts.MANIFEST
-        if manifest.exists() and (step := _updates_after(run, s - 1)) is not None:
-            m = json.loads(manifest.read_text())
-            out.append((f"rollout/{s}", step, manifest.stat().st_mtime, _numbers(
+        read = files.read(manifest, lambda p: (json.loads(Path(p).read_text()), os.stat(p).st_mtime))
+        if read is not None and (step := _updates_after(run, s - 1, files)) is not None:
+            m, written = read
+            out.append((f"rollout/{s}", step, written, _numbers(
                 m, "rollout/", skip=("complete", "stage", "engines_ran", "max_response_tokens", "prompts", "responses"))))
-    results = run / rollouts.RESULTS
-    for r in common.read_jsonl(results) if results.exists() else []:
+    for r in files.jsonl(run / rollouts.RESULTS):
         b = r["benchmark"]
         out.append((f"eval/{r['stage']}/{b}/{r.get('policy')}", r["updates"], r.get("time"), {
             f"eval/{b}/avg_at_{r['k']}": r["avg_at_k"], f"eval/{b}/pass_at_{r['k']}": r["pass_at_k"],
             **({f"eval/{b}/avg_at_{r['k']}_stderr": r["avg_at_k_stderr"]} if r.get("avg_at_k_stderr") else {})}))
-    timeline, totals = run / rollouts.TIMELINE, {}
-    for r in common.read_jsonl(timeline) if timeline.exists() else []:
+    totals = {}
+    for r in files.jsonl(run / rollouts.TIMELINE):
         if r["phase"] == "attempt":                        # an attempt's start: no time of its own
             continue
         after = r["phase"] in ("optimize", "eval")         # at the updates the phase ended with, else began with
-        step = _updates_after(run, r["stage"] if after else r["stage"] - 1)
+        step = _updates_after(run, r["stage"] if after else r["stage"] - 1, files)
         if step is None:
             continue
         totals[r["phase"]] = totals.get(r["phase"], 0.0) + r["seconds"]
@@ -214,6 +243,7 @@ class Follower:
         self.state_path = self.run / "tracking" / "logged.json"
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {"keys": [], "config": 0}
         self.logged = set(self.state["keys"])
+        self.files = RecordFiles()      # kept between passes: each pass reads only the files that changed
         config, first = run_config(run, knobs), not self.state_path.exists()
         self.trackers = [{"tensorboard": TensorBoard, "wandb": WandB}[name](run, config, first)
                          for name in trackers_of(report)]
@@ -227,7 +257,7 @@ class Follower:
     def sync(self):
         """Log the rows not logged yet (the keys are saved first) and the optimize settings once they exist.
         Returns how many rows went in."""
-        new = [r for r in rows(self.run) if r[0] not in self.logged]
+        new = [r for r in rows(self.run, self.files) if r[0] not in self.logged]
         config = run_config(self.run, self.knobs)
         grew = len(config) > self.state["config"]
         if not new and not grew:
@@ -244,9 +274,27 @@ class Follower:
                 tracker.log(step, wall, {**values, **beside})
         return len(new)
 
-    def close(self):
-        for tracker in self.trackers:
-            tracker.close()
+    def close(self, within_s):
+        """Close every tracker, waiting at most within_s seconds in all: W&B's finish waits for its uploads, and
+        run_stages.sh waits for this process at its exit. Past the bound the follower ends and says so; a tracker's
+        error is raised here."""
+        done, errors = threading.Event(), []
+
+        def close_all():
+            try:
+                for tracker in self.trackers:
+                    tracker.close()
+            except BaseException as e:      # raised below, in the follower's own thread
+                errors.append(e)
+            finally:
+                done.set()
+        threading.Thread(target=close_all, daemon=True).start()
+        if not done.wait(within_s):
+            print(f"[tracking] the trackers did not close within {within_s:g} s (close_s): ending without them; the "
+                  f"records are complete, and W&B's offline files under {self.run / 'tracking'} keep what it had "
+                  f"(`wandb sync` sends them)", file=sys.stderr, flush=True)
+        elif errors:
+            raise errors[0]
 
 
 def follow(run, report, knobs, parent, stop_path=""):
@@ -268,7 +316,7 @@ def follow(run, report, knobs, parent, stop_path=""):
                 while time.monotonic() < deadline and not stop and not (stop_path and os.path.exists(stop_path)):
                     time.sleep(0.1)
         finally:
-            follower.close()
+            follower.close(close_s)
 
 
 def _alive(process):

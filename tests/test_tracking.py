@@ -187,3 +187,60 @@ def test_following_ends_after_a_last_pass_once_run_stages_sh_says_it_exits(tmp_p
     threading.Timer(0.5, finish).start()
     tracking.follow(run, "tensorboard", {}, os.getpid(), str(stop))       # returns: the parent (this process) lives on
     assert tensorboard_scalars(run)["train/loss/policy"] == [0, 1, 2, 3]
+
+
+def test_a_follower_reads_again_only_the_record_files_that_changed(tmp_path, monkeypatch):
+    # a 1,024-stage run has ~4k record files and the follower passes over them every poll_s: the second pass of an
+    # unchanged run opens none of them, and after one more update only the metrics file it went to
+    import builtins
+    import io
+    run = tmp_path / "run"
+    write_records(run, 2)
+    opened, real_open = [], builtins.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if "r" in mode and Path(file).is_relative_to(run):
+            opened.append(Path(file).relative_to(run).as_posix())
+        return real_open(file, mode, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(io, "open", counting_open)            # Path.read_text's
+    files = tracking.RecordFiles()
+    first = tracking.rows(run, files)
+    assert sorted(opened) == ["results.jsonl", "stage_0/metrics.jsonl", "stage_0/rollouts/manifest.json",
+                              "stage_0/stage_end.json", "stage_1/metrics.jsonl", "stage_1/rollouts/manifest.json",
+                              "stage_1/stage_end.json", "timeline.jsonl"]            # each once
+    opened.clear()
+    assert tracking.rows(run, files) == first and opened == []
+    common.append_jsonl(run / "stage_1" / "metrics.jsonl", {"update": 2, "run_update": 4, "stage": 1, "loss/policy": 0.5,
+                                                            "time": 1100.0})
+    again = tracking.rows(run, files)
+    assert opened == ["stage_1/metrics.jsonl"]
+    assert again == first[:4] + [("train/4", 4, 1100.0, {"train/loss/policy": 0.5})] + first[4:]
+    assert again == tracking.rows(run)                        # the same rows as a pass that reads everything
+
+
+def test_closing_the_trackers_is_bounded_and_a_trackers_error_is_raised(tmp_path, capsys):
+    # W&B's finish waits for its uploads, and run_stages.sh waits for the follower at its exit: a tracker that never
+    # closes holds the follower 0.2 s (close_s) and no longer; one whose close fails raises its error
+    import threading
+    import time
+    never = threading.Event()
+
+    class Hangs:
+        def close(self):
+            never.wait()
+
+    class Fails:
+        def close(self):
+            raise RuntimeError("upload refused")
+    follower = object.__new__(tracking.Follower)
+    follower.run = tmp_path
+    follower.trackers = [Hangs()]
+    t0 = time.monotonic()
+    follower.close(0.2)
+    assert time.monotonic() - t0 < 10.0                        # 0.2 s, with room for a slow machine
+    assert "did not close within 0.2 s (close_s)" in capsys.readouterr().err
+    follower.trackers = [Fails()]
+    with pytest.raises(RuntimeError, match="upload refused"):
+        follower.close(5.0)
+    never.set()
