@@ -242,10 +242,14 @@ def hsdp_mesh(world, shard_ranks, device_type):
     from torch.distributed.device_mesh import init_device_mesh
     if world % shard_ranks:
         raise SystemExit(f"HSDP: {world} ranks do not split into groups of {shard_ranks} (ranks per node)")
-    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
-    options._timeout = PROCESS_GROUP_TIMEOUT
+    def options():      # one object per mesh dimension: with the default group bound to a device (device_id),
+        # NCCL's split_group modifies the options it is given (torch deep-copies its own default for this reason:
+        # torch/distributed/distributed_c10d.py, split_group, "the option will be modified inside split")
+        o = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+        o._timeout = PROCESS_GROUP_TIMEOUT
+        return o
     return init_device_mesh(device_type, (world // shard_ranks, shard_ranks), mesh_dim_names=("replicate", "shard"),
-                            backend_override={"replicate": options, "shard": options})
+                            backend_override={"replicate": options(), "shard": options()})
 
 
 def shard_start(param):

@@ -78,3 +78,17 @@ def test_tied_embeddings_are_one_parameter_saved_once_and_tied_again_on_load(tmp
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight.detach().to(torch.bfloat16))
+
+
+def test_each_hsdp_mesh_dimension_gets_its_own_process_group_options(monkeypatch):
+    # NCCL's split_group modifies the options it is given (torch deep-copies its own default for this reason), so the
+    # two mesh dimensions must not share one object; each carries the run's timeout, not the backend's 10 minutes
+    import torch.distributed.device_mesh as device_mesh
+    asked = {}
+    monkeypatch.setattr(device_mesh, "init_device_mesh", lambda device_type, shape, **kwargs: asked.update(
+        shape=shape, **kwargs))
+    M.hsdp_mesh.__wrapped__(4, 2, "cpu")
+    options = asked["backend_override"]
+    assert asked["shape"] == (2, 2) and asked["mesh_dim_names"] == ("replicate", "shard")
+    assert options["replicate"] is not options["shard"]
+    assert options["replicate"]._timeout == options["shard"]._timeout == M.PROCESS_GROUP_TIMEOUT
