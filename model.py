@@ -445,6 +445,23 @@ def policy_tensors(model, dtype):
         yield name, saved
 
 
+def nonfinite_parameters(model):
+    """The names of the parameters that hold a non-finite value on any rank: each rank checks its own shards (an
+    FSDP2 parameter's local tensor), one all-reduce of the per-parameter counts; every rank gets the same list."""
+    from torch.distributed.tensor import DTensor
+    names, bad = [], []
+    for name, param in model.named_parameters():
+        local = (param.to_local() if isinstance(param, DTensor) else param).detach()
+        names.append(name)
+        bad.append(torch.logical_not(torch.isfinite(local).all()))     # an empty shard: all() is True
+    if not names:
+        return []
+    counts = torch.stack(bad).to(torch.int32)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    return [name for name, n in zip(names, counts.tolist()) if n]
+
+
 def full_state(model, dtype):
     """({name: full tensor in dtype, on CPU}, weights_digest of them, {name: common.tensor_hash of it as the engines
     hold it}) on rank 0, (None, None, None) elsewhere: policy_tensors one at a time, checked for non-finite values and

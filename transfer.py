@@ -406,6 +406,10 @@ class Sender:
         Nones elsewhere."""
         import model as M
         t0 = time.perf_counter()
+        # refused before any engine receives a byte (the engines load each chunk as it arrives); the pass below
+        # checks again what it sends, in the engines' dtype
+        if bad := M.nonfinite_parameters(model):
+            raise SystemExit(f"refusing to hand over non-finite weights ({bad[:3]}...): no engine has received them")
         if self.engine is None:
             self.source = PolicySource(model, dtype, record=self.rank == 0)
             size = self.buffer_size(model, dtype)

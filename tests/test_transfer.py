@@ -90,3 +90,24 @@ def test_a_policy_sent_in_chunks_is_what_the_engine_holds_and_a_faulty_transport
         server.close()
         sender.close()
     assert not list(tmp_path.glob("mu-grpo-*-transfer-rank*"))      # the buffer is gone with the sender
+
+
+def test_non_finite_weights_are_refused_before_any_engine_receives_them(tmp_path):
+    # the engines load each chunk as it arrives, so the check after the pass would come after they hold the weights
+    import transfer
+
+    class Engine:
+        sent = 0
+
+        def send_weights(self):
+            Engine.sent += 1
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    sender = transfer.Sender(tmp_path, 1, torch.device("cpu"), 0, 1, check=lambda: None)
+    sender.engine = Engine()
+    with torch.no_grad():
+        net[1].bias[0] = float("nan")
+        net[0].weight[1, 2] = float("inf")
+    with pytest.raises(SystemExit, match=r"non-finite weights \(\['0.weight', '1.bias'\]\.\.\.\): no engine has"):
+        sender.send(net, torch.float32)
+    assert Engine.sent == 0
+    sender.client.close()
