@@ -156,9 +156,14 @@ def resolve(knobs):
     if k["RESIDENT"] == "true" and k["RESET_OPTIMIZER"] == "true":
         return k, ("RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase "
                    "loop")
-    if k["RESIDENT"] == "true" and k["HANDOFF"] == "transfer" and gpus and int(k["ENGINES"]) > int(k["TRAIN_RANKS"]):
-        return k, (f"HANDOFF=transfer shares each engine's weights with the trainer rank on its GPU (CUDA IPC): "
-                   f"ENGINES={k['ENGINES']} needs TRAIN_RANKS of at least that, got {k['TRAIN_RANKS']}; or HANDOFF=files")
+    # CUDA IPC hands each rank's buffer to the engine worker on the same GPU (handles keyed by the GPU's UUID:
+    # vllm/distributed/weight_transfer/ipc_engine.py, receive_weights): an engine GPU without a trainer rank gets no
+    # weights (the first hand-off fails), and a rank's buffer on a GPU without an engine is never opened, so torch's
+    # IPC reference count never frees it (a buffer per hand-off). run_stages.sh's engines are one GPU each
+    if k["RESIDENT"] == "true" and k["HANDOFF"] == "transfer" and gpus and k["ENGINES"] != k["TRAIN_RANKS"]:
+        return k, (f"HANDOFF=transfer hands each trainer rank's weights to the engine on its GPU (CUDA IPC): every "
+                   f"trainer rank's GPU needs an engine and every engine's GPU a trainer rank, so ENGINES must equal "
+                   f"TRAIN_RANKS, got ENGINES={k['ENGINES']} and TRAIN_RANKS={k['TRAIN_RANKS']}; or HANDOFF=files")
     if k["PREFLIGHT"] == "auto":
         k["PREFLIGHT"] = "1" if k["PRESET"] == "paper" else "0"
     return k, None

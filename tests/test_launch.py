@@ -78,10 +78,14 @@ def test_settings_are_every_knob_but_a_nodes_own():
     ({"NNODES": "2", "EVAL_CACHE": "runs/cache"}, "EVAL_CACHE reuses evaluations on one node"),
     ({"RESIDENT": "true", "RESET_OPTIMIZER": "true"}, "RESIDENT=true keeps one AdamW for the whole run"),
     ({"HANDOFF": "ipc"}, "HANDOFF must be transfer or files, got 'ipc'"),
-    # CUDA IPC shares a GPU's memory with the engine on that GPU: an engine without a trainer rank beside it
+    # CUDA IPC shares a GPU's memory with the engine on that GPU: an engine without a trainer rank beside it, and a
+    # trainer rank without an engine (its buffer never opened, never freed)
     ({"GPUS": "4", "RESIDENT": "true", "ENGINES": "4", "TRAIN_RANKS": "2"},
-     "HANDOFF=transfer shares each engine's weights with the trainer rank on its GPU (CUDA IPC): ENGINES=4 needs "
-     "TRAIN_RANKS of at least that, got 2; or HANDOFF=files"),
+     "HANDOFF=transfer hands each trainer rank's weights to the engine on its GPU (CUDA IPC): every trainer rank's GPU "
+     "needs an engine and every engine's GPU a trainer rank, so ENGINES must equal TRAIN_RANKS, got ENGINES=4 and "
+     "TRAIN_RANKS=2; or HANDOFF=files"),
+    ({"GPUS": "4", "RESIDENT": "true", "ENGINES": "2", "TRAIN_RANKS": "4"}, "HANDOFF=transfer hands each trainer rank's"),
+    ({"GPUS": "4", "RESIDENT": "true", "TRAIN_RANKS": "2"}, "HANDOFF=transfer hands each trainer rank's"),   # ENGINES: 4
 ])
 def test_a_bad_knob_is_named_with_what_is_allowed(settings, message):
     _, problem = launch.resolve({**TOY, **settings})
