@@ -120,22 +120,28 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
                **cpu_only, **gpu_only, **transfer_only)
 
 
-def load_policy(llm, path):
-    """Load a policy's weights into the running engine in place, and forget the last policy's cached prefixes.
-    An asleep engine (resident mode on a GPU) is woken in two steps, weights first, so that the KV cache is
-    allocated only once the new weights are in (vllm/v1/executor/abstract.py `wake_up` with tags;
-    vllm/v1/engine/core.py resumes scheduling once every tag is awake). reload_weights is the worker's
-    (vllm/v1/worker/gpu_worker.py `reload_weights`, which the CPU worker inherits): it reads the directory's
-    safetensors into the existing parameters. Returns the seconds taken."""
+def load_policy(llm, path, kv_cache=True):
+    """Load a policy's weights into the running engine in place. An asleep engine (resident mode on a GPU) gets its
+    weights back first (vllm/v1/executor/abstract.py `wake_up` with tags), so that the KV cache is allocated only
+    once the new weights are in; kv_cache=False leaves the KV cache asleep for the caller to wake after checking the
+    weights (wake_kv_cache). reload_weights is the worker's (vllm/v1/worker/gpu_worker.py `reload_weights`, which the
+    CPU worker inherits): it reads the directory's safetensors into the existing parameters. Returns the seconds."""
     t0 = time.perf_counter()
-    asleep = llm.llm_engine.is_sleeping()
-    if asleep:
+    if llm.llm_engine.is_sleeping():
         llm.wake_up(tags=["weights"])
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-    if asleep:
+    if kv_cache:
+        wake_kv_cache(llm)
+    return time.perf_counter() - t0
+
+
+def wake_kv_cache(llm):
+    """The KV cache back once the weights are in (an engine asleep since its last stage: only the "kv_cache" tag
+    still sleeps, vllm/v1/executor/abstract.py `is_sleeping`; vllm/v1/engine/core.py resumes scheduling once every
+    tag is awake), and the last policy's cached prefixes forgotten."""
+    if llm.llm_engine.is_sleeping():
         llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
-    return time.perf_counter() - t0
 
 
 class WeightHashes:

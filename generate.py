@@ -552,22 +552,31 @@ def resident_engine(problems, procs=()):
             if p.poll() not in (None, 0):
                 raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
 
-    t_start = time.time()
     flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
             "run_updates": common.policy_record(policy).get("run_updates", 0), "next_stage_prompts": prompts_per_stage}
     # a resumed run's engine starts on the last policy handed over; with the transfer it starts on the initial one,
     # since the policy it waits for may come over the API, which needs the engine up
     if first > stage and policy_handoff == "files":
         flag, _ = partner.wait_for_policy(first - 1)
+    t_start = time.time()                    # the start-up (after that wait: the trainer's time, the engine not up)
     llm = start_engine(flag["path"], first) if has_engine else None
     where = lambda s: f"engine {engine_index()}, stage {s}"  # noqa: E731
     server = None
     if has_engine and policy_handoff == "transfer":
         import transfer
         server = transfer.EngineServer(run_dir, engine_index(), llm, where(first), check=partner.check_partner)
+    # a resumed run with the transfer: the trainer trains before this engine's first stage, so the engine sleeps at once
+    # (the trainer takes memory only once every engine has slept: optimize.py resident_main)
+    sleeps_first = policy_handoff == "transfer" and first > stage
+    if has_engine and sleeps_first:
+        engine.sleep(llm)
+        partner.engine_asleep(rank)
     started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
     if writes_run_files:
-        partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time()})
+        if sleeps_first:                     # its row ends once every engine is asleep ("asleep": the trainer's turn)
+            partner.wait(lambda: partner.engines_asleep(n_engines), watch=watch_workers)
+        partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time(),
+                          **({"asleep": True} if sleeps_first else {})})
     try:
         resident_stages(problems, procs, partner, llm, server, first, flag, started, ev, eval_parts, watch_workers,
                         where)
@@ -595,12 +604,12 @@ def resident_stages(problems, procs, partner, llm, server, first, flag, started,
         row["start"] = mine["start"] = time.time()
         if handed and has_engine:
             if flag["path"]:      # a policy directory: HANDOFF=files, or the saved policy a resumed trainer starts from
-                mine["reload_seconds"] = engine.load_policy(llm, flag["path"])
+                mine["reload_seconds"] = engine.load_policy(llm, flag["path"], kv_cache=False)
             else:                 # it came over the weight-transfer API while this engine waited
-                server.wake_kv_cache()
                 mine["reload_seconds"], mine["handoff_bytes"] = server.seconds, server.received
             print(engine.verify_weights(llm, flag["policy"] if not flag["path"] else flag["path"], where(s),
                                         record=flag.get("engine_weights")), flush=True)
+            engine.wake_kv_cache(llm)         # only once the weights are the trainer's
         t, prompts = s - 1, flag["next_stage_prompts"]
         # (rows of t are written only after every engine sampled t: all of them see the same table here)
         if eval_due(t, last=prompts == 0) and not benchmarks.evaluated(results, t, ev):
@@ -624,6 +633,7 @@ def resident_stages(problems, procs, partner, llm, server, first, flag, started,
         if has_engine:     # this engine's shards, then asleep before the trainer (told by the manifest) takes memory
             generate_shards(llm, s, flag["policy"], flag["fingerprint"], engine_shards(shards, rank, s), shards)
             mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(llm)
+            partner.engine_asleep(rank)
             partner.engine_finished(s, rank, {**mine, "end": time.time()})
         if writes_run_files:
             engine_rows = partner.wait(lambda: partner.engines_finished(s, n_engines), watch=watch_workers,

@@ -8,6 +8,8 @@ contract of the process-per-phase loop.
     <run>/resident/<role>.json                 each process's pid and start time, so the other can tell it died
     <run>/resident/engine_<r>_stage_<s>.json   engine r → its coordinator: its shards of stage s are written and it
                                                is asleep (its reload, sleep and freed memory: a timeline row)
+    <run>/resident/engine_<r>_asleep.json      engine r → the trainer: it has slept in this attempt (the trainer
+                                               takes memory only after that)
     <fast dir>/policy_<s>/                     the policies handed over (bf16 safetensors; /dev/shm when it
                                                has room for two), the last two kept
 
@@ -247,6 +249,15 @@ class Partner:
         """The n engines' rows of `stage` in rank order once all are in, else None."""
         paths = [self.dir / f"engine_{r}_stage_{stage}.json" for r in range(n_engines)]
         return [json.loads(p.read_text()) for p in paths] if all(p.exists() for p in paths) else None
+
+    def engine_asleep(self, rank):
+        """Engine `rank` is asleep (after its first stage, or at once on a resumed run with the transfer, whose
+        trainer trains before that engine's first stage): the trainer takes memory only once every engine has been
+        (engines_asleep). Written again after every stage; cleared with the attempt's other flags."""
+        self._write(f"engine_{rank}_asleep.json", {"rank": rank})
+
+    def engines_asleep(self, n_engines):
+        return all((self.dir / f"engine_{r}_asleep.json").exists() for r in range(n_engines))
 
     # the engine → the trainer
 

@@ -611,6 +611,10 @@ def resident_main():
     # that policy, holding none)
     if stage_plan.updates_per_stage_at(run_dir, first) and not resave:
         partner.wait_for_rollouts(first)
+    # with the transfer the engines start at once, also on a resumed run whose stages from `first` have their rollouts
+    # already: they sleep before this process takes memory (with files a resumed engine waits for this one's policy)
+    if policy_handoff == "transfer":
+        partner.wait(lambda: partner.engines_asleep(engines))
     t_start = time.time()
     start_policy = common.local_dir(policy)
     trainer = build_resident(start_policy, weights=meta is None, sender=sender)

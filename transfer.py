@@ -305,7 +305,8 @@ class EngineServer:
     the next policy) answers what has arrived; once a weight update has started it serves the update's calls until
     its finish, checking the trainer (`check`) every second. The update's seconds and bytes are kept for the
     timeline. On a GPU the weights are woken before the update starts (vllm/v1/executor/abstract.py `wake_up` with
-    tags); the KV cache only once the trainer has released its hand-off memory (wake_kv_cache, after the flag)."""
+    tags); the KV cache only once the trainer has released its hand-off memory and the engine has checked the weights
+    (engine.wake_kv_cache, after the flag)."""
 
     def __init__(self, run_dir, engine, llm, where, check=lambda: None):
         self.llm, self.where, self.check = llm, where, check
@@ -315,7 +316,7 @@ class EngineServer:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(self.path))
         self.listener.listen(1)
-        self.conn, self.updating, self.seconds, self.received, self.asleep = None, False, 0.0, 0, False
+        self.conn, self.updating, self.seconds, self.received = None, False, 0.0, 0
 
     def poll(self, timeout_s=0.0):
         """Answer what has arrived, waiting up to timeout_s for it (the engine's wait between its checks: a call is
@@ -345,8 +346,7 @@ class EngineServer:
         try:
             if method == "start_weight_update":
                 self.seconds, self.received = 0.0, 0
-                self.asleep = self.llm.llm_engine.is_sleeping()
-                if self.asleep:
+                if self.llm.llm_engine.is_sleeping():
                     self.llm.wake_up(tags=["weights"])
                 self.llm.start_weight_update()
                 self.updating = True
@@ -367,13 +367,6 @@ class EngineServer:
                              f"partly written: stopping") from e
         self.seconds += time.perf_counter() - t0
         self.conn.send(("ok", None))
-
-    def wake_kv_cache(self):
-        """After the hand-off (GPU): the KV cache back, the last policy's cached prefixes forgotten."""
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-        self.llm.reset_prefix_cache()
 
     def close(self):
         if self.conn is not None:

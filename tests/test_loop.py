@@ -1,5 +1,6 @@
 """The whole loop (run_stages.sh) on the toy task; evaluate.py and plot.py; data/prepare.py."""
 import json
+import math
 import os
 import re
 import shutil
@@ -674,6 +675,41 @@ def test_the_transfer_hand_off_gives_the_run_of_the_file_hand_off(resident_run, 
     assert not any(d.exists() for d in handoff.policy_locations(resident_files_run))   # cleared at the run's end
 
 
+def assert_no_training_beside_an_awake_engine(run_dir):
+    """Resident mode takes turns on each GPU: no trainer row (optimize_<s>) lies inside a span where an engine is awake:
+    an engine's stage row (from the policy's arrival to its sleep), and from an engine's start to its first sleep (its
+    start row's end when it slept at once, "asleep"; else its first stage's row's end, within the same attempt)."""
+    rows = read_lines(run_dir / "timeline.jsonl")
+    starts = sorted((r for r in rows if r["name"] == "engine_start"), key=lambda r: r["start"])
+    stages = sorted((r for r in rows if r["phase"] == "engine"), key=lambda r: r["start"])
+    spans = [(r["start"], r["end"]) for r in stages]
+    for e, after in zip(starts, [*starts[1:], None]):
+        until = after["start"] if after else math.inf             # the attempt's end
+        first = next((r for r in stages if e["start"] <= r["start"] < until), None)
+        spans.append((e["start"], e["end"] if e.get("asleep") else first["end"] if first else until))
+    inside = [(t["name"], t["start"], t["end"], span) for t in rows if t["phase"] == "optimize"
+              for span in spans if span[0] <= t["start"] and t["end"] <= span[1]]
+    assert not inside, f"trainer rows inside an awake engine's span: {inside}"
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_resident_run_with_files_killed_while_training_resumes_with_its_engines_asleep(toy, resident_files_run,
+                                                                                       tmp_path):
+    # SIGKILL while the trainer trains stage 1 (its rollouts written, the engines asleep): the rerun's trainer trains
+    # stage 1 again before the engines' first stage (2, the final evaluation), so with HANDOFF=files the engines start
+    # only once its policy is there; the run ends where an unbroken one did. (With the transfer, which starts the
+    # engines at once: test_resident_run_killed_anywhere_resumes_to_the_same_weights)
+    run_dir = tmp_path / "run"
+    env = {**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "HANDOFF": "files"}
+    assert kill_when(["bash", "run_stages.sh"], lambda: (run_dir / "stage_1" / "metrics.jsonl").exists(), env=env)
+    run_loop(env)
+    assert_same_stages(resident_files_run, run_dir, stages=(1,))
+    assert_no_training_beside_an_awake_engine(run_dir)
+    assert [t["name"] for t in read_lines(run_dir / "timeline.jsonl") if t["phase"] == "optimize"] == \
+        ["optimize_0", "optimize_1"]          # the killed attempt's stage 1 wrote no row; the rerun trained it again
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_run, tmp_path):
@@ -723,3 +759,4 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
     # the attempt killed outright is closed by the rerun at its own last row, before the kill: the wait is a pause
     killed = [r for r in read_lines(run_dir / "timeline.jsonl") if r.get("ended") == "killed"]
     assert all(r["end"] <= kills["run_stages.sh"] for r in killed), (killed, kills, seed)
+    assert_no_training_beside_an_awake_engine(run_dir)

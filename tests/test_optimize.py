@@ -544,7 +544,7 @@ def test_the_resident_trainer_checks_the_disk_before_its_first_stage(toy, stage)
     run_dir = stage.parent            # stage_0/rollouts with its manifest: the engine's first stage is in
     need = 12 * M.parameter_count(toy / "model")
     args = ["optimize.py", "--resident=true", f"--run_dir={run_dir}", "--stages=2", f"--policy={toy / 'model'}",
-            "--updates_per_stage=1", *FAST]
+            "--updates_per_stage=1", "--policy_handoff=files", *FAST]      # (the transfer waits for engines to sleep)
     code = ("import collections, runpy, shutil, sys; u = collections.namedtuple('u', 'total used free'); "
             f"shutil.disk_usage = lambda p: u({10 * need}, {9 * need}, {need}); "
             f"sys.argv = {args!r}; runpy.run_path('optimize.py', run_name='__main__')")

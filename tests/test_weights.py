@@ -189,7 +189,7 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
 
 STALE = {
     # resident, HANDOFF=files: the engine's in-place load silently does nothing, so it keeps serving the policy it had
-    "resident": "import engine; engine.load_policy = lambda llm, path: 0.0",
+    "resident": "import engine; engine.load_policy = lambda llm, path, kv_cache=True: 0.0",
     # resident, HANDOFF=transfer at the box's shape: every trainer rank's transport leaves the final norm out of the
     # hand-off, so the engines keep the initial model's
     "transfer": ("import transfer; ship = transfer.ShmTrainer._ship; transfer.ShmTrainer._ship = "
