@@ -294,22 +294,32 @@ def engine_dtype():
 
 
 _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64     # splitmix64's odd constants, as int64
+TENSOR_HASH = "splitmix64, column-mixed"     # tensor_hash's scheme, in every record of hashes (an earlier one's
+                                            # records are not compared: engine.verify_weights)
 _HASH_CHUNK = 1 << 23                      # elements per step: ~128 MiB of int64 temporaries, on a GPU beside vLLM
 
 
-def tensor_hash(tensor):
-    """A fingerprint of a tensor's values that depends neither on their order nor on how they are split between
-    tensors: Σ mix(bits(x)) mod 2^64 over its elements, mix a splitmix64-like scramble with mix(0) = 0. So vLLM's
-    fused qkv_proj hashes to the sum of q_, k_ and v_proj's hashes, a tensor-parallel shard's hashes add up to the
-    whole tensor's, and vLLM's zero rows of vocabulary padding (vocab_parallel_embedding.py `weight_loader`,
-    fill_(0)) change nothing; a single element changed changes it. Integer arithmetic on the tensor's device,
-    exact on every device (int64 products and sums wrap mod 2^64): no tolerance. Returns an int in [0, 2^64)."""
+def tensor_hash(tensor, column_offset=0):
+    """A fingerprint of a tensor's values that sees where each value sits in its row but not how the rows are split
+    between tensors: Σ mix(key(x)) mod 2^64 over its elements, mix a splitmix64-like scramble with mix(0) = 0 and
+    key(x) = bits(x) + its column (index along the last dimension, + column_offset) · 2^32 for a nonzero x of a
+    tensor of 2 or more dimensions, bits(x) otherwise. So vLLM's fused qkv_proj (q_, k_ and v_proj's rows stacked)
+    hashes to the sum of their hashes, a tensor-parallel shard's hashes add up to the whole tensor's (rows split as
+    they are; columns split, a row-parallel layer's, with the shard's first column as column_offset), vLLM's zero
+    rows of vocabulary padding (vocab_parallel_embedding.py `weight_loader`, fill_(0)) change nothing, and values
+    moved within a row change it, as does a single element changed. A 1-D tensor (a norm, a bias: fused biases
+    are concatenated along their only dimension) is hashed without positions. Integer arithmetic on the tensor's
+    device, exact on every device (int64 products and sums wrap mod 2^64): no tolerance. Returns an int in [0, 2^64)."""
     import torch
     width = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}[tensor.dtype]
+    columns = tensor.shape[-1] if tensor.dim() >= 2 else 0
     flat = tensor.detach().contiguous().view(-1).view(torch.int32 if width == 32 else torch.int16)
     total = 0
     for start in range(0, flat.numel(), _HASH_CHUNK):
         x = flat[start:start + _HASH_CHUNK].to(torch.int64).bitwise_and_((1 << width) - 1)  # the bits, unsigned
+        if columns:
+            column = torch.arange(start, start + x.numel(), device=x.device).remainder_(columns).add_(column_offset)
+            x.add_(column.bitwise_left_shift_(32).mul_(x != 0))
         x.mul_(_MIX_1)
         x.bitwise_xor_(x >> 29)
         x.mul_(_MIX_2)

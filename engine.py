@@ -159,18 +159,24 @@ class WeightHashes:
         `num_kv_head_replicas`: its shards' hashes do not add up to the checkpoint's), and the model's
         fused-module map (e.g. qkv_proj ← q_proj, k_proj, v_proj)."""
         import torch
+        from vllm.model_executor.layers.linear import RowParallelLinear
 
         import common as C
         model = self.model_runner.get_model()
         modules = dict(model.named_modules())
         held, packed, replicated, dtype = {}, [], [], None
         for name, p in model.named_parameters():
+            module = modules.get(name.rpartition(".")[0])
             if p.numel() == 0:
                 packed.append(name)
-            elif getattr(modules.get(name.rpartition(".")[0]), "num_kv_head_replicas", 1) > 1:
+            elif getattr(module, "num_kv_head_replicas", 1) > 1:
                 replicated.append(name)
             else:
-                held[name], dtype = C.tensor_hash(p.data), str(p.dtype).removeprefix("torch.")
+                # a row-parallel layer's weight holds columns [tp_rank · width, ...) of the checkpoint's (linear.py
+                # RowParallelLinear.weight_loader: narrow(input_dim, tp_rank * shard_size, shard_size)); its bias is
+                # whole on every rank
+                offset = module.tp_rank * p.shape[-1] if isinstance(module, RowParallelLinear) and p.dim() >= 2 else 0
+                held[name], dtype = C.tensor_hash(p.data, offset), str(p.dtype).removeprefix("torch.")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()          # the hash's temporaries, before the engine generates
         return {"held": held, "packed": packed, "replicated": replicated, "dtype": dtype,
@@ -219,6 +225,8 @@ def verify_weights(llm, policy, where, record=None):
     record = record or common.policy_record(policy).get("engine_weights")
     if not record:
         return f"{where}: {policy} has no recorded weight hashes (the initial model); not compared"
+    if record.get("hash") != common.TENSOR_HASH:     # a policy saved by an earlier version (a run resumed across it)
+        return f"{where}: {policy}'s weight hashes were recorded with another scheme than {common.TENSOR_HASH!r}; not compared"
     reports = llm.collective_rpc("mu_grpo_held_weights")
     if reports[0]["dtype"] != record["dtype"]:
         raise SystemExit(f"{where}: the engine holds {reports[0]['dtype']} weights, {policy} records hashes of "

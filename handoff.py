@@ -110,8 +110,10 @@ def reset(run_dir):
 
 
 # The trainer's memory that stays on each GPU while the engine is awake, beyond its resident state: the CUDA
-# context and NCCL's buffers (~1 GiB) and what the caching allocator cannot hand back (fragmentation).
-TRAINER_OVERHEAD_GIB = 2.0
+# context and NCCL's buffers (~1 GiB, which torch.cuda.memory_reserved does not count) and what the caching
+# allocator cannot hand back (fragmentation, ~1 GiB). Estimates: no GPU has run resident mode.
+CUDA_CONTEXT_GIB = 1.0
+TRAINER_OVERHEAD_GIB = CUDA_CONTEXT_GIB + 1.0
 
 
 def max_engine_share(parameters, ranks, gpu_bytes, reference_model=False):
@@ -125,6 +127,19 @@ def max_engine_share(parameters, ranks, gpu_bytes, reference_model=False):
     which is what a resumed engine meets, started beside the trainer. Returns (bound, trainer bytes per GPU)."""
     trainer = (12 + (4 if reference_model else 0)) * parameters / ranks + TRAINER_OVERHEAD_GIB * 2**30
     return math.floor(100 * (1 - trainer / gpu_bytes)) / 100, trainer
+
+
+def trainer_memory_check(reserved_gib_per_rank, share, gpu_gib):
+    """The preflight's gate on what the resident trainer holds beside an awake engine, measured after a hand-off
+    (each rank's allocator: optimize.py's timeline row, reserved_gib_per_rank): the most any rank holds at most what
+    the engine's share leaves, (1 − share) · the GPU's GiB, less CUDA_CONTEXT_GIB. Returns (passed, the most, the
+    limit); passed None without a GPU, False with the figure missing."""
+    if gpu_gib is None:
+        return None, None, "no GPU"
+    limit = round((1 - share) * gpu_gib - CUDA_CONTEXT_GIB, 2)
+    if not reserved_gib_per_rank or None in reserved_gib_per_rank:
+        return False, "missing", limit
+    return max(reserved_gib_per_rank) <= limit, round(max(reserved_gib_per_rank), 2), limit
 
 
 # RESIDENT_GPU_MEMORY=auto: the bound less this share of the GPU (~7 GiB of an H200's 139.8 GiB, an estimate: no GPU

@@ -346,6 +346,28 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
     return model
 
 
+def init_optimizer_state(optimizer):
+    """AdamW's state for every trainable parameter, made now, before the first activation, as torch's first step
+    would make it (torch/optim/adam.py `_init_group`, neither fused nor capturable: `step` a float32 scalar on the
+    CPU, `exp_avg` and `exp_avg_sq` zeros like the parameter), so the updates are the same bit for bit. Made lazily,
+    after the first backward, the moments (8 bytes per parameter) take blocks beside that pass's activations in the
+    caching allocator, and the segments those blocks sit in stay reserved for the run. A restored state overwrites
+    them in place (DCP's own _init_optim_state makes nothing once a state exists)."""
+    for group in optimizer.param_groups:
+        assert not group.get("fused") and not group.get("capturable") and not group.get("amsgrad"), group
+        for p in group["params"]:
+            if p.requires_grad and not optimizer.state[p]:
+                optimizer.state[p].update(step=torch.tensor(0.0, dtype=torch.float32),
+                                          exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                          exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
+def reserved_gib():
+    """The GiB this process's CUDA caching allocator holds (torch.cuda.memory_reserved: its segments, free blocks
+    in them included; not the CUDA context or NCCL's buffers); None without a GPU."""
+    return torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else None
+
+
 def release_gradients(optimizer):
     """Free the gradients (fp32, 4 bytes per parameter) and the CUDA cache's blocks: what the resident trainer does
     before the engine wakes. Returns the gradient bytes still held on this rank (0)."""
@@ -512,7 +534,7 @@ def save_policy(model, source_dir, dtype, directory, identity):
                 shutil.copy2(f, tmp / f.name)
         hashes = {k: f"{v:016x}" for k, v in engine_hashes.items()}      # what the engines check they hold
         common.atomic_write_json(tmp / common.POLICY_ID_FILE, {
-            "fingerprint": fingerprint, **identity, "engine_weights": {"dtype": common.engine_dtype(), "hashes": hashes}})
+            "fingerprint": fingerprint, **identity, "engine_weights": {"dtype": common.engine_dtype(), "hash": common.TENSOR_HASH, "hashes": hashes}})
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
         common.fsync_dir(directory.parent)

@@ -108,9 +108,12 @@ save_policy_every = 0           # also write the policy every K updates, to <out
 # guards and checks
 max_nonfinite = 3               # consecutive non-finite updates before the run stops
 engine_mismatch_bound = -1.0    # before a stage's first update, each engine's responses: mean |ℓ − b| (nats per token)
-                                # between the trainer's and the engine's log-probs at most this, else the run stops
-                                # naming the engine; -1: the device's bound (update.agreement_bound), 0: no check (a replay
-                                # of a stage with another policy than the one that generated it)
+                                # between the trainer's and the engine's log-probs at most this at the run's first
+                                # stage, else the run stops naming the engine; -1: the device's bound
+                                # (update.agreement_bound), 0: no check (a replay with another policy than the sampler's)
+agreement_growth = 10.0         # later stages: at most max(that bound, this × stage 0's measured mean) (update.agreement_gate)
+collapse_entropy_ratio = 2.0    # above it, a policy whose entropy moved more than this factor from stage 0's has
+                                # collapsed: recorded in the stage's first metrics row (agreement/collapsed), not stopped
 agreement_responses = 16        # responses per engine in that check (a no-grad pass over them)
 check_packing = False           # update 0: log check/packed_* (the micro-batch packed in two orders) and check/alone_*
                                 # (packed vs one sequence at a time): mean, p99.9, max |Δ log p|
@@ -316,7 +319,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     updates_per_stage, start = progress.updates_per_stage, progress.start
     temp, loss_kw = describe_stage(stage, updates_per_stage), loss_options(stage)
     schedule = minibatch_schedule(stage, updates_per_stage)
-    columns, timing, neg_ratios, packed_diff = before_first_update(model, stage, progress, columns, temp, schedule)
+    columns, timing, neg_ratios, first_row = before_first_update(model, stage, progress, columns, temp, schedule)
 
     def save_policy(directory, done):
         M.save_policy(model, start_policy, save_dtype, directory,
@@ -355,7 +358,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         train_seconds += seconds
         row = metrics_row(stage, u, schedule[u], counts, lr_now, m, seconds,
                           {"skipped_nonfinite": skipped_total, "update_skipped": not stepped,
-                           **(packed_diff if u == start else {})})
+                           **(first_row if u == start else {})})
         neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
             common.append_jsonl(progress.metrics_path, row)
@@ -389,8 +392,8 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     """What a stage needs before its first update (of this run: a resumed stage's, progress.start): TIS's stored
     pass of the stage policy, added to `columns`; the metrics lines of the updates already done, and their drift
     signal (lines after the resumed update are dropped, so the file matches an unbroken run); at update 0 the
-    engines' agreement; with check_packing the packing check. Returns (columns, timing, the drift signal so far,
-    the packing check's values for the first update's metrics line)."""
+    engines' agreement (check_engines); with check_packing the packing check. Returns (columns, timing, the drift
+    signal so far, the checks' values for the first update's metrics line)."""
     start, updates_per_stage, timing = progress.start, progress.updates_per_stage, {}
     if tis_cap is not None:
         columns = {**columns}
@@ -405,15 +408,43 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
         common.atomic_write_lines(progress.metrics_path, kept)
     neg_ratios = M.broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal
     resampled = temperature and temperature != stage.temperature        # log-probs at another temperature than b's
+    first_row = {}
     if start == 0 and updates_per_stage and engine_mismatch_bound != 0 and not resampled:
-        # logged, not in the metrics: the engines' count is the mode's
-        update.engine_agreement(model, stage, temp, engine_mismatch_bound, agreement_responses, micro_batch_tokens)
-    packed_diff = {}
+        first_row = check_engines(model, stage, temp)
     if check_packing and start < updates_per_stage:
         first = stage.groups[schedule[start]].ravel()
-        packed_diff = update.packing_check(model, stage, temp, update.micro_batches(
-            stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world], micro_batch_tokens)[0])
-    return columns, timing, neg_ratios, packed_diff
+        first_row.update(update.packing_check(model, stage, temp, update.micro_batches(
+            stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world], micro_batch_tokens)[0]))
+    return columns, timing, neg_ratios, first_row
+
+
+def check_engines(model, stage, temp):
+    """The engines' agreement before the stage's first update, gated (update.agreement_gate): the run stops naming
+    the engine, or the stage is recorded as collapsed. Returns the agreement's values for the first metrics row."""
+    means, entropy = update.engine_agreement(model, stage, temp, agreement_responses, micro_batch_tokens)
+    bound = update.agreement_bound() if engine_mismatch_bound < 0 else engine_mismatch_bound
+    reference = update.agreement_reference(stage) if stage.index > 0 else None
+    verdict, applied, row = update.agreement_gate(means, entropy, reference and reference[:2], bound, agreement_growth,
+                                                  collapse_entropy_ratio)
+    against = (f"bound max({bound:g}, {agreement_growth:g} × {reference[0]:.3g} of {reference[2]})" if reference
+               else f"bound {bound:g}" + (", absolute: no stage 0 or preflight record to calibrate it" if stage.index else ""))
+    log(f"engine agreement before update 0: mean |log ratio| {', '.join(f'engine {e} {v:.2e}' for e, v in means.items())}"
+        f", entropy {entropy:.3g} ({against})")
+    if verdict == "pass":
+        return row
+    engine, worst = max(means.items(), key=lambda kv: kv[1])
+    if verdict == "collapsed":
+        log(f"stage {stage.index}: the policy has collapsed (entropy {entropy:.3g} against {reference[1]:.3g} at the "
+            f"reference; engine {engine} differs by {worst:.3g} nats per token, above {applied:.3g}): recorded "
+            f"(agreement/collapsed), training goes on; the weight hashes guard the engines' weights")
+        return row
+    why = (f"the policy's entropy ({entropy:.3g}) is within {collapse_entropy_ratio:g}× of the reference's "
+           f"({reference[1]:.3g}), so it has not collapsed: the engine holds the trainer's weights (their hashes) but "
+           f"computes or samples otherwise (temperature, top_p/top_k, a cache kept across a weight load)" if reference
+           else "the engine did not serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k)")
+    raise SystemExit(f"stage {stage.index}, engine {engine}: before any update the trainer's log-probs differ from the "
+                     f"engine's by {worst:.3g} nats per token on average ({against}): {why}; stopping before training "
+                     f"on its rollouts")
 
 
 def record_stage_end(stage, schedule, done, neg_ratios, progress):
@@ -512,6 +543,7 @@ def build_trainer(start_policy, attention, weights):
                     lora_rank=lora_rank, lora_alpha=lora_alpha, weights=weights, shard_ranks=hsdp_shard_ranks())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas,
                                   weight_decay=weight_decay, eps=1e-8)
+    M.init_optimizer_state(optimizer)
     return model, optimizer
 
 
@@ -719,6 +751,9 @@ def resident_stage(partner, trainer, s, progress, check_all):
                                    run_updates=progress.after["run_updates"], next_stage_prompts=next_stage_prompts(s),
                                    engine_weights=record)
             timing["handoff_gb_per_s"] = sent / 1e9 / timing["handoff_seconds"]
+    # what each rank's allocator holds while the engines are awake (the preflight gates it against their share)
+    held = M.reserved_gib()
+    reserved = M.gather_values(torch.tensor([math.nan if held is None else held], device=device)).tolist()
     if is_main and progress.save_state and release_init_state:    # the newest train state replaces the older ones
         for older in range(s):
             shutil.rmtree(run_stage_dir(older) / rollouts.TRAIN_STATE, ignore_errors=True)
@@ -726,7 +761,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     if is_main:
         partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
                           "wait_seconds": waited, "gradient_bytes_kept": timing["gradient_bytes_kept"],
-                          "handoff": policy_handoff,
+                          "reserved_gib_per_rank": [common.finite_or_none(x) for x in reserved], "handoff": policy_handoff,
                           **{k: v for k, v in timing.items() if k.endswith(("seconds", "per_s"))}})
 
 

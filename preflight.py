@@ -393,8 +393,11 @@ def resident_checks(results, figures, run_dir, how):
         ok, value = None, None
     check(results, "resident hand-off: every sleeping engine frees GPU memory (the least)", ok, value,
           "> 1" if on_gpu else "no GPU", "GiB")
+    trained = next((r for r in rows if r["phase"] == "optimize" and r["stage"] == 0), {})
+    check(results, "resident hand-off: the trainer's reserved memory beside an awake engine (the most of any rank)",
+          *handoff.trainer_memory_check(trained.get("reserved_gib_per_rank"), resident_gpu_memory, gpu_gib()), "GiB")
     if how == "transfer":
-        sent = [r for r in rows if r["phase"] == "optimize" and r["stage"] == 0][0]
+        sent = trained
         rates = [engine_rows[1][r]["handoff_bytes"] / 1e9 / engine_rows[1][r]["reload_seconds"] for r in range(n_engines)]
         figures["handoff"] = {"seconds": sent["handoff_seconds"], "gb_per_s": sent["handoff_gb_per_s"],
                               "engine_gb_per_s": rates}
@@ -494,6 +497,14 @@ def libraries_version():
     import platform
     installed = sorted({f"{d.metadata['Name']}=={d.version}".lower() for d in importlib.metadata.distributions()})
     return hashlib.sha256("\n".join([platform.python_version(), *installed]).encode()).hexdigest()[:16]
+
+
+def gpu_gib():
+    """The first GPU's memory in GiB; None on a CPU."""
+    if not on_gpu:
+        return None
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 def gpu_names():

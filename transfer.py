@@ -92,7 +92,8 @@ class PolicySource(WeightSource):
         if self.nonfinite:
             raise SystemExit(f"refusing to hand over non-finite weights ({self.nonfinite[:3]}...)")
         hashes = {k: f"{v:016x}" for k, v in sorted(self.hashes.items())}
-        return {"dtype": common.engine_dtype(), "hashes": hashes}, M.weights_digest(self.saved_hashes)
+        return {"dtype": common.engine_dtype(), "hash": common.TENSOR_HASH, "hashes": hashes}, M.weights_digest(
+            self.saved_hashes)
 
 
 # ----------------------------------------------------------------------------- our CPU transport (mu-grpo-shm)

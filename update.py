@@ -86,13 +86,15 @@ def pack(stage, mb, columns):
                 **{name: per_token([col.get(stage, i) for i in mb]) for name, col in columns.items()})
 
 
-def forward(model, stage, mb, temp, columns=None, with_entropy=False):
+def forward(model, stage, mb, temp, columns=None, with_entropy=False, bf16=None):
     """Current log-probs [b, T] (0 on padding) of micro-batch `mb`'s response tokens at temperature temp,
     with the packed tensors; mb None (a padding pass) runs response 0. Logits are computed only at
-    response positions ([R, V], bf16 on GPU); token_logprobs upcasts them chunk by chunk."""
+    response positions ([R, V], bf16 on GPU); token_logprobs upcasts them chunk by chunk. bf16: autocast to
+    bfloat16 (None: on one GPU, the trainer's rule; bench/gpu_check.py compares both)."""
     _, world, device = M.placement()
     x = pack(stage, mb if mb is not None else [0], columns or {})
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and world == 1):
+    bf16 = device.type == "cuda" and world == 1 if bf16 is None else bf16
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=x["ids"], position_ids=x["pos"], logits_to_keep=x["keep"], use_cache=False).logits[0]
     lp_flat = L.token_logprobs(logits, x["targets"], temp)                          # [R] fp32
     x["lp"] = torch.zeros(x["mask"].shape, device=device).masked_scatter(x["mask"], lp_flat)
@@ -181,37 +183,63 @@ def response_engines(stage):
     return np.asarray(per_shard, dtype=np.int64)[stage.shard_of] if stage.n else np.zeros(0, np.int64)
 
 
-def engine_agreement(model, stage, temp, bound, responses, micro_batch_tokens):
-    """The guard on rollouts that the trainer's policy did not generate (an engine serving other weights, or sampling
-    otherwise than its log-probs say), before a stage's first update: for up to `responses` responses of each
-    engine's shards, the mean |ℓ − b| between the trainer's and the stored behavior log-probs; above `bound`
-    (negative: agreement_bound(), the device's) the run stops naming the engine and the stage. Returns {engine: its
-    mean}."""
+def engine_agreement(model, stage, temp, responses, micro_batch_tokens):
+    """Before a stage's first update, for up to `responses` responses of each engine's shards: the mean |ℓ − b| per
+    token between the trainer's and the stored behavior log-probs, and the trainer's mean token entropy over them.
+    Returns ({engine: its mean}, the entropy)."""
     rank, world, device = M.placement()
-    bound = agreement_bound() if bound < 0 else bound
     engines = response_engines(stage)
     n_engines = int(engines.max()) + 1 if engines.size else 0
     chosen = np.concatenate([np.flatnonzero(engines == e)[:responses] for e in range(n_engines)])
-    sums = torch.zeros(n_engines, 2, dtype=torch.float64, device=device)          # Σ |ℓ − b|, tokens
+    sums = torch.zeros(n_engines + 1, 2, dtype=torch.float64, device=device)   # Σ |ℓ − b|, tokens; last: Σ entropy
     with torch.no_grad():
         for mb in micro_batches(stage, chosen[rank::world], micro_batch_tokens):
-            x = forward(model, stage, mb, temp)
+            x = forward(model, stage, mb, temp, with_entropy=True)
             for j, i in enumerate(mb or []):
                 k = int(stage.response_len[i])
                 sums[engines[i], 0] += (x["lp"][j, :k] - x["behavior"][j, :k]).abs().sum().double()
                 sums[engines[i], 1] += k
+            if mb:
+                sums[-1, 0] += x["entropy_sum"].double()
     if world > 1:
         dist.all_reduce(sums)
-    means = (sums[:, 0] / sums[:, 1].clamp(min=1)).tolist()
-    log(f"engine agreement before update 0: mean |log ratio| {', '.join(f'engine {e} {v:.2e}' for e, v in enumerate(means))}"
-        f" (bound {bound:g})")
-    for e, v in enumerate(means):
-        if v > bound:
-            raise SystemExit(f"stage {stage.index}, engine {e}: before any update the trainer's log-probs differ from "
-                             f"the engine's by {v:.3g} nats per token on average (bound {bound:g}): the engine did not "
-                             f"serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k); "
-                             f"stopping before training on its rollouts")
-    return dict(enumerate(means))
+    means = (sums[:-1, 0] / sums[:-1, 1].clamp(min=1)).tolist()
+    return dict(enumerate(means)), float(sums[-1, 0] / sums[:-1, 1].sum().clamp(min=1))
+
+
+def agreement_gate(means, entropy, reference, bound, growth, entropy_ratio):
+    """The verdict on the engines' agreement (engine_agreement) before a stage's first update. The weight hashes
+    after every load already prove each engine holds the trainer's weights; this gate catches an engine that computes
+    or samples otherwise (temperature, top_p/top_k, a cache kept across a load).
+    - The run's first stage (reference None): hard, each engine's mean at most `bound` (the device's).
+    - A later stage: relative to the run's own reference, (mean |ℓ − b|, entropy) measured at stage 0's first update
+      (or the preflight's): each engine's mean at most max(bound, growth × the reference's). Above it, a policy
+      whose entropy has moved by more than `entropy_ratio`× from the reference's (either way) has collapsed: the gap
+      grows with the policy's numerics (flat or saturated logits), so the stage is recorded as a result, not stopped.
+    Returns (verdict "pass" | "collapsed" | "stop", the bound applied, the metrics of the stage's first row)."""
+    worst = max(means.values(), default=0.0)
+    if reference is None:
+        applied = bound
+        collapsed = False
+    else:
+        applied = max(bound, growth * reference[0])
+        collapsed = worst > applied and not reference[1] / entropy_ratio <= entropy <= entropy_ratio * reference[1]
+    verdict = "pass" if worst <= applied else "collapsed" if collapsed else "stop"
+    return verdict, applied, {"agreement/mean_abs_log_ratio": worst, "agreement/entropy": entropy,
+                              "agreement/bound": applied, "agreement/collapsed": verdict == "collapsed"}
+
+
+def agreement_reference(stage):
+    """The run's own reference for agreement_gate: (mean |ℓ − b|, entropy, where) of the first metrics row of the
+    run's stage 0 (or, before it has one, of the preflight's miniature stage 0, <run>/preflight/stage_0); None when
+    neither is there."""
+    run_dir = Path(stage.directory).parent.parent
+    for where in (rollouts.stage_dir(run_dir, 0), rollouts.stage_dir(run_dir / "preflight", 0)):
+        path = where / rollouts.METRICS
+        first = common.read_jsonl(path)[:1] if path.exists() else []
+        if first and first[0].get("mismatch/mean_abs_log_ratio") is not None and first[0].get("entropy") is not None:
+            return first[0]["mismatch/mean_abs_log_ratio"], first[0]["entropy"], str(path)
+    return None
 
 
 def packing_check(model, stage, temp, mb):

@@ -648,6 +648,7 @@ def test_resident_run_equals_the_process_per_phase_run(toy, finished_run, box_ru
     assert engines[0, 0]["start_seconds"] > 0 and engines[0, 1]["start_seconds"] > 0
     trainer = [r for r in rows if r["phase"] == "optimize"]
     assert [r["gradient_bytes_kept"] for r in trainer] == [0, 0]       # freed before the engines wake
+    assert [r["reserved_gib_per_rank"] for r in trainer] == [[None, None]] * 2    # each rank's allocator; no GPU here
     assert {r["name"] for r in rows if r["phase"] == "eval"} == {"eval_-1", "eval_0", "eval_1"}
     assert not (resident_run / "stage_0" / "train_state").exists()          # released once stage 1's was written
     assert (resident_run / "stage_1" / "train_state" / "progress.json").exists()

@@ -261,24 +261,34 @@ def fake_resident_run(run_dir, engine_rows, trainer_rows=()):
 
 def test_the_resident_rows_need_every_engine_and_a_missing_figure_fails(check_functions, tmp_path, monkeypatch):
     monkeypatch.setattr(check_functions, "n_engines", 2)
+    monkeypatch.setattr(check_functions, "resident_gpu_memory", 0.75)
     both = [{"stage": 0, "engine": 0, "freed_gib": 30.0}, {"stage": 0, "engine": 1, "freed_gib": 29.5},
             {"stage": 1, "engine": 0, "reload_seconds": 0.4}, {"stage": 1, "engine": 1, "reload_seconds": 0.6}]
-    fake_resident_run(tmp_path / "both", both)
+    # what each trainer rank's allocator held after the hand-off: on an 80 GiB GPU an engine share of 0.75 leaves
+    # 0.25 · 80 − 1 (the CUDA context) = 19 GiB
+    fake_resident_run(tmp_path / "both", both, [{"stage": 0, "reserved_gib_per_rank": [17.5, 18.0]}])
     results = []
     check_functions.resident_checks(results, {}, tmp_path / "both", "files")
-    assert [r["status"] for r in results] == ["PASS", "PASS", "SKIPPED"]          # no GPU here: freed memory skipped
+    assert [r["status"] for r in results] == ["PASS", "PASS", "SKIPPED", "SKIPPED"]   # no GPU here: memory skipped
     assert results[0]["value"] == 0.4                                           # the slowest engine's reload: the least
     monkeypatch.setattr(check_functions, "on_gpu", True)
+    monkeypatch.setattr(check_functions, "gpu_gib", lambda: 80.0)
     results = []
     check_functions.resident_checks(results, {}, tmp_path / "both", "files")
-    assert [r["status"] for r in results] == ["PASS", "PASS", "PASS"] and results[2]["value"] == 29.5
-    # engine 1 wrote no rows (it never reloaded nor slept), engine 0 no freed figure: FAIL rows, not a TypeError
+    assert [r["status"] for r in results] == ["PASS", "PASS", "PASS", "PASS"] and results[2]["value"] == 29.5
+    assert (results[3]["value"], results[3]["threshold"]) == (18.0, 19.0)       # the most any rank held
+    fake_resident_run(tmp_path / "over", both, [{"stage": 0, "reserved_gib_per_rank": [17.5, 19.5]}])
+    results = []
+    check_functions.resident_checks(results, {}, tmp_path / "over", "files")
+    assert [r["status"] for r in results] == ["PASS", "PASS", "PASS", "FAIL"] and results[3]["value"] == 19.5
+    # engine 1 wrote no rows (it never reloaded nor slept), engine 0 no freed figure, the trainer no memory figure:
+    # FAIL rows, not a TypeError
     fake_resident_run(tmp_path / "one", [{"stage": 0, "engine": 0, "freed_gib": None},
                                          {"stage": 1, "engine": 0, "reload_seconds": 0.4}])
     results = []
     check_functions.resident_checks(results, {}, tmp_path / "one", "files")
-    assert [r["status"] for r in results] == ["FAIL", "FAIL", "FAIL"]
-    assert results[1]["value"] == 1 and results[2]["value"] == "missing"
+    assert [r["status"] for r in results] == ["FAIL", "FAIL", "FAIL", "FAIL"]
+    assert results[1]["value"] == 1 and results[2]["value"] == "missing" and results[3]["value"] == "missing"
 
 
 def test_the_transfer_is_measured_per_engine_and_a_failed_one_falls_back_to_files(check_functions, tmp_path,
@@ -291,7 +301,7 @@ def test_the_transfer_is_measured_per_engine_and_a_failed_one_falls_back_to_file
     fake_resident_run(tmp_path / "t", rows, [{"stage": 0, "handoff_seconds": 2.0, "handoff_gb_per_s": 1.5}])
     results, figures = [], {}
     check_functions.resident_checks(results, figures, tmp_path / "t", "transfer")
-    assert [(r["status"], r["value"]) for r in results[3:]] == [("INFO", 2.0), ("INFO", 2.0)]
+    assert [(r["status"], r["value"]) for r in results[4:]] == [("INFO", 2.0), ("INFO", 2.0)]
     assert figures["handoff"] == {"seconds": 2.0, "gb_per_s": 1.5, "engine_gb_per_s": [3.0, 2.0]}
     # the transfer's miniature fails (an engine names the weights it does not hold): its rows are INFO, one line
     # says so, the miniature runs again with files, and the run is told to use them
@@ -308,7 +318,7 @@ def test_the_transfer_is_measured_per_engine_and_a_failed_one_falls_back_to_file
     results, figures = [], {}
     check_functions.resident_miniature(results, figures, "model")
     assert ran == ["transfer", "files"] and figures["policy_handoff"] == "files"
-    assert [r["status"] for r in results] == ["INFO", "PASS", "PASS", "SKIPPED"]
+    assert [r["status"] for r in results] == ["INFO", "PASS", "PASS", "SKIPPED", "SKIPPED"]
     assert results[0]["check"] == "resident hand-off: the transfer ran" and "handed over by files" in results[1]["check"]
     said = capsys.readouterr().out.strip().splitlines()
     assert len(said) == 1 and said[0].startswith(

@@ -2,6 +2,7 @@
 engine's worker recomputes (common.tensor_hash, engine.verify_weights), and the trainer's per-engine agreement
 with the rollouts' log-probs before a stage's first update (update.engine_agreement)."""
 import re
+import sys
 
 import pytest
 import torch
@@ -15,20 +16,29 @@ from conftest import needs_vllm
 # ----------------------------------------------------------------------------- the hash
 
 
-def test_the_weight_hash_ignores_order_and_splits_and_zeros_and_sees_one_ulp(monkeypatch):
+def test_the_weight_hash_adds_over_fused_and_sharded_parts_ignores_zeros_and_sees_one_ulp_and_a_moved_value(
+        monkeypatch):
     a, b = torch.randn(1000), torch.randn(37)
     h = common.tensor_hash
-    assert h(torch.zeros(7)) == h(torch.zeros(0)) == 0                     # padding rows add nothing
-    assert h(torch.cat([a, b])) == (h(a) + h(b)) % 2**64                   # fused = Σ parts (qkv_proj)
-    assert h(torch.cat([a, torch.zeros(64)])) == h(a)                      # vLLM's vocabulary padding
-    assert h(a[torch.randperm(1000)]) == h(a.view(10, 100).t().contiguous()) == h(a)     # any layout
-    moved = a.clone()
+    assert h(torch.zeros(7)) == h(torch.zeros(0)) == h(torch.zeros(3, 5)) == 0      # padding rows add nothing
+    assert h(torch.cat([a, b])) == (h(a) + h(b)) % 2**64                   # a fused bias = Σ parts (1-D: no positions)
+    assert h(a[torch.randperm(1000)]) == h(a)
+    w, q, k = torch.randn(40, 25), torch.randn(24, 16), torch.randn(8, 16)
+    assert h(torch.cat([q, k])) == (h(q) + h(k)) % 2**64                   # qkv_proj: rows stacked = Σ parts
+    assert h(torch.cat([w, torch.zeros(8, 25)])) == h(w)                   # vLLM's vocabulary padding rows
+    assert sum(h(part) for part in w.chunk(4, dim=0)) % 2**64 == h(w)      # column-parallel shards (rows)
+    assert sum(h(part, 10 * r) for r, part in enumerate(w.split(10, dim=1))) % 2**64 == h(w)  # row-parallel: columns
+    assert h(w[:, torch.roll(torch.arange(25), 1)]) != h(w)               # values moved within their rows
+    assert h(w[:, [1, 0, *range(2, 25)]]) != h(w)                          # two columns swapped
+    assert h(w[torch.randperm(40)]) == h(w)                                # rows swapped: a fused tensor's parts are
+    moved = a.clone()                                                      # not ordered (this is what it cannot see)
     moved[5] = torch.nextafter(moved[5], torch.tensor(9.0))                # one element, one ulp
     assert h(moved) != h(a)
     assert h(a.bfloat16()) != h(a.bfloat16().float())                      # the dtype is part of what is held
-    whole = h(a)
-    monkeypatch.setattr(common, "_HASH_CHUNK", 300)                          # four chunks: the sum carries over
-    assert h(a) == whole
+    assert h(w.bfloat16()) == sum(h(p, 5 * r) for r, p in enumerate(w.bfloat16().split(5, dim=1))) % 2**64
+    whole, whole_w = h(a), h(w)
+    monkeypatch.setattr(common, "_HASH_CHUNK", 300)                        # four chunks: the sum carries over, and
+    assert h(a) == whole and h(w) == whole_w                              # 300 is no multiple of the 25 columns
 
 
 def test_a_fused_vllm_parameter_is_compared_with_the_sum_of_its_checkpoint_tensors():
@@ -67,11 +77,15 @@ class Reporting:
 def test_a_held_parameter_the_record_does_not_name_stops_the_engine():
     # a parameter the trainer did not hand over (nor record) holds whatever memory the wake mapped: it cannot pass
     norm = torch.randn(3)
-    record = {"dtype": "float32", "hashes": {"norm.weight": f"{common.tensor_hash(norm):016x}"}}
+    record = {"dtype": "float32", "hash": common.TENSOR_HASH, "hashes": {"norm.weight": f"{common.tensor_hash(norm):016x}"}}
     worker = {"held": {"norm.weight": common.tensor_hash(norm)}, "packed": [], "replicated": [], "fused": {},
               "dtype": "float32"}
     assert "weights verified (1 tensors" in engine.verify_weights(Reporting([worker]), "P", "engine 1, stage 4",
                                                                    record=record)
+    older = {**record, "hash": "splitmix64"}           # a policy saved by an earlier version: said, not compared
+    assert engine.verify_weights(Reporting([worker]), "P", "engine 1, stage 4", record=older) == (
+        "engine 1, stage 4: P's weight hashes were recorded with another scheme than 'splitmix64, column-mixed'; "
+        "not compared")
     extra = {**worker, "held": {**worker["held"], "extra.weight": 7}}
     with pytest.raises(SystemExit) as e:
         engine.verify_weights(Reporting([extra]), "P", "engine 1, stage 4", record=record)
@@ -113,7 +127,8 @@ def test_an_engine_holding_other_weights_than_it_was_given_is_named(toy, tmp_pat
         weights = load_file(d / "model.safetensors")
         save_file({k: v + shift for k, v in weights.items()}, d / "model.safetensors", metadata={"format": "pt"})
         common.atomic_write_json(d / common.POLICY_ID_FILE, {"fingerprint": name, "engine_weights": {
-            "dtype": common.engine_dtype(), "hashes": {k: f"{v:016x}" for k, v in M.engine_weight_hashes(d).items()}}})
+            "dtype": common.engine_dtype(), "hash": common.TENSOR_HASH,
+            "hashes": {k: f"{v:016x}" for k, v in M.engine_weight_hashes(d).items()}}})
         policies[name] = d
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = engine.make_llm(policies["a"], seed=0, max_model_len=128)
@@ -161,27 +176,86 @@ def write_two_engine_stage(stage_dir, model_dir, shift_engine_1=0.0):
 
 @pytest.mark.parametrize("shift,stops", [(0.0, False), (2e-3, True)])
 def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_not_reproduce(
-        toy, tmp_path, shift, stops):
+        toy, tmp_path, shift, stops, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["optimize.py"])
     # engine 1's behavior log-probs 2e-3 nats per token off (as a stale or otherwise sampled engine's would be) are
-    # twice the CPU bound; engine 0's agree to float32 noise. The stop names the engine and the stage
+    # twice the CPU bound; engine 0's agree to float32 noise. The run's first measured stage (no stage 0 record): the
+    # bound is absolute, and the stop names the engine and the stage
     import model as M
+    import optimize
     import rollouts
     import update
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", shift)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
     assert update.response_engines(stage).tolist() == [0] * 4 + [1] * 4
     net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
-    # optimize.py's defaults: the device's bound (engine_mismatch_bound=-1), 16 responses per engine
-    check = dict(bound=-1.0, responses=16, micro_batch_tokens=16384)
+    seen, entropy = update.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
+    assert set(seen) == {0, 1} and entropy > 0
     if not stops:
-        seen = update.engine_agreement(net, stage, 1.0, **check)
-        assert set(seen) == {0, 1}
         assert max(seen.values()) < 1e-5                     # float32 noise and the 1e-6 rounding of the stored values
+        assert optimize.check_engines(net, stage, 1.0)["agreement/collapsed"] is False
         return
+    assert abs(seen[1] - 2e-3) < 1e-5
     with pytest.raises(SystemExit) as e:
-        update.engine_agreement(net, stage, 1.0, **check)
+        optimize.check_engines(net, stage, 1.0)             # optimize.py's defaults: the device's bound, 16 responses
     assert "\n" not in str(e.value) and str(e.value).startswith(
-        "stage 3, engine 1: before any update the trainer's log-probs differ from the engine's by 0.002 nats")
+        "stage 3, engine 1: before any update the trainer's log-probs differ from the engine's by 0.002 nats per "
+        "token on average (bound 0.001, absolute: no stage 0 or preflight record to calibrate it)")
+
+
+# the gate's rule on hand-made values: (means, entropy, reference (mean, entropy) or None, bound 1e-3, growth 10,
+# entropy ratio 2) → (verdict, bound applied)
+@pytest.mark.parametrize("means,entropy,reference,verdict,applied", [
+    ({0: 9e-4, 1: 1e-3}, 0.5, None, "pass", 1e-3),              # the first stage: absolute, at the bound passes
+    ({0: 9e-4, 1: 1.1e-3}, 0.5, None, "stop", 1e-3),            # ... above it stops, whatever the entropy
+    ({0: 1.1e-3}, 5.0, None, "stop", 1e-3),
+    ({0: 3e-3}, 0.5, (4e-4, 0.5), "pass", 4e-3),                # later: max(1e-3, 10 × 4e-4) = 4e-3, 3e-3 within
+    ({0: 9e-4}, 0.5, (1e-6, 0.5), "pass", 1e-3),                # a CPU-sized reference: the device's bound stays the floor
+    ({0: 5e-3}, 0.9, (4e-4, 0.5), "stop", 4e-3),                # over, the entropy within 2×: the engine computes otherwise
+    ({0: 5e-3}, 1.1, (4e-4, 0.5), "collapsed", 4e-3),           # over, entropy up more than 2×: the policy collapsed
+    ({0: 5e-3}, 0.2, (4e-4, 0.5), "collapsed", 4e-3),           # ... or down more than 2× (saturated logits)
+])
+def test_the_agreement_gate_is_absolute_at_the_first_stage_and_relative_after(means, entropy, reference, verdict,
+                                                                              applied):
+    import update
+    got, bound, row = update.agreement_gate(means, entropy, reference, 1e-3, growth=10.0, entropy_ratio=2.0)
+    assert (got, bound) == (verdict, pytest.approx(applied))
+    assert row == {"agreement/mean_abs_log_ratio": max(means.values()), "agreement/entropy": entropy,
+                   "agreement/bound": bound, "agreement/collapsed": verdict == "collapsed"}
+
+
+def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_policy_is_recorded_not_stopped(
+        toy, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["optimize.py"])
+    # stage 3 of a run whose stage 0 measured 1e-4 nats/token: engine 1's 2e-3 shift is above max(1e-3, 10 × 1e-4).
+    # With stage 0's entropy equal to the stage's it stops; with 4× the stage's, the policy has collapsed: the stage
+    # goes on, recorded
+    import model as M
+    import optimize
+    import rollouts
+    import update
+    write_two_engine_stage(tmp_path / "stage_3", toy / "model", 2e-3)
+    stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
+    net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
+    _, entropy = update.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
+    stage_0 = tmp_path / "stage_0"
+    stage_0.mkdir()
+    for reference_entropy, stops in [(entropy, True), (4 * entropy, False)]:
+        common.atomic_write_lines(stage_0 / "metrics.jsonl", [{"update": 0, "mismatch/mean_abs_log_ratio": 1e-4,
+                                                               "entropy": reference_entropy}])
+        assert update.agreement_reference(stage)[:2] == (1e-4, reference_entropy)
+        if stops:
+            with pytest.raises(SystemExit) as e:
+                optimize.check_engines(net, stage, 1.0)
+            assert f"(bound max(0.001, 10 × 0.0001 of {stage_0 / 'metrics.jsonl'}))" in str(e.value)
+            assert "has not collapsed" in str(e.value)
+        else:
+            row = optimize.check_engines(net, stage, 1.0)
+            assert row["agreement/collapsed"] is True and abs(row["agreement/mean_abs_log_ratio"] - 2e-3) < 1e-5
+    # stage 0 at 3e-4: the bound is max(1e-3, 10 × 3e-4) = 3e-3, and the 2e-3 shift passes
+    common.atomic_write_lines(stage_0 / "metrics.jsonl", [{"update": 0, "mismatch/mean_abs_log_ratio": 3e-4,
+                                                           "entropy": entropy}])
+    assert optimize.check_engines(net, stage, 1.0)["agreement/bound"] == pytest.approx(3e-3)
 
 
 # ----------------------------------------------------------------------------- a stale engine stops the run
