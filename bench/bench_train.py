@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import rollouts  # noqa: E402
+from synthetic import SHAPES, build_model, count_parameters, model_flops, write_stage  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the model and the box
-shape = "qwen2.5-1.5b"      # qwen2.5-1.5b | qwen2.5-7b | tiny
+shape = "qwen2.5-1.5b"      # a shape of synthetic.SHAPES: qwen2.5-0.5b | qwen2.5-1.5b | qwen2.5-7b | tiny
 gpus = 1                    # > 1: torchrun --nproc_per_node=gpus (FSDP2; gloo ranks on a CPU machine)
 layers = 0                  # 0: the shape's layer count; > 0: fewer layers (the real shape, scaled down, on CPU)
 
@@ -46,78 +47,11 @@ out_dir = str(ROOT / "bench" / "out" / "train")
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 
-SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
-    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936),
-    "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064),
-    "tiny": (64, 2, 2, 2, 128, 512),
-}
-
-
-def build_model(path):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    sys.path.insert(0, str(ROOT / "data"))
-    import toy
-    hidden, n_layers, heads, kv, inter, vocab = SHAPES[shape]
-    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers or n_layers, num_attention_heads=heads, num_key_value_heads=kv,
-                      intermediate_size=inter, vocab_size=vocab, max_position_embeddings=4096,
-                      tie_word_embeddings=shape == "qwen2.5-1.5b", torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    toy.build_tokenizer(["What is 1 + 2? \\boxed{3}"] * 10, 300).save_pretrained(path)
-    n_params = sum(p.numel() for p in model.parameters())
-    return n_params, layers or n_layers, hidden, vocab
-
-
-def count_parameters(model_dir):
-    import math
-    from safetensors import safe_open
-    total = 0
-    for f in model_dir.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as sf:
-            total += sum(math.prod(sf.get_slice(k).get_shape()) for k in sf.keys())
-    return total
-
-
-def write_stage(stage, vocab):
-    """The synthetic stage; returns per response (prompt tokens, response tokens)."""
-    rng = np.random.default_rng(0)
-    rows, lengths = [], []
-    for g in range(prompts_per_update * updates):
-        prompt = rng.integers(3, vocab, int(rng.integers(mean_prompt_tokens // 2, 3 * mean_prompt_tokens // 2 + 1))).tolist()
-        for i in range(8):
-            n = int(min(max_response_tokens, rng.lognormal(np.log(mean_response_tokens) - 0.18, 0.6) + 1))
-            rows.append({"prompt_id": f"p{g}", "group": g, "sample_idx": i, "prompt_token_ids": prompt,
-                         "response_token_ids": rng.integers(3, vocab, n).tolist(), "behavior_logprobs": [-12.0] * n,
-                         "finish_reason": "length", "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0,
-                         "stage": 0, "policy": "bench"})
-            lengths.append((len(prompt), n))
-    out = stage / rollouts.ROLLOUTS
-    out.mkdir(parents=True, exist_ok=True)
-    common.atomic_write_lines(rollouts.shard_path(out, 0), rows)
-    common.atomic_write_json(out / rollouts.MANIFEST, {"complete": True, "stage": 0, "policy": "bench",
-                                                     "shards": ["shard_00000.jsonl"],
-                                                     "sampling": {"n": 8, "temperature": 1.0, "max_tokens": max_response_tokens}})
-    return lengths
-
-
-def model_flops(lengths, n_params, layers, hidden, vocab, tied):
-    """Forward + backward FLOPs of one update's responses: [(prompt, response tokens)]."""
-    body = n_params - vocab * hidden * (1 if tied else 2)          # without embedding and lm_head
-    total = 0.0
-    for p, r in lengths:
-        s = p + r
-        total += 2 * body * s + 2 * vocab * hidden * r + 2 * layers * hidden * s * s
-    return 3 * total
-
-
 if __name__ == "__main__":
     out = Path(out_dir)
     model_dir = out / (f"model-{shape}" + (f"-{layers}layers" if layers else ""))
     if not (model_dir / "config.json").exists():
-        n_params, layers, hidden, vocab = build_model(model_dir)
+        n_params, layers, hidden, vocab, _ = build_model(model_dir, shape, layers)
     else:
         from transformers import AutoConfig
         c = AutoConfig.from_pretrained(model_dir)
@@ -131,7 +65,8 @@ if __name__ == "__main__":
     for ckpt in (False, True):
         stage = out / f"stage-{shape}-ckpt{int(ckpt)}"
         subprocess.run(["rm", "-rf", str(stage)], check=True)
-        lengths = write_stage(stage, vocab)
+        lengths = write_stage(stage, vocab, prompts_per_update * updates, mean_prompt_tokens, mean_response_tokens,
+                              max_response_tokens)
         proc = subprocess.run([*launcher, str(ROOT / "optimize.py"), f"--stage_dir={stage}",
                                f"--policy={model_dir}", f"--out={stage / 'policy'}", f"--updates_per_stage={updates}",
                                f"--prompts_per_update={prompts_per_update}", "--save_train_state=false",

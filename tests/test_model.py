@@ -93,3 +93,41 @@ def test_each_hsdp_mesh_dimension_gets_its_own_process_group_options(monkeypatch
     assert asked["shape"] == (2, 2) and asked["mesh_dim_names"] == ("replicate", "shard")
     assert options["replicate"] is not options["shard"]
     assert options["replicate"]._timeout == options["shard"]._timeout == M.PROCESS_GROUP_TIMEOUT
+
+
+def test_adamw_state_made_before_the_first_activation_gives_the_same_updates_bit_for_bit():
+    # model.init_optimizer_state makes AdamW's moments as its first step would, before any forward: the same three
+    # updates as lazily made ones (a float64 step, or a step starting at 1, moves the bias correction and fails this)
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    optimizers = [torch.optim.AdamW(n.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.01, eps=1e-8)
+                  for n in nets]
+    M.init_optimizer_state(optimizers[1])
+    assert len(optimizers[0].state) == 0 and len(optimizers[1].state) == 4        # every parameter, before a forward
+    x = torch.randn(8, 6)
+    for _ in range(3):
+        for net, opt in zip(nets, optimizers):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+        sa, sb = optimizers[0].state[a], optimizers[1].state[b]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+
+
+def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path):
+    # bench/gpu_check.py, the trainer's path on a lent GPU, at its CPU size: optimize.py on a synthetic stage, bf16
+    # against float32 (CPU autocast), the hash on the device against the CPU's, the packed buffer hashed in a second
+    # process (shared memory here, CUDA IPC on a GPU). One table and its JSON
+    from conftest import run_script
+    proc = run_script("bench/gpu_check.py", "--shape=tiny", "--mean_prompt_tokens=16", "--mean_response_tokens=24",
+                      "--max_response_tokens=48", "--micro_batch_tokens=1024", "--updates=2", f"--out_dir={tmp_path}")
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["passed"] and report["device"] == "CPU"
+    gated = [(r["check"].split(" (")[0], r["status"]) for r in report["rows"] if r["status"] != "INFO"]
+    assert gated == [("bf16 vs float32: relative loss difference", "PASS"), ("bf16 vs float32: gradient cosine", "PASS"),
+                     ("bf16 vs float32: relative gradient-norm difference", "PASS"),
+                     ("tensor_hash on cpu equal to the CPU's", "PASS"), ("packed buffer", "PASS")], gated
+    assert report["rows"][0]["value"] > 0 and "| PASS | bf16 vs float32: gradient cosine" in proc.stdout
