@@ -420,12 +420,15 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
 
 def check_engines(model, stage, temp):
     """The engines' agreement before the stage's first update, gated (update.agreement_gate): the run stops naming
-    the engine, or the stage is recorded as collapsed. Returns the agreement's values for the first metrics row."""
+    the engine, or the stage is recorded as collapsed. Returns the first metrics row's agreement/collapsed (the
+    measured means are logged, not recorded: which responses each engine generated is the mode's, and rows are
+    compared across modes; the row's mismatch/* and entropy measure the same on the first minibatch)."""
     means, entropy = update.engine_agreement(model, stage, temp, agreement_responses, micro_batch_tokens)
     bound = update.agreement_bound() if engine_mismatch_bound < 0 else engine_mismatch_bound
     reference = update.agreement_reference(stage) if stage.index > 0 else None
-    verdict, applied, row = update.agreement_gate(means, entropy, reference and reference[:2], bound, agreement_growth,
-                                                  collapse_entropy_ratio)
+    verdict, applied = update.agreement_gate(means, entropy, reference and reference[:2], bound, agreement_growth,
+                                             collapse_entropy_ratio)
+    row = {"agreement/collapsed": verdict == "collapsed"}
     against = (f"bound max({bound:g}, {agreement_growth:g} × {reference[0]:.3g} of {reference[2]})" if reference
                else f"bound {bound:g}" + (", absolute: no stage 0 or preflight record to calibrate it" if stage.index else ""))
     log(f"engine agreement before update 0: mean |log ratio| {', '.join(f'engine {e} {v:.2e}' for e, v in means.items())}"

@@ -216,7 +216,7 @@ def agreement_gate(means, entropy, reference, bound, growth, entropy_ratio):
       (or the preflight's): each engine's mean at most max(bound, growth × the reference's). Above it, a policy
       whose entropy has moved by more than `entropy_ratio`× from the reference's (either way) has collapsed: the gap
       grows with the policy's numerics (flat or saturated logits), so the stage is recorded as a result, not stopped.
-    Returns (verdict "pass" | "collapsed" | "stop", the bound applied, the metrics of the stage's first row)."""
+    Returns (verdict "pass" | "collapsed" | "stop", the bound applied)."""
     worst = max(means.values(), default=0.0)
     if reference is None:
         applied = bound
@@ -224,9 +224,7 @@ def agreement_gate(means, entropy, reference, bound, growth, entropy_ratio):
     else:
         applied = max(bound, growth * reference[0])
         collapsed = worst > applied and not reference[1] / entropy_ratio <= entropy <= entropy_ratio * reference[1]
-    verdict = "pass" if worst <= applied else "collapsed" if collapsed else "stop"
-    return verdict, applied, {"agreement/mean_abs_log_ratio": worst, "agreement/entropy": entropy,
-                              "agreement/bound": applied, "agreement/collapsed": verdict == "collapsed"}
+    return "pass" if worst <= applied else "collapsed" if collapsed else "stop", applied
 
 
 def agreement_reference(stage):

@@ -218,10 +218,8 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
 def test_the_agreement_gate_is_absolute_at_the_first_stage_and_relative_after(means, entropy, reference, verdict,
                                                                               applied):
     import update
-    got, bound, row = update.agreement_gate(means, entropy, reference, 1e-3, growth=10.0, entropy_ratio=2.0)
-    assert (got, bound) == (verdict, pytest.approx(applied))
-    assert row == {"agreement/mean_abs_log_ratio": max(means.values()), "agreement/entropy": entropy,
-                   "agreement/bound": bound, "agreement/collapsed": verdict == "collapsed"}
+    assert update.agreement_gate(means, entropy, reference, 1e-3, growth=10.0, entropy_ratio=2.0) == (
+        verdict, pytest.approx(applied))
 
 
 def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_policy_is_recorded_not_stopped(
@@ -250,12 +248,11 @@ def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_poli
             assert f"(bound max(0.001, 10 × 0.0001 of {stage_0 / 'metrics.jsonl'}))" in str(e.value)
             assert "has not collapsed" in str(e.value)
         else:
-            row = optimize.check_engines(net, stage, 1.0)
-            assert row["agreement/collapsed"] is True and abs(row["agreement/mean_abs_log_ratio"] - 2e-3) < 1e-5
+            assert optimize.check_engines(net, stage, 1.0) == {"agreement/collapsed": True}
     # stage 0 at 3e-4: the bound is max(1e-3, 10 × 3e-4) = 3e-3, and the 2e-3 shift passes
     common.atomic_write_lines(stage_0 / "metrics.jsonl", [{"update": 0, "mismatch/mean_abs_log_ratio": 3e-4,
                                                            "entropy": entropy}])
-    assert optimize.check_engines(net, stage, 1.0)["agreement/bound"] == pytest.approx(3e-3)
+    assert optimize.check_engines(net, stage, 1.0) == {"agreement/collapsed": False}
 
 
 # ----------------------------------------------------------------------------- a stale engine stops the run
