@@ -65,12 +65,29 @@ def kill_when(cmd, condition, timeout=300, cwd=ROOT, env=None):
 TOY_SIZE = {"max_operand": 8, "sft_steps": 150, "hidden_size": 64, "layers": 2}
 
 
+def built_once(tmp_path_factory, name, build):
+    """A directory that build(directory) makes once per test session, shared by the pytest-xdist workers: the first
+    worker to ask builds it under an exclusive lock in the session's temporary root (their common parent), the others
+    wait for the lock and reuse it. Only for what no test changes afterwards."""
+    import fcntl
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root     # pytest-N/, above popen-gw<k>/
+    target, done = root / name, root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            build(target)
+            done.touch()
+    return target
+
+
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory):
-    """A tiny warm-started toy policy and its train/test sets (built once per test session)."""
-    out = tmp_path_factory.mktemp("toy")
-    run_script("data/toy.py", f"--out_dir={out}", *(f"--{k}={v}" for k, v in TOY_SIZE.items()))
-    return out
+    """A tiny warm-started toy policy and its train/test sets (built once per test session, for every worker)."""
+    return built_once(tmp_path_factory, "toy", lambda out: run_script(
+        "data/toy.py", f"--out_dir={out}", *(f"--{k}={v}" for k, v in TOY_SIZE.items())))
 
 
 def clone_repository(dest):
