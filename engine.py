@@ -226,7 +226,8 @@ def verify_weights(llm, policy, where, record=None):
     if not record:
         return f"{where}: {policy} has no recorded weight hashes (the initial model); not compared"
     if record.get("hash") != common.TENSOR_HASH:     # a policy saved by an earlier version (a run resumed across it)
-        return f"{where}: {policy}'s weight hashes were recorded with another scheme than {common.TENSOR_HASH!r}; not compared"
+        return (f"{where}: {policy}'s weight hashes were recorded with another scheme than {common.TENSOR_HASH!r}; "
+                f"not compared")
     reports = llm.collective_rpc("mu_grpo_held_weights")
     if reports[0]["dtype"] != record["dtype"]:
         raise SystemExit(f"{where}: the engine holds {reports[0]['dtype']} weights, {policy} records hashes of "

@@ -534,7 +534,8 @@ def save_policy(model, source_dir, dtype, directory, identity):
                 shutil.copy2(f, tmp / f.name)
         hashes = {k: f"{v:016x}" for k, v in engine_hashes.items()}      # what the engines check they hold
         common.atomic_write_json(tmp / common.POLICY_ID_FILE, {
-            "fingerprint": fingerprint, **identity, "engine_weights": {"dtype": common.engine_dtype(), "hash": common.TENSOR_HASH, "hashes": hashes}})
+            "fingerprint": fingerprint, **identity,
+            "engine_weights": {"dtype": common.engine_dtype(), "hash": common.TENSOR_HASH, "hashes": hashes}})
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(tmp, directory)
         common.fsync_dir(directory.parent)

@@ -111,7 +111,8 @@ engine_mismatch_bound = -1.0    # before a stage's first update, each engine's r
                                 # between the trainer's and the engine's log-probs at most this at the run's first
                                 # stage, else the run stops naming the engine; -1: the device's bound
                                 # (update.agreement_bound), 0: no check (a replay with another policy than the sampler's)
-agreement_growth = 10.0         # later stages: at most max(that bound, this × stage 0's measured mean) (update.agreement_gate)
+agreement_growth = 10.0         # later stages: at most max(that bound, this × stage 0's measured mean)
+                                # (update.agreement_gate)
 collapse_entropy_ratio = 2.0    # above it, a policy whose entropy moved more than this factor from stage 0's has
                                 # collapsed: recorded in the stage's first metrics row (agreement/collapsed), not stopped
 agreement_responses = 16        # responses per engine in that check (a no-grad pass over them)
@@ -429,10 +430,10 @@ def check_engines(model, stage, temp):
     verdict, applied = update.agreement_gate(means, entropy, reference and reference[:2], bound, agreement_growth,
                                              collapse_entropy_ratio)
     row = {"agreement/collapsed": verdict == "collapsed"}
-    against = (f"bound max({bound:g}, {agreement_growth:g} × {reference[0]:.3g} of {reference[2]})" if reference
-               else f"bound {bound:g}" + (", absolute: no stage 0 or preflight record to calibrate it" if stage.index else ""))
-    log(f"engine agreement before update 0: mean |log ratio| {', '.join(f'engine {e} {v:.2e}' for e, v in means.items())}"
-        f", entropy {entropy:.3g} ({against})")
+    against = (f"bound max({bound:g}, {agreement_growth:g} × {reference[0]:.3g} of {reference[2]})" if reference else
+               f"bound {bound:g}" + (", absolute: no stage 0 or preflight record to calibrate it" if stage.index else ""))
+    each = ", ".join(f"engine {e} {v:.2e}" for e, v in means.items())
+    log(f"engine agreement before update 0: mean |log ratio| {each}, entropy {entropy:.3g} ({against})")
     if verdict == "pass":
         return row
     engine, worst = max(means.items(), key=lambda kv: kv[1])
@@ -764,7 +765,8 @@ def resident_stage(partner, trainer, s, progress, check_all):
     if is_main:
         partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
                           "wait_seconds": waited, "gradient_bytes_kept": timing["gradient_bytes_kept"],
-                          "reserved_gib_per_rank": [common.finite_or_none(x) for x in reserved], "handoff": policy_handoff,
+                          "reserved_gib_per_rank": [common.finite_or_none(x) for x in reserved],
+                          "handoff": policy_handoff,
                           **{k: v for k, v in timing.items() if k.endswith(("seconds", "per_s"))}})
 
 

@@ -46,7 +46,8 @@ def write_stage(stage, vocab, groups, mean_prompt_tokens, mean_response_tokens, 
     rng = np.random.default_rng(0)
     rows, lengths = [], []
     for g in range(groups):
-        prompt = rng.integers(3, vocab, int(rng.integers(mean_prompt_tokens // 2, 3 * mean_prompt_tokens // 2 + 1))).tolist()
+        n_prompt = int(rng.integers(mean_prompt_tokens // 2, 3 * mean_prompt_tokens // 2 + 1))
+        prompt = rng.integers(3, vocab, n_prompt).tolist()
         for i in range(8):
             n = int(min(max_response_tokens, rng.lognormal(np.log(mean_response_tokens) - 0.18, 0.6) + 1))
             rows.append({"prompt_id": f"p{g}", "group": g, "sample_idx": i, "prompt_token_ids": prompt,
@@ -57,9 +58,9 @@ def write_stage(stage, vocab, groups, mean_prompt_tokens, mean_response_tokens, 
     out = Path(stage) / rollouts.ROLLOUTS
     out.mkdir(parents=True, exist_ok=True)
     common.atomic_write_lines(rollouts.shard_path(out, 0), rows)
-    common.atomic_write_json(out / rollouts.MANIFEST, {"complete": True, "stage": 0, "policy": "bench",
-                                                     "shards": ["shard_00000.jsonl"],
-                                                     "sampling": {"n": 8, "temperature": 1.0, "max_tokens": max_response_tokens}})
+    common.atomic_write_json(out / rollouts.MANIFEST, {
+        "complete": True, "stage": 0, "policy": "bench", "shards": ["shard_00000.jsonl"],
+        "sampling": {"n": 8, "temperature": 1.0, "max_tokens": max_response_tokens}})
     return lengths
 
 

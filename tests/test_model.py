@@ -62,7 +62,8 @@ def test_the_saved_policy_is_the_trainers_weights_in_the_initial_dtype(tmp_path)
     assert saved.keys() == mine.keys() and all(torch.equal(saved[k], mine[k]) for k in saved)
     record = json.loads((tmp_path / "policy" / "policy_id.json").read_text())
     assert record == {"fingerprint": M.weights_fingerprint(tmp_path / "policy"), "stage": 0, "engine_weights": {
-        "dtype": "float32", "hash": common.TENSOR_HASH, "hashes": {k: f"{v:016x}" for k, v in M.engine_weight_hashes(tmp_path / "policy").items()}}}
+        "dtype": "float32", "hash": common.TENSOR_HASH,
+        "hashes": {k: f"{v:016x}" for k, v in M.engine_weight_hashes(tmp_path / "policy").items()}}}
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["dtype"] == "bfloat16"
     again = M.build(tmp_path / "policy", attention="sdpa")                   # and it loads back as it was saved
     assert all(torch.equal(again.state_dict()[k], mine[k].float()) for k in mine)
