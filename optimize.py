@@ -426,7 +426,8 @@ def check_engines(model, stage, temp):
     compared across modes; the row's mismatch/* and entropy measure the same on the first minibatch)."""
     means, entropy = update.engine_agreement(model, stage, temp, agreement_responses, micro_batch_tokens)
     bound = update.agreement_bound() if engine_mismatch_bound < 0 else engine_mismatch_bound
-    reference = update.agreement_reference(stage) if stage.index > 0 else None
+    # read from the filesystem: rank 0 decides, so every rank reaches the same verdict
+    reference = M.broadcast(update.agreement_reference(stage) if is_main else None) if stage.index > 0 else None
     verdict, applied = update.agreement_gate(means, entropy, reference and reference[:2], bound, agreement_growth,
                                              collapse_entropy_ratio)
     row = {"agreement/collapsed": verdict == "collapsed"}
