@@ -296,7 +296,8 @@ def engine_dtype():
 _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64     # splitmix64's odd constants, as int64
 TENSOR_HASH = "splitmix64, column-mixed"     # tensor_hash's scheme, in every record of hashes (an earlier one's
                                             # records are not compared: engine.verify_weights)
-_HASH_CHUNK = 1 << 23                      # elements per step: ~128 MiB of int64 temporaries, on a GPU beside vLLM
+_HASH_CHUNK = 1 << 23                      # elements per step: ~200 MiB of int64 temporaries (the bits, their
+                                           # columns, a shift), on a GPU beside vLLM
 
 
 def tensor_hash(tensor, column_offset=0):
