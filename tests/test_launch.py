@@ -131,6 +131,30 @@ def test_the_handoff_command_falls_back_to_files_only_where_the_preflight_did(tm
         f"the policies are handed over as files\n")
 
 
+def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
+    # run_stages.sh's preflight line (launch.py --command=preflight) at a 4-GPU box's shape, resident: the engines,
+    # trainer ranks, hand-off, the trainer's flags and the run's lengths reach preflight.py, PREFLIGHT_ARGS last
+    k, problem = launch.resolve({**TOY, "RUN": "runs/box", "ENGINES": "2", "TRAIN_RANKS": "2", "RESIDENT": "true",
+                                 "GRAD_CKPT": "true", "PREFLIGHT": "1", "PREFLIGHT_ARGS": "--prompts=8 --updates=2",
+                                 "DRIFT_ARGS": "--drift_min_updates=4 --drift_min_updates=6"})
+    assert problem is None
+    monkeypatch.setattr(os, "environ", {**k, **launch.derived(k), "KL": "--kl_coef=0"})
+    asked = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: asked.append(argv) or subprocess.CompletedProcess(argv, 0))
+    with pytest.raises(SystemExit) as done:
+        launch.preflight_command()
+    assert done.value.code is None
+    (argv,) = asked
+    assert argv[1] == "preflight.py" and argv[-2:] == ["--prompts=8", "--updates=2"]
+    flags = dict(a.split("=", 1) for a in argv[2:])
+    assert {f: flags[f] for f in ("--out", "--engines", "--train_ranks", "--resident", "--policy_handoff",
+                                  "--max_response_tokens", "--estimate_stage_prompts", "--drift_min_updates")} == {
+        "--out": "runs/box/preflight.json", "--engines": "2", "--train_ranks": "2", "--resident": "true",
+        "--policy_handoff": "transfer", "--max_response_tokens": "16", "--estimate_stage_prompts": "128",   # 8 · 16
+        "--drift_min_updates": "6"}                                                  # the trainer's: the last given
+    assert flags["--optimize_args"] == "--gradient_checkpointing=true --clip_low=0 --kl_coef=0"
+
+
 def test_the_plan_command_is_the_stage_plan(tmp_path):
     env = {**TOY, "RUN": str(tmp_path), "TOTAL_UPDATES": "24", "DRIFT_MAX_UPDATES": "32"}
     assert [run_launch("--command=plan", f"--stage={s}", env=env).stdout.strip() for s in (0, 2, 3)] == ["8", "8", "0"]

@@ -106,10 +106,10 @@ def test_a_stage_that_ended_on_drift_resumes_to_the_same_end_and_weights(toy, tm
 
 
 def drift_env(toy, run, **more):
-    """A run_stages.sh run of stages that end on drift: UPDATES_PER_STAGE=4 for the first stage, 7 updates in all, the warning
+    """A run_stages.sh run of stages that end on drift: UPDATES_PER_STAGE=4 for the first stage, 5 updates in all, the warning
     always on from update 2."""
     from test_loop import loop_env
-    return {**loop_env(toy, run), "STAGE_END": "drift", "UPDATES_PER_STAGE": "4", "TOTAL_UPDATES": "7", "PROMPTS_PER_UPDATE": "4",
+    return {**loop_env(toy, run), "STAGE_END": "drift", "UPDATES_PER_STAGE": "4", "TOTAL_UPDATES": "5", "PROMPTS_PER_UPDATE": "4",
             "EVAL_EVERY": "2", "DRIFT_ARGS": " ".join([*ALWAYS_WARN[1:], "--drift_min_updates=2"]), **more}
 
 
@@ -125,31 +125,31 @@ def drift_run(toy, tmp_path_factory):
 @pytest.mark.slow
 @needs_vllm
 def test_a_run_of_stages_that_end_on_drift_is_planned_from_its_records_and_resumes_exactly(toy, drift_run, tmp_path):
-    # stage 0 trains 2 of 4 updates, stage 1 is planned ceil(1.25 · 2) = 3 and trains 2, stage 2 likewise, stage 3 has
-    # 1 update left (fewer than μ_min: it trains it), and the run ends at 7. Killed while stage 1 trains, the rerun
-    # ends where this one does
+    # stage 0 trains 2 of 4 updates, stage 1 is planned ceil(1.25 · 2) = 3 and trains 2, stage 2 has 1 update left
+    # (fewer than μ_min: it trains it), and the run ends at 5. Killed while stage 1 trains, the rerun ends where this
+    # one does
     from test_loop import run_loop
     env = lambda run: drift_env(toy, run)  # noqa: E731
     whole = drift_run
-    ends = [json.loads((whole / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(4)]
+    ends = [json.loads((whole / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(3)]
     assert [(e["generated_updates"], e["updates"], e["run_updates"], e["reason"]) for e in ends] == \
-        [(4, 2, 2, "drift"), (3, 2, 4, "drift"), (3, 2, 6, "drift"), (1, 1, 7, "all minibatches")]
-    assert not (whole / "stage_4").exists()
-    plans = [json.loads((whole / f"stage_{s}" / "rollouts" / rollouts.PLAN).read_text()) for s in range(4)]
-    assert [(p["prompt_offset"], p["prompts_per_stage"]) for p in plans] == [(0, 16), (16, 12), (28, 12), (40, 4)]
-    runs = [m["run_update"] for s in range(4) for m in read_lines(whole / f"stage_{s}" / "metrics.jsonl")]
-    assert runs == list(range(7))
-    results = read_lines(whole / "results.jsonl")        # after stage 1 (4 updates) and the last (7), and the start
-    assert sorted({(r["stage"], r["updates"]) for r in results}) == [(-1, 0), (1, 4), (3, 7)]
+        [(4, 2, 2, "drift"), (3, 2, 4, "drift"), (1, 1, 5, "all minibatches")]
+    assert not (whole / "stage_3").exists()
+    plans = [json.loads((whole / f"stage_{s}" / "rollouts" / rollouts.PLAN).read_text()) for s in range(3)]
+    assert [(p["prompt_offset"], p["prompts_per_stage"]) for p in plans] == [(0, 16), (16, 12), (28, 4)]
+    runs = [m["run_update"] for s in range(3) for m in read_lines(whole / f"stage_{s}" / "metrics.jsonl")]
+    assert runs == list(range(5))
+    results = read_lines(whole / "results.jsonl")   # the start, after stage 1 (EVAL_EVERY=2), and after the last
+    assert sorted({(r["stage"], r["updates"]) for r in results}) == [(-1, 0), (1, 4), (2, 5)]
     import plot
-    assert sorted(plot.load_run(whole)["stage_ends"]) == [0, 1, 2, 3]
+    assert sorted(plot.load_run(whole)["stage_ends"]) == [0, 1, 2]
     killed = tmp_path / "killed"
     assert kill_when(["bash", "run_stages.sh"], lambda: (killed / "stage_1" / "metrics.jsonl").exists(),
                      env=env(killed), timeout=600)
     run_loop(env(killed))
     from test_loop import assert_same_stages
-    assert_same_stages(whole, killed, stages=(0, 1, 2, 3))
-    assert [json.loads((killed / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(4)] == ends
+    assert_same_stages(whole, killed, stages=(0, 1, 2))
+    assert [json.loads((killed / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(3)] == ends
 
 
 @pytest.mark.slow
@@ -164,9 +164,9 @@ def test_resident_stages_that_end_on_drift_are_the_process_per_phase_ones_and_re
     env = lambda run: drift_env(toy, run, RESIDENT="true", ENGINES="2", SAVE_EVERY="1")  # noqa: E731
     resident = tmp_path / "resident"
     run_loop(env(resident))
-    ends = lambda run: [json.loads((run / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(4)]  # noqa: E731
-    assert ends(resident) == ends(drift_run) and not (resident / "stage_4").exists()
-    for s in range(4):
+    ends = lambda run: [json.loads((run / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(3)]  # noqa: E731
+    assert ends(resident) == ends(drift_run) and not (resident / "stage_3").exists()
+    for s in range(3):
         rows = lambda run: "".join(p.read_text() for p in sorted((run / f"stage_{s}" / "rollouts").glob(  # noqa: E731
             "shard_*.jsonl"))).replace(str(run), "RUN")
         assert rows(resident) == rows(drift_run), s
@@ -176,13 +176,13 @@ def test_resident_stages_that_end_on_drift_are_the_process_per_phase_ones_and_re
         strip = lambda run: [{k: v for k, v in m.items() if k not in ("time", "seconds", "tokens_per_s")  # noqa: E731
                               and not k.startswith("memory/")} for m in read_lines(run / f"stage_{s}" / "metrics.jsonl")]
         assert strip(resident) == strip(drift_run), s
-    final_weights = _weights(resident / "stage_3" / "policy")
-    assert all(w.equal(final_weights[k]) for k, w in _weights(drift_run / "stage_3" / "policy").items())
+    final_weights = _weights(resident / "stage_2" / "policy")
+    assert all(w.equal(final_weights[k]) for k, w in _weights(drift_run / "stage_2" / "policy").items())
     key = lambda run: sorted((r["stage"], r["updates"], r["avg_at_k"]) for r in read_lines(run / "results.jsonl"))  # noqa: E731
-    assert key(resident) == key(drift_run) and [r[:2] for r in key(resident)] == [(-1, 0), (1, 4), (3, 7)]
+    assert key(resident) == key(drift_run) and [r[:2] for r in key(resident)] == [(-1, 0), (1, 4), (2, 5)]
     killed = tmp_path / "killed"
     assert kill_when(["bash", "run_stages.sh"], lambda: (killed / "stage_1" / "metrics.jsonl").exists(),
                      env=env(killed), timeout=600)
     run_loop(env(killed))
-    assert_same_stages(resident, killed, stages=(0, 1, 2, 3))
+    assert_same_stages(resident, killed, stages=(0, 1, 2))
     assert ends(killed) == ends(resident)
