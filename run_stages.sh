@@ -208,7 +208,7 @@ GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --
                --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE --shard_prompts=$SHARD_PROMPTS
                --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" --per_request_seed="$PER_REQUEST_SEED"
                "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}")
-OPTIMIZE_ARGS=(--updates_per_stage=$UPDATES_PER_STAGE --prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR
+OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR   # and each stage its μ, --updates_per_stage
                --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
                --seed="$SEED" --checkpoint_every=$(( UPDATES_PER_STAGE >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
                --release_init_state=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)
@@ -231,8 +231,8 @@ if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed o
       --eval_temperature="$EVAL_TEMPERATURE" --eval_top_p="$EVAL_TOP_P" --results="$RUN/results.jsonl" \
       --run_start="$START" --policy_handoff="$HANDOFF" :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" \
       --stages="$STAGES" --policy_handoff="$HANDOFF" --engines="$ENGINES" \
-      --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --save_every="$SAVE_EVERY" --total_updates="$TOTAL_UPDATES" \
-      --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
+      --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --updates_per_stage="$UPDATES_PER_STAGE" --save_every="$SAVE_EVERY" \
+      --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else
   (( EVAL_EVERY == 0 )) || phase eval_init -1 "${INIT_EVAL[@]}"
   # stage s has μ = launch.py plan's updates_per_stage (rollouts.StagePlan), until 0; several nodes: node 0's plan
