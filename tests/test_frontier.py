@@ -42,9 +42,13 @@ def run_frontier(env):
     return proc
 
 
-@pytest.mark.slow
-@needs_vllm
-def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_path):
+@pytest.fixture(scope="session")
+def killed_frontier(toy, tmp_path_factory):
+    """frontier_env's frontier (GRPO at μ = 2, 4 and drift, 4 updates each), SIGTERMed once its first point has
+    finished and while the second trains (every process of every run stops with it), its table drawn then, and
+    resumed to its end: (its OUT, what was seen when it stopped: the finished points' results.jsonl, the log, the
+    partial table). test_the_notebook_draws_a_frontier_from_its_records draws it too."""
+    tmp_path = tmp_path_factory.mktemp("killed_frontier")
     out = tmp_path / "frontier"
     env = frontier_env(toy, out)
     first, second = out / "build0" / "seed0" / "grpo-mu2", out / "build0" / "seed0" / "grpo-mu4"
@@ -64,13 +68,23 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in processes_with(f"RUN={out}/")
             if Path(f"/proc/{pid}/cmdline").exists()}
     assert not left, f"a run's process outlived the stopped frontier: {left}"
-    # the table of a stopped frontier leaves the unfinished runs out (their last evaluation is not their final)
     partial = run_script("bench/frontier.py", f"--runs_dir={out}", "--baseline=grpo:2", f"--out={tmp_path / 'partial'}")
-    if second not in finished:
-        assert "left out, not finished: build0/seed0/grpo-mu4" in partial.stdout
-    assert set(json.loads((tmp_path / "partial" / "frontier.json").read_text())["runs"]) == \
-        {f"grpo:{p.name[-1]}" for p in finished}
+    stopped = {"finished": finished, "partial": partial.stdout,
+               "partial_runs": set(json.loads((tmp_path / "partial" / "frontier.json").read_text())["runs"])}
     run_frontier(env)                                                    # resumed one run at a time (JOBS=1)
+    return out, stopped
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(killed_frontier):
+    out, stopped = killed_frontier
+    first, second = out / "build0" / "seed0" / "grpo-mu2", out / "build0" / "seed0" / "grpo-mu4"
+    finished = stopped["finished"]
+    # the table of a stopped frontier leaves the unfinished runs out (their last evaluation is not their final)
+    if second not in finished:
+        assert "left out, not finished: build0/seed0/grpo-mu4" in stopped["partial"]
+    assert stopped["partial_runs"] == {f"grpo:{p.name[-1]}" for p in finished}
     for p, results in finished.items():                                  # a finished point is not run again
         assert (p / "results.jsonl").read_text() == results
         assert "is complete; nothing to do" in p.with_suffix(".log").read_text()
@@ -123,21 +137,12 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(toy, tmp_pa
     assert json.loads((out / "preflight" / "preflight.json").read_text())["passed"]
 
 
-@pytest.fixture(scope="session")
-def finished_frontier(toy, tmp_path_factory):
-    """The smallest frontier: GRPO at μ = 1 and μ = 2 on the toy, 2 updates each (both resident), one seed, evaluated
-    before training and after its 2 updates, re-costed at 0 and 20 s, against μ = 1."""
-    out = tmp_path_factory.mktemp("frontier") / "frontier"
-    run_frontier({**frontier_env(toy, out), "MUS": "1 2", "TOTAL_UPDATES": "2", "EVAL_UPDATES": "2",
-                  "BASELINE": "grpo:1", "ESTIMATE": "false"})
-    return out
-
-
 @pytest.mark.slow
 @needs_vllm
-def test_the_notebook_draws_a_frontier_from_its_records(finished_frontier, tmp_path, monkeypatch):
+def test_the_notebook_draws_a_frontier_from_its_records(killed_frontier, tmp_path, monkeypatch):
     # the notebook's cells, in order, in a kernel's stead: run from a notebooks/ folder beside bench/ (as in the
     # repository), with a Jupyter kernel's command line (bench/frontier.py must not read it as its own)
+    out, _ = killed_frontier
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "bench").symlink_to(ROOT / "bench")
     monkeypatch.chdir(tmp_path / "notebooks")
@@ -145,8 +150,8 @@ def test_the_notebook_draws_a_frontier_from_its_records(finished_frontier, tmp_p
     monkeypatch.setattr(sys, "path", list(sys.path))             # the cells' path setup is undone after the test
     monkeypatch.delitem(sys.modules, "frontier", raising=False)   # imported by the cells, not found imported
     nb = json.loads((ROOT / "notebooks" / "results.ipynb").read_text())
-    settings = {"FRONTIER = '../runs/frontier-lab-fork'": f"FRONTIER = {str(finished_frontier)!r}",
-                "BASELINE = 'grpo:4'": "BASELINE = 'grpo:1'", "COSTS = [0, 2, 20, 180]": "COSTS = [0, 20]"}
+    settings = {"FRONTIER = '../runs/frontier-lab-fork'": f"FRONTIER = {str(out)!r}",
+                "BASELINE = 'grpo:4'": "BASELINE = 'grpo:2'", "COSTS = [0, 2, 20, 180]": "COSTS = [0, 20]"}
     namespace = {}
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
@@ -154,31 +159,31 @@ def test_the_notebook_draws_a_frontier_from_its_records(finished_frontier, tmp_p
             for default, toy_setting in settings.items():
                 code = code.replace(default, toy_setting)
             exec(compile(code, "results.ipynb", "exec"), namespace)
-    assert namespace["FRONTIER"] == str(finished_frontier) and namespace["unfinished"] == []
-    assert sorted(namespace["points"]) == [("grpo", 1), ("grpo", 2)]
+    assert namespace["FRONTIER"] == str(out) and namespace["unfinished"] == []
+    assert set(namespace["points"]) == {("grpo", 2), ("grpo", 4), ("grpo", "drift")}
     drawn = namespace["drawn"]
     assert sorted(p.name for p in (tmp_path / "notebooks" / "plots_frontier").iterdir()) == \
         ["frontier_accuracy.png", "frontier_recost.png"] == sorted(p.name for p in drawn)
     accuracy, recost = drawn.values()
-    # accuracy against minutes (left) and against updates (right): per point its run's test accuracy before training
-    # and after its 2 updates, as its results.jsonl has them, at the seconds to each evaluation frontier.sh's own
-    # frontier.json has (a resident run evaluates first after its engine's start), in minutes
-    report = json.loads((finished_frontier / "frontier.json").read_text())
+    # accuracy against minutes (left) and against updates (right): per point its run's test accuracy at each
+    # evaluation (before training, then every 2 updates or after every stage), as its results.jsonl has them, at the
+    # seconds to each evaluation frontier.sh's own frontier.json has, in minutes
+    report = json.loads((out / "frontier.json").read_text())
     by_minutes, by_updates = ({line.get_label(): line for line in ax.get_lines()} for ax in accuracy.axes)
-    for mu in (1, 2):
-        results = read_lines(finished_frontier / "build0" / "seed0" / f"grpo-mu{mu}" / "results.jsonl")
-        first, last = min(results, key=lambda r: r["stage"]), max(results, key=lambda r: r["stage"])
+    for mu, updates in ((2, [0, 2, 4]), (4, [0, 4])):
+        results = sorted(read_lines(out / "build0" / "seed0" / f"grpo-mu{mu}" / "results.jsonl"),
+                         key=lambda r: r["stage"])
         curve = report["runs"][f"grpo:{mu}"]["build0/seed0"]["curve"]        # [updates, seconds, accuracy]
         line = by_updates[f"grpo μ={mu}"]
-        assert list(line.get_xdata()) == [0, 2] and list(line.get_ydata()) == [first["avg_at_k"], last["avg_at_k"]]
+        assert list(line.get_xdata()) == updates and list(line.get_ydata()) == [r["avg_at_k"] for r in results]
         line = by_minutes[f"grpo μ={mu}"]
-        assert list(line.get_ydata()) == [first["avg_at_k"], last["avg_at_k"]]
-        assert list(line.get_xdata()) == pytest.approx([curve[0][1] / 60, curve[1][1] / 60])
+        assert list(line.get_ydata()) == [r["avg_at_k"] for r in results]
+        assert list(line.get_xdata()) == pytest.approx([c[1] / 60 for c in curve])
         assert 0 <= curve[0][1] < curve[1][1]
-    # the re-costing: per point its speed-up over grpo:1 at c = 0 and 20 s (0 drawn at 0.1), as frontier.json has it
+    # the re-costing: per point its speed-up over grpo:2 at c = 0 and 20 s (0 drawn at 0.1), as frontier.json has it
     lines = {line.get_label(): line for line in recost.axes[0].get_lines() if line.get_label().startswith("grpo")}
     speedup = {f"grpo μ={p['mu']}": p["speedup"]["recost"] for p in report["points"]}
-    assert sorted(lines) == ["grpo μ=1", "grpo μ=2"] and list(lines["grpo μ=1"].get_ydata()) == [1.0, 1.0]
+    assert sorted(lines) == sorted(speedup) and len(lines) == 3 and list(lines["grpo μ=2"].get_ydata()) == [1.0, 1.0]
     for label, line in lines.items():
         assert list(line.get_xdata()) == [0.1, 20]
         assert list(line.get_ydata()) == pytest.approx([speedup[label]["0.0"]["mean"], speedup[label]["20.0"]["mean"]])
