@@ -44,6 +44,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 import common
 import handoff
+import model as M
 
 CPU_BACKEND = "mu-grpo-shm"
 MIN_BUFFER_BYTES = 1 << 30      # the ranks' buffer: this or the largest tensor, whichever is larger
@@ -70,11 +71,9 @@ class PolicySource(WeightSource):
         self.hashes, self.nonfinite = {}, []
 
     def metadata(self):
-        import model as M
         return [ParamMeta(name, self.dtype, shape) for name, shape in M.policy_shapes(self.model)]
 
     def __iter__(self):
-        import model as M
         held = getattr(torch, common.engine_dtype())
         self.hashes, self.saved_hashes, finite = {}, {}, {}
         for name, tensor in M.policy_tensors(self.model, self.dtype):
@@ -88,7 +87,6 @@ class PolicySource(WeightSource):
     def engine_weights(self):
         """The record the engines check after the hand-off (policy_id.json's engine_weights) and the weights'
         fingerprint (model.weights_digest: what save_policy would record for them). Rank 0 only."""
-        import model as M
         if self.nonfinite:
             raise SystemExit(f"refusing to hand over non-finite weights ({self.nonfinite[:3]}...)")
         hashes = {k: f"{v:016x}" for k, v in sorted(self.hashes.items())}
@@ -140,7 +138,6 @@ class ShmTrainer(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
-        import model as M
         if source is None:
             raise ValueError(f"the {CPU_BACKEND} trainer needs a WeightSource")
         path = Path(init_info.buffers[init_info.rank])
@@ -156,7 +153,6 @@ class ShmTrainer(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         return engine
 
     def send_weights(self):
-        import model as M
         if self.is_sender:
             self.client.start_weight_update()
         chunk, used = [], 0
@@ -177,7 +173,6 @@ class ShmTrainer(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         M.barrier()
 
     def _ship(self, chunk):
-        import model as M
         M.barrier()
         if self.is_sender:
             names, dtypes, shapes, offsets, sizes = (list(x) for x in zip(*chunk))
@@ -390,7 +385,6 @@ class Sender:
         self.backend = backend(device.type)
 
     def buffer_size(self, model, dtype):
-        import model as M
         largest = max(dtype.itemsize * int(torch.Size(shape).numel()) for _, shape in M.policy_shapes(model))
         return max(self.buffer_bytes or MIN_BUFFER_BYTES, largest)
 
@@ -398,7 +392,6 @@ class Sender:
         """Hand the model over, then return the CUDA cache's blocks of the gathers and the buffer (before the engines
         wake their KV cache) on every rank; returns (engine_weights record, fingerprint, seconds, bytes) on rank 0,
         Nones elsewhere."""
-        import model as M
         t0 = time.perf_counter()
         # refused before any engine receives a byte (the engines load each chunk as it arrives); the pass below
         # checks again what it sends, in the engines' dtype
