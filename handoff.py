@@ -30,6 +30,7 @@ from pathlib import Path
 
 import common
 import processes
+import records
 import rollouts
 
 START_GRACE_S = 600.0   # how long a process waits for its partner to announce itself (a cold vLLM or torch start)
@@ -228,8 +229,7 @@ class Partner:
 
     def timeline(self, row):
         """Append a row of this process's (row: phase, name, stage, start, end, ...) to <run>/timeline.jsonl."""
-        common.append_jsonl(self.run_dir / rollouts.TIMELINE,
-                            {**row, "seconds": row["end"] - row["start"], "process": self.role})
+        records.append(self.run_dir, row, process=self.role)
 
     # the trainer → the engine
 

@@ -18,6 +18,8 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
     python launch.py --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
                                           supervised: a failed one stops the other; timed into timeline.jsonl
     python launch.py --command=view       a phase's output (stdin) on the terminal without the libraries' chatter
+    python launch.py --command=row --name=N --stage=S --start=T0 --end=T1   node 0: a phase's row in timeline.jsonl
+    python launch.py --command=attempt    node 0: this attempt's start row in timeline.jsonl (records.py)
 
 Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
 """
@@ -33,12 +35,16 @@ from pathlib import Path
 
 import common
 import processes
+import records
 
 # ----------------------------------------------------------------------------- hyperparameters
 command = ""                    # one of the commands above
 stage = 0                       # plan: the stage whose μ is asked
 logs = ""                       # resident, collective: the directory of the logs (engine.log, trainer.log, collective.log)
 coordinator = "127.0.0.1:29500"  # collective: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
+name = ""                       # row: the phase's name (eval_init, generate_0, ...; its kind: the part before the last _)
+start = 0.0                     # row: when the phase started and ended (Unix seconds)
+end = 0.0
 # -----------------------------------------------------------------------------
 STOP_GRACE_S = 10.0             # resident: seconds a stopped partner has to end before SIGKILL
 
@@ -368,26 +374,31 @@ def view_command():
     common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)
 
 
+def row_command():
+    """A phase's row in the run's timeline (run_stages.sh's `phase`, node 0)."""
+    records.append(os.environ["RUN"], {"phase": name.rsplit("_", 1)[0], "name": name, "stage": stage, "start": start,
+                                       "end": end})
+
+
 # ----------------------------------------------------------------------------- resident mode
 
 
 def resident_command(argv):
     """The engine process and the trainer for every stage (RESIDENT=true): a failed one stops the other (and what it
     started); a rerun resumes (the engine at the first stage without a manifest, the trainer at the last train state
-    saved). Timed into timeline.jsonl as one row per attempt (attempt_row)."""
+    saved). Timed into timeline.jsonl as one row per attempt (records.attempt_row)."""
     import handoff
-    import rollouts
     if "::" not in argv:
         raise SystemExit("--command=resident: ENGINE COMMAND :: TRAINER COMMAND")
     cut = argv.index("::")
     commands = {"engine": argv[:cut], "trainer": argv[cut + 1:]}
     run_dir = Path(os.environ["RUN"])
     handoff.reset(run_dir)
-    close_killed_attempt(run_dir)
+    records.close_killed_attempt(run_dir)
     print(f"[resident] the engine process ({os.environ['ENGINES']} engine(s)) and the trainer "
           f"({os.environ['TRAIN_RANKS']} rank(s)) for every stage: {run_dir}/logs/engine.log, trainer.log", flush=True)
     t0 = time.time()
-    common.atomic_write_json(run_dir / rollouts.ATTEMPT, {"start": t0})
+    records.resident_started(run_dir, t0)
     ended = "stopped"                    # by a Ctrl-C
     try:
         failed, codes = processes.run_together(
@@ -396,38 +407,11 @@ def resident_command(argv):
         ended = "failed" if failed else "completed"
     finally:    # a Ctrl-C too: the handed-over policies (up to two, 15 GB each at 7B, in /dev/shm) are not kept, a
         handoff.clear_policies(run_dir)     # resumed trainer hands its policy over again from its files
-        attempt_row(run_dir, t0, time.time(), ended)
+        records.attempt_row(run_dir, t0, time.time(), ended)
     if failed:
         print(f"[resident] failed (the {failed} exited with {codes[failed]}); see {run_dir}/logs/engine.log "
               f"and trainer.log; rerun to resume", file=sys.stderr)
         raise SystemExit(1)
-
-
-def attempt_row(run_dir, start, end, ended):
-    """A resident attempt's top row in timeline.jsonl (its processes' rows are parts of it: plot.time_split), then its
-    start marker removed: how it ended (completed, failed, stopped by a Ctrl-C, or killed: a SIGKILL or SIGTERM leaves
-    no time to write the row, close_killed_attempt writes it at the next start) and the last stage trained."""
-    import rollouts
-    last = sum((d / rollouts.STAGE_END).exists() for _, d in rollouts.stage_dirs(run_dir)) - 1
-    common.append_jsonl(run_dir / rollouts.TIMELINE, {"phase": "resident", "name": "resident", "stage": last,
-                                                     "start": start, "end": end, "seconds": end - start, "ended": ended})
-    (run_dir / rollouts.ATTEMPT).unlink(missing_ok=True)
-
-
-def close_killed_attempt(run_dir):
-    """An attempt killed before it wrote its row (its start marker is still there) gets its row now, ending at the
-    last row its processes wrote: what it did after that was lost, and is not timed, as the wait before this rerun
-    is not (plot.time_split). Without it the run's wall-clock would start at the last attempt while its records
-    (rollouts, updates, evaluations) cover the killed ones too."""
-    import rollouts
-    marker = run_dir / rollouts.ATTEMPT
-    if not marker.exists():
-        return
-    start = json.loads(marker.read_text())["start"]
-    timeline = common.read_jsonl(run_dir / rollouts.TIMELINE) if (run_dir / rollouts.TIMELINE).exists() else []
-    # its processes' rows: not run_stages.sh's "attempt" row, which the rerun writes before this runs
-    attempt_row(run_dir, start, max([t["end"] for t in timeline if t["start"] >= start and t["phase"] != "attempt"],
-                                    default=start), "killed")
 
 
 if __name__ == "__main__":
@@ -439,6 +423,7 @@ if __name__ == "__main__":
                 "prepare": prepare_command,
                 "collective": collective_command, "preflight": preflight_command, "handoff": handoff_command,
                 "plan": lambda: plan_command(stage),
-                "resident": lambda: resident_command(rest), "view": view_command}
+                "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
+                "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}
     common.check_choice("command", command, tuple(commands))
     commands[command]()

@@ -5,14 +5,15 @@
     python plot.py --run_dir=runs/toy-mu-grpo --summary=true        # also print time per phase
     python plot.py --ablation_dir=runs/lab-ablation                 # ablate.sh: Fig. 2, Fig. 3, table.md
 
-The same functions are used by notebooks/results.ipynb: load_run(path) returns plain lists of dicts.
+A run's records are read through records.py (records.load_run(path): plain lists of dicts), as in
+notebooks/results.ipynb.
 """
-import json
 import math
 import sys
 from pathlib import Path
 
 import common
+import records
 import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -26,105 +27,6 @@ collapse_below = 0.5            # ablation table: a seed has collapsed once its 
 
 def _rows(path):
     return common.read_jsonl(path) if Path(path).exists() else []
-
-
-def load_run(path):
-    """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
-    path = Path(path)
-    metrics, manifests, stage_ends = [], {}, {}
-    for _, stage_dir in rollouts.stage_dirs(path):
-        s = int(stage_dir.name.split("_")[1])
-        for row in _rows(stage_dir / rollouts.METRICS):
-            metrics.append({**row, "stage": s})
-        if (stage_dir / rollouts.STAGE_END).exists():      # where training on the stage ended, and why
-            stage_ends[s] = json.loads((stage_dir / rollouts.STAGE_END).read_text())
-        if (stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).exists():
-            manifests[s] = json.loads((stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).read_text())
-    for row in _rows(path / rollouts.METRICS):   # an ablation replay: optimize.py --out=<path>/policy
-        metrics.append(row)
-    return {"name": path.name, "results": _rows(path / rollouts.RESULTS), "timeline": _rows(path / rollouts.TIMELINE),
-            "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
-
-
-def accuracy_by_stage(run):
-    """[(stage, the run's updates (the evaluated policy's record), hours, mean avg@k over benchmarks)] in stage
-    order."""
-    by_stage = {}
-    for r in run["results"]:
-        by_stage.setdefault(r["stage"], []).append(r)
-    return [(s, rows[0]["updates"], max(r["hours"] for r in rows),
-             sum(r["avg_at_k"] for r in rows) / len(rows)) for s, rows in sorted(by_stage.items())]
-
-
-def phase_summary(run):
-    """Seconds per phase kind, total, and the share spent outside generation and training compute. The rows a
-    resident run's two processes write (they carry "process") are parts of its "resident" row: they count in
-    evaluation and in the components, not again in the total."""
-    per_kind, parts = {}, {}
-    for t in run["timeline"]:
-        kinds = parts if "process" in t else per_kind
-        kinds[t["phase"]] = kinds.get(t["phase"], 0.0) + t["seconds"]
-    total = sum(per_kind.values())
-    generation = sum(m.get("generation_seconds", 0.0) for m in run["manifests"].values())
-    training = sum(m.get("seconds") or 0.0 for m in run["metrics"])
-    evaluation = per_kind.get("eval", 0.0) + parts.get("eval", 0.0)
-    overhead = (total - evaluation - generation - training) / max(total - evaluation, 1e-9)
-    return per_kind, total, generation, training, overhead
-
-
-def time_split(run):
-    """A run's wall-clock in seconds, taken apart: generation (the engines' sampling, manifest generation_seconds),
-    training (the updates, metrics seconds), evaluation, switching (the rest of the phases: process and engine
-    starts, loads, saves, hand-offs, grading tails) and idle (between phases: the wall-clock no phase covers).
-    The five add up to the wall-clock; stages: how many stages paid a switch. A resumed run's wall-clock leaves out
-    its pauses (nothing of it ran then)."""
-    _, total, generation, training, _ = phase_summary(run)
-    evaluation = sum(t["seconds"] for t in run["timeline"] if t["phase"] == "eval")
-    top = [t for t in run["timeline"] if "process" not in t]          # a resident run's attempts, or the phases
-    first, last = (min(t["start"] for t in top), max(t["end"] for t in top)) if top else (0.0, 0.0)
-    wall = last - first - sum(max(0.0, min(to, last) - max(since, first)) for since, to in pauses(run))
-    return {"wall": wall, "generation": generation, "training": training, "evaluation": evaluation,
-            "switching": total - evaluation - generation - training, "idle": wall - total,
-            "stages": len(run["manifests"])}
-
-
-def pauses(run):
-    """[(from, to)]: when nothing of a resumed run ran, however long the rerun waited: from the last record before an
-    attempt's start (run_stages.sh's zero-length "attempt" row) to it, and from a resident attempt's end (its row:
-    launch.attempt_row; a killed one's ends at its last record) to the next start (runs recorded before the
-    attempt rows). What a killed phase or attempt did after its last record is lost with the wait."""
-    rows = sorted(run["timeline"], key=lambda t: t["start"])
-    top = [t for t in rows if "process" not in t]
-    found = [(t["end"], later["start"]) for t, later in zip(top, top[1:]) if t["phase"] == "resident"]
-    for i, t in enumerate(rows):
-        if t["phase"] == "attempt" and i > 0:
-            found.append((max(r["end"] for r in rows[:i]), t["start"]))
-    merged = []
-    for since, to in sorted(p for p in found if p[1] > p[0]):      # the two kinds overlap on a resident run
-        if merged and since <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], to))
-        else:
-            merged.append((since, to))
-    return merged
-
-
-def resident_parts(run):
-    """A resident run's switching costs from its processes' timeline rows, in seconds: start-up (the slowest of
-    the processes' starts: the trainer's, the engine process's, each engine's own), weight reloads and engine sleeps (each engine writes its own row per stage; the
-    engines work side by side, so a stage costs its slowest engine's), the trainer's saves."""
-    rows = [t for t in run["timeline"] if "process" in t]
-    starts = [t["seconds"] for t in rows if t["phase"] == "start"]
-
-    def slowest_per_stage(key):
-        per_stage = {}
-        for t in rows:
-            if t["phase"] == "engine":
-                per_stage[t["stage"]] = max(per_stage.get(t["stage"], 0.0), t.get(key) or 0.0)
-        return sum(per_stage.values())
-    return {"start-up": max(starts + [t.get("start_seconds") or 0.0 for t in rows if t["phase"] == "engine"], default=0.0),
-            "reload": slowest_per_stage("reload_seconds"),
-            "save": sum(t.get("save_seconds", 0.0) for t in rows if t["process"] == "trainer"),
-            "sleep": slowest_per_stage("sleep_seconds")}
 
 
 def figures(runs, out):
@@ -143,7 +45,7 @@ def figures(runs, out):
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in runs:
-        acc = accuracy_by_stage(run)
+        acc = records.accuracy_by_stage(run)
         line, = ax.plot([a[2] for a in acc], [a[3] for a in acc], marker="o", label=run["name"])
         for a in acc[1:]:
             ax.axvline(a[2], color=line.get_color(), alpha=0.15)
@@ -409,19 +311,20 @@ if __name__ == "__main__":
     if ablation_dir:
         main_ablation()
         sys.exit(0)
-    runs = [load_run(p) for p in run_dir.split(",")]
+    runs = [records.load_run(p) for p in run_dir.split(",")]
     for path in figures(runs, out_dir or Path(run_dir.split(",")[0]) / "plots"):
         print(f"wrote {path}")
     if summary:
         for run in runs:
-            per_kind, total, gen, train, overhead = phase_summary(run)
+            per_kind, total, gen, train, overhead = records.phase_summary(run)
             print(f"\n{run['name']}: {total / 60:.1f} min in all; " +
                   ", ".join(f"{k} {v:.0f} s" for k, v in per_kind.items()))
             print(f"generation compute {gen:.0f} s, training compute {train:.0f} s; switching overhead (start-up, "
                   f"loading, saving, I/O, grading) {100 * overhead:.0f}% of the non-evaluation time")
             if "resident" in per_kind:
-                print("resident processes: " + ", ".join(f"{k} {v:.1f} s" for k, v in resident_parts(run).items()))
-            for stage, updates, hours, acc in accuracy_by_stage(run):
+                parts = records.resident_parts(run)
+                print("resident processes: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
+            for stage, updates, hours, acc in records.accuracy_by_stage(run):
                 print(f"  stage {stage:>2} ({updates:>5} updates, {hours * 60:6.1f} min): mean avg@k {acc:.3f}")
             for stage, end in sorted(run["stage_ends"].items()):
                 if end["stage_end"] == "drift":

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import common
 import processes
+import records
 import reward
 import rollouts
 from loss import AGREEMENT_MEAN, MISMATCH_LEVELS
@@ -375,7 +376,7 @@ def resident_checks(results, figures, run_dir, how):
     import handoff
     flag = handoff.Partner(run_dir, "engine").trained(0)
     manifest = json.loads((rollouts.stage_dir(run_dir, 1) / rollouts.ROLLOUTS / rollouts.MANIFEST).read_text())
-    rows = common.read_jsonl(run_dir / rollouts.TIMELINE)
+    rows = records.read(run_dir)
     engine_rows = {s: {r["engine"]: r for r in rows if r["phase"] == "engine" and r["stage"] == s} for s in (0, 1)}
     reloads = [engine_rows[1].get(r, {}).get("reload_seconds") for r in range(n_engines)]
     reloaded = all(x is not None and x > 0 for x in reloads)

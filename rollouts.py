@@ -154,9 +154,7 @@ class ColumnWriter:
 #   <run>/stage_<s>/train_state/    optimize.py: fp32 weights, AdamW, counts (the next stage starts from it)
 #   <run>/stage_<s>/metrics.jsonl   optimize.py: one row per update; beside it stage_end.json
 #   <run>/results.jsonl, eval_samples/   evaluate.py: one row per (stage, benchmark), the graded samples
-#   <run>/timeline.jsonl            run_stages.sh and the resident processes: one row per phase (and a zero-length
-#                                   "attempt" row at each start: plot.pauses); beside it
-#                                   timeline.attempt.json, the start of a resident pair's attempt that has no row yet
+#   <run>/timeline.jsonl            one row per phase, and timeline.attempt.json: records.py, their home
 # and the directories their owners name: resident/ (handoff.py), .nodes/ (nodes.py), tracking/ (tracking.py), logs/
 # and .done/ (run_stages.sh, whose loop, the part a researcher reads, spells stage_<s>/policy and train_state/ itself)
 ROLLOUTS = "rollouts"
@@ -164,8 +162,6 @@ POLICY = "policy"
 TRAIN_STATE = "train_state"
 METRICS = "metrics.jsonl"
 RESULTS = "results.jsonl"
-TIMELINE = "timeline.jsonl"
-ATTEMPT = "timeline.attempt.json"   # a resident pair's start, until its top row is in the timeline (launch.py)
 EVAL_SAMPLES = "eval_samples"
 MANIFEST = "manifest.json"      # rollouts/: written last, its presence means the stage is complete
 PLAN = "plan.json"              # rollouts/: the settings the stage was started with (a rerun with others is refused)

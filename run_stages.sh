@@ -179,7 +179,7 @@ phase() {
   fi
   t1=$(date +%s.%N)
   (( NODE_RANK == 0 )) || return 0
-  echo "{\"phase\": \"${name%_*}\", \"name\": \"$name\", \"stage\": $stage, \"start\": $t0, \"end\": $t1, \"seconds\": $(awk "BEGIN {print $t1 - $t0}")}" >> "$RUN/timeline.jsonl"
+  $PY launch.py --command=row --name="$name" --stage="$stage" --start="$t0" --end="$t1"
   touch "$RUN/.done/$name"
 }
 if [[ $(share done/all "$([[ -f "$RUN/.done/all" ]] && echo 1 || echo 0)") == 1 ]]; then
@@ -198,8 +198,8 @@ if [[ "$PREFLIGHT_ONLY" == true ]]; then
 fi
 
 [[ "$RESIDENT" != true ]] || HANDOFF=$($PY launch.py --command=handoff)   # files if the preflight found IPC failing
-# this attempt's start, a zero-length row: the time from the last record before it is not the run's (plot.pauses)
-(( NODE_RANK > 0 )) || { t0=$(date +%s.%N); echo "{\"phase\": \"attempt\", \"name\": \"attempt\", \"stage\": -1, \"start\": $t0, \"end\": $t0, \"seconds\": 0, \"process\": \"run_stages.sh\"}" >> "$RUN/timeline.jsonl"; }
+# this attempt's start, a zero-length row: the time from the last record before it is not the run's (records.pauses)
+(( NODE_RANK > 0 )) || $PY launch.py --command=attempt
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"

@@ -40,6 +40,7 @@ import uuid
 from pathlib import Path
 
 import common
+import records
 import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -162,7 +163,7 @@ def rows(run, files=None):
             f"eval/{b}/avg_at_{r['k']}": r["avg_at_k"], f"eval/{b}/pass_at_{r['k']}": r["pass_at_k"],
             **({f"eval/{b}/avg_at_{r['k']}_stderr": r["avg_at_k_stderr"]} if r.get("avg_at_k_stderr") else {})}))
     totals = {}
-    for r in files.jsonl(run / rollouts.TIMELINE):
+    for r in files.jsonl(run / records.TIMELINE):
         if r["phase"] == "attempt":                        # an attempt's start: no time of its own
             continue
         after = r["phase"] in ("optimize", "eval")         # at the updates the phase ended with, else began with
@@ -348,10 +349,7 @@ def where_line(run, total, s):
         mean = sum(r["avg_at_k"] for r in same) / len(same)
         parts.append(f"last evaluation: avg@{last['k']} {mean:.3f} after {last['updates']} updates"
                      + (f" (mean of {len(same)} benchmarks)" if len(same) > 1 else ""))
-    timeline = common.read_jsonl(run / rollouts.TIMELINE) if (run / rollouts.TIMELINE).exists() else []
-    ended = max((r["end"] for r in timeline if r["phase"] == "resident"), default=float("-inf"))
-    spent = sum(r["seconds"] for r in timeline         # a resident attempt's row, once written, holds its processes'
-                if "process" not in r or r["start"] >= ended)                    # rows: those of the running one
+    spent = records.measured_seconds(records.read(run))
     if done and total > done:
         parts.append(f"ETA {_duration(spent / done * (total - done))} ({_duration(spent)} measured for {done} updates)")
     elif not done:

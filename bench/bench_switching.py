@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import plot  # noqa: E402
+import records  # noqa: E402
 import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -50,17 +50,17 @@ def rows(path):
 def measure(run):
     """Wall, compute and overhead parts (seconds) of a finished run directory."""
     dirs = [d for _, d in rollouts.stage_dirs(run)]
-    timeline = rows(run / rollouts.TIMELINE)
+    timeline = records.read(run)
     manifests = [json.loads(p.read_text()) for d in dirs if (p := d / rollouts.ROLLOUTS / rollouts.MANIFEST).exists()]
     metrics = [m for d in dirs for m in rows(d / rollouts.METRICS)]
     timing = [json.loads(p.read_text()) for d in dirs if (p := d / "optimize_timing.json").exists()]
-    wall = sum(t["seconds"] for t in timeline if "process" not in t)
+    wall = records.time_split(records.load_run(run))["wall"]       # the run's wall-clock, pauses out
     generation = sum(m["generation_seconds"] for m in manifests)
     training = sum(m["seconds"] for m in metrics)
     parts = {}
     if any(t["phase"] == "resident" for t in timeline):
         proc = [t for t in timeline if "process" in t]
-        resident = plot.resident_parts({"timeline": timeline})
+        resident = records.resident_parts({"timeline": timeline})
         parts["start-up (once)"], parts["save"] = resident["start-up"], resident["save"]
         engine_rows = sum(t["seconds"] for t in proc if t["phase"] == "generate")
         trainer_rows = sum(t["seconds"] for t in proc if t["phase"] == "optimize")

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import plot  # noqa: E402
+import records  # noqa: E402
 
 runs_dir = "runs/drift-exp"     # holds seed<k>/<loss>-<point>/ run directories
 budgets = "64,128,192,256"      # update budgets at which accuracy is read (the last evaluation at or before each)
@@ -24,14 +24,14 @@ common.apply_overrides(globals(), sys.argv[1:])
 
 
 def summarize(run_dir):
-    run = plot.load_run(run_dir)
-    points = sorted((updates, acc) for _, updates, _, acc in plot.accuracy_by_stage(run))   # (run updates, avg@k)
+    run = records.load_run(run_dir)
+    points = sorted((updates, acc) for _, updates, _, acc in records.accuracy_by_stage(run))   # (run updates, avg@k)
     if not points or points[0][0] != 0:
         return None
     initial = points[0][1]
     trained = len(run["metrics"])                            # one metrics line per update
     generated = sum(m.get("prompts", 0) for m in run["manifests"].values())
-    _, total, generation, training, _ = plot.phase_summary(run)
+    _, total, generation, training, _ = records.phase_summary(run)
     at = {b: next((a for u, a in reversed(points) if u <= b), None) for b in map(int, budgets.split(","))}
     return {"initial": initial, "final": points[-1][1], "best": max(a for _, a in points[1:]),
             "collapsed": any(a < initial / 2 for u, a in points[1:]), "at": at, "stages": len(run["manifests"]),

@@ -19,7 +19,7 @@ rule that chose the builds, the statistics); a last table shows, per point and r
 clip [0.8, 1.2] (loss.py's grpo_clip/ metrics: the tokens on which a wider clip and GRPO's differ).
 
 Time is the run's wall-clock with its evaluations taken out (points evaluate at different counts: μ = 256 cannot be
-evaluated inside its one stage), split by plot.time_split into generation, training, switching and idle. Re-costing
+evaluated inside its one stage), split by records.time_split into generation, training, switching and idle. Re-costing
 replaces each stage's measured switching by c: T(c) = T − switching + c · stages, so T(measured per-stage switching)
 is T itself.
 """
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import plot  # noqa: E402
+import records  # noqa: E402
 import regimes  # noqa: E402  (bench/: the builds' regimes, the paired comparisons)
 
 runs_dir = "runs/frontier-lab-fork"   # holds build<b>/seed<s>/<label>-mu<μ>/ run directories
@@ -73,18 +74,12 @@ def mean_stderr(errors):
 def summarize(run_dir):
     """One run's numbers: its accuracy curve [(updates, seconds to it with evaluations taken out, accuracy)], the
     time split, the staleness of its trained tokens and the mean over updates of the ratio statistics."""
-    run = plot.load_run(run_dir)
-    split = plot.time_split(run)
-    evals = sorted((t for t in run["timeline"] if t["phase"] == "eval"), key=lambda t: t["start"])
-    tops = [t for t in run["timeline"] if "process" not in t]
-    if not run["results"] or not tops or not run["metrics"]:
+    run = records.load_run(run_dir)
+    split = records.time_split(run)
+    if not run["results"] or not any("process" not in t for t in run["timeline"]) or not run["metrics"]:
         return None
-    start = min(t["start"] for t in tops)
-    at, pauses = {}, plot.pauses(run)    # stage → seconds to its evaluation, earlier evaluations and pauses out
-    for t in evals:
-        at[t["stage"]] = t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"]) \
-            - sum(to - since for since, to in pauses if to <= t["start"])
-    curve = [(updates, at.get(s, 0.0 if s < 0 else None), acc) for s, updates, _, acc in plot.accuracy_by_stage(run)]
+    at = records.evaluation_seconds(run)      # stage → seconds to its evaluation, earlier evaluations and pauses out
+    curve = [(updates, at.get(s, 0.0 if s < 0 else None), acc) for s, updates, _, acc in records.accuracy_by_stage(run)]
     last = [r for r in run["results"] if r["stage"] == max(x["stage"] for x in run["results"])]
     m = run["metrics"]
     stale, tokens = [r["staleness"] for r in m], [r["loss/tokens"] for r in m]

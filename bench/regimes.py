@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import plot  # noqa: E402
+import records  # noqa: E402
 
 regime_of = ""                  # a probe's run directory: write its build's regime (<dir>.json) from its records
 select = ""                     # a directory of regimes (build<b>.json): print the builds the rule keeps, in order
@@ -49,8 +50,8 @@ def regime(probe_dir):
     groups with reward variance over the probe's updates)."""
     if not (Path(probe_dir) / ".done" / "all").exists():
         sys.exit(f"{probe_dir}: the probe has not finished (no .done/all): run frontier.sh again to finish it")
-    run = plot.load_run(probe_dir)
-    curve = plot.accuracy_by_stage(run)               # [(stage, updates, hours, accuracy)]
+    run = records.load_run(probe_dir)
+    curve = records.accuracy_by_stage(run)               # [(stage, updates, hours, accuracy)]
     zero_variance = [m["minibatch/zero_variance_frac"] for m in run["metrics"] if "minibatch/zero_variance_frac" in m]
     if len(curve) < 2 or not zero_variance:
         sys.exit(f"{probe_dir}: the probe's records lack an evaluation before and after training, or its updates")

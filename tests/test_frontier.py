@@ -221,7 +221,8 @@ def stubbed_frontier(tmp_path, **env):
     tree = tmp_path / "tree"
     (tree / "bench").mkdir(parents=True, exist_ok=True)      # (a second run: the same tree, its builds kept)
     (tree / "data").mkdir(exist_ok=True)
-    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "rollouts.py", "bench/frontier.py", "bench/regimes.py"):
+    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "records.py", "rollouts.py", "bench/frontier.py",
+                 "bench/regimes.py"):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "setup.sh").write_text("exit 0\n")
     (tree / "run_stages.sh").write_text(STUB_RUN_STAGES + STUB_PROBE)

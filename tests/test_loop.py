@@ -47,7 +47,7 @@ def test_toy_loop_end_to_end(finished_run):
         assert json.loads((stage / "rollouts" / "manifest.json").read_text())["complete"]
         assert (stage / "policy" / "model.safetensors").exists()
         assert [m["update"] for m in read_lines(stage / "metrics.jsonl")] == list(range(6))
-    attempt, *rows = read_lines(finished_run / "timeline.jsonl")      # the attempt's start (plot.pauses), then
+    attempt, *rows = read_lines(finished_run / "timeline.jsonl")      # the attempt's start (records.pauses), then
     assert (attempt["phase"], attempt["seconds"]) == ("attempt", 0) and attempt["start"] <= rows[0]["start"]  # phases
     phases = [t["name"] for t in rows]
     assert phases == ["eval_init", "generate_0", "optimize_0", "eval_0", "generate_1", "optimize_1", "eval_1"]
@@ -271,12 +271,12 @@ def test_two_localhost_nodes_from_a_cold_start_end_where_one_node_does_and_a_dea
     rows = {r["stage"]: (r["avg_at_k"], r["engines"]) for r in read_lines(run_dir / "results.jsonl")}
     assert rows == {r["stage"]: (r["avg_at_k"], 2) for r in read_lines(box_run / "results.jsonl")}
     # node 0 alone keeps the run-level records (an attempt's start row at each of its starts); node 1's phase logs
-    # are its own; the time from the first attempt's last record to the rerun is not the run's (plot.pauses)
+    # are its own; the time from the first attempt's last record to the rerun is not the run's (records.pauses)
     timeline = read_lines(run_dir / "timeline.jsonl")
     assert [t["name"] for t in timeline] == ["attempt", "eval_init", "generate_0", "attempt", "optimize_0", "eval_0",
                                              "generate_1", "optimize_1", "eval_1"]
-    import plot
-    assert plot.pauses({"timeline": timeline}) == [(timeline[2]["end"], timeline[3]["start"])]
+    import records
+    assert records.pauses({"timeline": timeline}) == [(timeline[2]["end"], timeline[3]["start"])]
     assert (run_dir / "logs" / "node1" / "generate_1.log").exists() and (run_dir / ".done" / "all").exists()
 
 

@@ -456,8 +456,8 @@ def test_stages_of_different_lengths_are_counted_from_the_records(toy, stage, tm
     assert [m["lr"] for m in reset] == pytest.approx([1e-3 / 4, 2e-3 / 4])
     record = common.policy_record(tmp_path / "stage_2" / "policy")
     assert (record["stage_updates"], record["run_updates"], record["optimizer_updates"]) == (2, 7, 2)
-    import plot
-    assert [m["run_update"] for m in plot.load_run(tmp_path)["metrics"]] == list(range(7))
+    import records
+    assert [m["run_update"] for m in records.load_run(tmp_path)["metrics"]] == list(range(7))
     results = tmp_path / "results.jsonl"
     policies = ",".join(str(tmp_path / f"stage_{s}" / "policy") for s in range(3))
     run_script("evaluate.py", f"--policy={toy / 'model'},{policies}", f"--data_dir={toy}", "--benchmarks=test",

@@ -1,0 +1,191 @@
+"""The run's records, read and timed in one place: timeline.jsonl (its one writer, append) and the sums every reader
+takes from a run directory's records (one wall-clock rule: time_split, with pauses; the accuracy curve; the seconds
+to each evaluation; an ETA's measured seconds). plot.py, tracking.py, launch.py, bench/ and notebooks/results.ipynb
+read through it.
+
+timeline.jsonl, one row per timed span: {"phase", "name", "stage", "start", "end", "seconds"} (Unix seconds), written
+by run_stages.sh (launch.py --command=row: each phase; --command=attempt: an attempt's zero-length start row), by
+launch.py (a resident attempt's top row, attempt_row) and by the resident processes (handoff.Partner.timeline: rows
+that carry "process", parts of their attempt's row). The run directory's other names and the stage plan:
+rollouts.py (imported where it is used: it brings numpy, and this module's writer runs once per phase).
+"""
+import json
+from pathlib import Path
+
+import common
+
+TIMELINE = "timeline.jsonl"
+ATTEMPT = "timeline.attempt.json"   # a resident pair's start, until its top row is in the timeline (attempt_row)
+
+
+# ----------------------------------------------------------------------------- writing
+
+def append(run_dir, row, **more):
+    """Append a row (phase, name, stage, start, end, ...) to <run_dir>/timeline.jsonl with its seconds, then `more`."""
+    common.append_jsonl(Path(run_dir) / TIMELINE, {**row, "seconds": row["end"] - row["start"], **more})
+
+
+def attempt_started(run_dir, t):
+    """run_stages.sh's start, a zero-length row: the time from the last record before it is not the run's (pauses)."""
+    append(run_dir, {"phase": "attempt", "name": "attempt", "stage": -1, "start": t, "end": t}, process="run_stages.sh")
+
+
+def resident_started(run_dir, t):
+    """A resident attempt's start marker: its row (attempt_row) is written when it ends, or at the next start."""
+    common.atomic_write_json(Path(run_dir) / ATTEMPT, {"start": t})
+
+
+def attempt_row(run_dir, start, end, ended):
+    """A resident attempt's top row in timeline.jsonl (its processes' rows are parts of it: time_split), then its
+    start marker removed: how it ended (completed, failed, stopped by a Ctrl-C, or killed: a SIGKILL or SIGTERM leaves
+    no time to write the row, close_killed_attempt writes it at the next start) and the last stage trained."""
+    import rollouts
+    last = sum((d / rollouts.STAGE_END).exists() for _, d in rollouts.stage_dirs(run_dir)) - 1
+    append(run_dir, {"phase": "resident", "name": "resident", "stage": last, "start": start, "end": end}, ended=ended)
+    (Path(run_dir) / ATTEMPT).unlink(missing_ok=True)
+
+
+def close_killed_attempt(run_dir):
+    """An attempt killed before it wrote its row (its start marker is still there) gets its row now, ending at the
+    last row its processes wrote: what it did after that was lost, and is not timed, as the wait before this rerun
+    is not (time_split). Without it the run's wall-clock would start at the last attempt while its records
+    (rollouts, updates, evaluations) cover the killed ones too."""
+    marker = Path(run_dir) / ATTEMPT
+    if not marker.exists():
+        return
+    start = json.loads(marker.read_text())["start"]
+    timeline = read(run_dir)
+    # its processes' rows: not run_stages.sh's "attempt" row, which the rerun writes before this runs
+    attempt_row(run_dir, start, max([t["end"] for t in timeline if t["start"] >= start and t["phase"] != "attempt"],
+                                    default=start), "killed")
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read(run_dir):
+    """The run's timeline rows ([] before its first)."""
+    path = Path(run_dir) / TIMELINE
+    return common.read_jsonl(path) if path.exists() else []
+
+
+def _rows(path):
+    return common.read_jsonl(path) if Path(path).exists() else []
+
+
+def load_run(path):
+    """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
+    import rollouts          # (numpy: the writer above stays light for run_stages.sh's row of every phase)
+    path = Path(path)
+    metrics, manifests, stage_ends = [], {}, {}
+    for _, stage_dir in rollouts.stage_dirs(path):
+        s = int(stage_dir.name.split("_")[1])
+        for row in _rows(stage_dir / rollouts.METRICS):
+            metrics.append({**row, "stage": s})
+        if (stage_dir / rollouts.STAGE_END).exists():      # where training on the stage ended, and why
+            stage_ends[s] = json.loads((stage_dir / rollouts.STAGE_END).read_text())
+        if (stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).exists():
+            manifests[s] = json.loads((stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).read_text())
+    for row in _rows(path / rollouts.METRICS):   # an ablation replay: optimize.py --out=<path>/policy
+        metrics.append(row)
+    return {"name": path.name, "results": _rows(path / rollouts.RESULTS), "timeline": _rows(path / TIMELINE),
+            "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
+
+
+def accuracy_by_stage(run):
+    """[(stage, the run's updates (the evaluated policy's record), hours, mean avg@k over benchmarks)] in stage
+    order."""
+    by_stage = {}
+    for r in run["results"]:
+        by_stage.setdefault(r["stage"], []).append(r)
+    return [(s, rows[0]["updates"], max(r["hours"] for r in rows),
+             sum(r["avg_at_k"] for r in rows) / len(rows)) for s, rows in sorted(by_stage.items())]
+
+
+def phase_summary(run):
+    """Seconds per phase kind, total, and the share spent outside generation and training compute. The rows a
+    resident run's two processes write (they carry "process") are parts of its "resident" row: they count in
+    evaluation and in the components, not again in the total."""
+    per_kind, parts = {}, {}
+    for t in run["timeline"]:
+        kinds = parts if "process" in t else per_kind
+        kinds[t["phase"]] = kinds.get(t["phase"], 0.0) + t["seconds"]
+    total = sum(per_kind.values())
+    generation = sum(m.get("generation_seconds", 0.0) for m in run["manifests"].values())
+    training = sum(m.get("seconds") or 0.0 for m in run["metrics"])
+    evaluation = per_kind.get("eval", 0.0) + parts.get("eval", 0.0)
+    overhead = (total - evaluation - generation - training) / max(total - evaluation, 1e-9)
+    return per_kind, total, generation, training, overhead
+
+
+def time_split(run):
+    """A run's wall-clock in seconds, taken apart: generation (the engines' sampling, manifest generation_seconds),
+    training (the updates, metrics seconds), evaluation, switching (the rest of the phases: process and engine
+    starts, loads, saves, hand-offs, grading tails) and idle (between phases: the wall-clock no phase covers).
+    The five add up to the wall-clock; stages: how many stages paid a switch. A resumed run's wall-clock leaves out
+    its pauses (nothing of it ran then)."""
+    _, total, generation, training, _ = phase_summary(run)
+    evaluation = sum(t["seconds"] for t in run["timeline"] if t["phase"] == "eval")
+    top = [t for t in run["timeline"] if "process" not in t]          # a resident run's attempts, or the phases
+    first, last = (min(t["start"] for t in top), max(t["end"] for t in top)) if top else (0.0, 0.0)
+    wall = last - first - sum(max(0.0, min(to, last) - max(since, first)) for since, to in pauses(run))
+    return {"wall": wall, "generation": generation, "training": training, "evaluation": evaluation,
+            "switching": total - evaluation - generation - training, "idle": wall - total,
+            "stages": len(run["manifests"])}
+
+
+def pauses(run):
+    """[(from, to)]: when nothing of a resumed run ran, however long the rerun waited: from the last record before an
+    attempt's start (run_stages.sh's zero-length "attempt" row) to it, and from a resident attempt's end (its row:
+    records.attempt_row; a killed one's ends at its last record) to the next start (runs recorded before the
+    attempt rows). What a killed phase or attempt did after its last record is lost with the wait."""
+    rows = sorted(run["timeline"], key=lambda t: t["start"])
+    top = [t for t in rows if "process" not in t]
+    found = [(t["end"], later["start"]) for t, later in zip(top, top[1:]) if t["phase"] == "resident"]
+    for i, t in enumerate(rows):
+        if t["phase"] == "attempt" and i > 0:
+            found.append((max(r["end"] for r in rows[:i]), t["start"]))
+    merged = []
+    for since, to in sorted(p for p in found if p[1] > p[0]):      # the two kinds overlap on a resident run
+        if merged and since <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], to))
+        else:
+            merged.append((since, to))
+    return merged
+
+
+def resident_parts(run):
+    """A resident run's switching costs from its processes' timeline rows, in seconds: start-up (the slowest of
+    the processes' starts: the trainer's, the engine process's, each engine's own), weight reloads and engine sleeps (each engine writes its own row per stage; the
+    engines work side by side, so a stage costs its slowest engine's), the trainer's saves."""
+    rows = [t for t in run["timeline"] if "process" in t]
+    starts = [t["seconds"] for t in rows if t["phase"] == "start"]
+
+    def slowest_per_stage(key):
+        per_stage = {}
+        for t in rows:
+            if t["phase"] == "engine":
+                per_stage[t["stage"]] = max(per_stage.get(t["stage"], 0.0), t.get(key) or 0.0)
+        return sum(per_stage.values())
+    return {"start-up": max(starts + [t.get("start_seconds") or 0.0 for t in rows if t["phase"] == "engine"], default=0.0),
+            "reload": slowest_per_stage("reload_seconds"),
+            "save": sum(t.get("save_seconds", 0.0) for t in rows if t["process"] == "trainer"),
+            "sleep": slowest_per_stage("sleep_seconds")}
+
+
+def evaluation_seconds(run):
+    """{stage: seconds from the run's start to its evaluation}, earlier evaluations and pauses taken out (the x of an
+    accuracy-against-time curve; {} before any top row)."""
+    evals = sorted((t for t in run["timeline"] if t["phase"] == "eval"), key=lambda t: t["start"])
+    tops = [t for t in run["timeline"] if "process" not in t]
+    if not tops:
+        return {}
+    start, gaps = min(t["start"] for t in tops), pauses(run)
+    return {t["stage"]: t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"])
+            - sum(to - since for since, to in gaps if to <= t["start"]) for t in evals}
+
+
+def measured_seconds(timeline):
+    """The seconds the run's phases measured so far (an ETA's numerator): every top row's, and the rows of a resident
+    attempt still running (once written, an attempt's row holds its processes' rows)."""
+    ended = max((r["end"] for r in timeline if r["phase"] == "resident"), default=float("-inf"))
+    return sum(r["seconds"] for r in timeline if "process" not in r or r["start"] >= ended)
