@@ -43,20 +43,15 @@ out_dir = str(ROOT / "bench" / "out" / "switching")
 common.apply_overrides(globals(), sys.argv[1:])
 
 
-def rows(path):
-    return common.read_jsonl(path) if Path(path).exists() else []
-
-
 def measure(run):
     """Wall, compute and overhead parts (seconds) of a finished run directory."""
-    dirs = [d for _, d in rollouts.stage_dirs(run)]
-    timeline = records.read(run)
-    manifests = [json.loads(p.read_text()) for d in dirs if (p := d / rollouts.ROLLOUTS / rollouts.MANIFEST).exists()]
-    metrics = [m for d in dirs for m in rows(d / rollouts.METRICS)]
-    timing = [json.loads(p.read_text()) for d in dirs if (p := d / "optimize_timing.json").exists()]
-    wall = records.time_split(records.load_run(run))["wall"]       # the run's wall-clock, pauses out
-    generation = sum(m["generation_seconds"] for m in manifests)
-    training = sum(m["seconds"] for m in metrics)
+    records_of = records.load_run(run)      # the timeline, the manifests and metrics, read once
+    timeline = records_of["timeline"]
+    timing = [json.loads(p.read_text()) for _, d in rollouts.stage_dirs(run)
+              if (p := d / "optimize_timing.json").exists()]
+    wall = records.time_split(records_of)["wall"]       # the run's wall-clock, pauses out
+    generation = sum(m["generation_seconds"] for m in records_of["manifests"].values())
+    training = sum(m["seconds"] for m in records_of["metrics"])
     parts = {}
     if any(t["phase"] == "resident" for t in timeline):
         proc = [t for t in timeline if "process" in t]
