@@ -109,13 +109,24 @@ def read_lines(path):
 
 
 def pytest_itemcollected(item):
-    """Under pytest-xdist (test.sh runs `-n 2 --dist loadgroup`), the tests that share a fixture of their module
-    that outlives one test (a finished toy run, a preflight pass, a generated stage: session-scoped, so that a
-    worker's switch to another module does not tear it down) run in one worker, so it is built once; the
-    other tests spread over the workers one by one (xdist appends the group to the test's node id, which
-    pytest 9.2 no longer lets it do: requirements-cpu.txt keeps pytest below 9.2)."""
+    """Under pytest-xdist (test.sh runs `-n 2 --dist loadgroup`), a test runs in the worker of the first fixture it
+    names that is defined in its own module and outlives one test (a finished toy run, a preflight pass, a generated
+    stage: session- or module-scoped), so that the fixture's readers follow its build rather than wait for it in the
+    other worker. Each group is one unit of work and every other test its own, taken by whichever worker is free next
+    (xdist appends the group to the test's node id, which pytest 9.2 no longer lets it do: requirements-cpu.txt keeps
+    pytest below 9.2). A test may still use other such fixtures: those the slow runs build go through built_once,
+    built once for every worker. A fixture named only to compare at the end is asked for there
+    (request.getfixturevalue), so its test runs beside the build, not after it."""
     info = getattr(item, "_fixtureinfo", None)
     module = item.module.__name__ if getattr(item, "module", None) else ""
-    if info and any(d[-1].scope != "function" and d[-1].baseid.endswith(f"{module}.py")
-                    for d in info.name2fixturedefs.values()):
-        item.add_marker(pytest.mark.xdist_group(module))
+    for name in item.fixturenames if info else ():
+        defs = info.name2fixturedefs.get(name)
+        if defs and defs[-1].scope != "function" and defs[-1].baseid.endswith(f"{module}.py"):
+            item.add_marker(pytest.mark.xdist_group(f"{module}.{name}"))
+            return
+
+
+def pytest_collection_modifyitems(items):
+    """The slow tests first, so that the workers end on the short ones, not one on a long test while the other
+    idles (xdist takes its units in collection order, the groups with the most tests first)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

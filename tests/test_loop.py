@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, SHARED_DATA, TOY_SIZE, clone_repository, kill_when, needs_vllm, read_lines, run_script
+from conftest import (ROOT, SHARED_DATA, TOY_SIZE, built_once, clone_repository, kill_when, needs_vllm, read_lines,
+                      run_script)
 
 
 def loop_env(toy, run_dir):
@@ -29,10 +30,10 @@ def run_loop(env):
 
 @pytest.fixture(scope="session")
 def finished_run(toy, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("loop") / "run"
-    proc = run_loop(loop_env(toy, run_dir))
-    (run_dir / "terminal.txt").write_text(proc.stdout + proc.stderr)     # what the terminal showed
-    return run_dir
+    def build(out):
+        proc = run_loop(loop_env(toy, out / "run"))
+        (out / "run" / "terminal.txt").write_text(proc.stdout + proc.stderr)     # what the terminal showed
+    return built_once(tmp_path_factory, "loop", build) / "run"
 
 
 @pytest.mark.slow
@@ -109,7 +110,10 @@ def box_run(toy, tmp_path_factory):
     """The process-per-phase loop at the box's shape, SIGKILLed (run_stages.sh and its process group) in generation,
     in optimization and in evaluation, then run to its end; reporting to TensorBoard and W&B (offline) throughout
     (tests/test_tracking.py reads them back)."""
-    run_dir = tmp_path_factory.mktemp("box") / "run"
+    return built_once(tmp_path_factory, "box", lambda out: killed_in_each_phase(toy, out / "run")) / "run"
+
+
+def killed_in_each_phase(toy, run_dir):
     env = {**loop_env(toy, run_dir), **BOX, "REPORT_TO": "tensorboard,wandb", "WANDB_MODE": "offline",
            "WANDB_SILENT": "true", "TRACKER_GROUP": "box"}
     in_generation = lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()  # noqa: E731
@@ -121,7 +125,6 @@ def box_run(toy, tmp_path_factory):
         assert not (run_dir / ".done" / unfinished).exists()
         assert_none_left(run_dir)
     run_loop(env)
-    return run_dir
 
 
 def assert_same_as_one_engine_one_rank(box, one, initial):
@@ -148,7 +151,7 @@ def assert_same_as_one_engine_one_rank(box, one, initial):
 
 @pytest.mark.slow
 @needs_vllm
-def test_box_shape_killed_in_each_phase_ends_where_one_engine_and_one_rank_do(toy, finished_run, box_run):
+def test_box_shape_killed_in_each_phase_ends_where_one_engine_and_one_rank_do(toy, box_run, finished_run):
     assert_same_as_one_engine_one_rank(box_run, finished_run, toy / "model")
     assert {r["engines"] for r in read_lines(box_run / "results.jsonl")} == {2}
 
@@ -223,7 +226,7 @@ def cold_clone(tmp_path):
 @pytest.mark.slow
 @needs_vllm
 def test_two_localhost_nodes_from_a_cold_start_end_where_one_node_does_and_a_dead_node_stops_the_other(
-        toy, box_run, tmp_path):
+        toy, tmp_path, request):
     # two run_stages.sh "nodes" (NNODES=2), one engine and one trainer rank each, started as the README's Slurm line
     # starts them: from a clone with no data built (node 0 builds the toy task and policy), node 1 first, with the
     # preset's MODEL and data paths. Before: node 1 took data/toy/model for a hub name and ended, its watch stayed,
@@ -258,6 +261,7 @@ def test_two_localhost_nodes_from_a_cold_start_end_where_one_node_does_and_a_dea
     outs = [node0.communicate(timeout=900), node1.communicate(timeout=900)]
     assert [node0.returncode, node1.returncode] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
     assert "2 nodes joined" in outs[0][0] and "[generate_0] done already" in outs[1][0]
+    box_run = request.getfixturevalue("box_run")    # asked for here: this test runs beside its build (conftest)
     text = lambda run, s: "".join(p.read_text() for p in sorted((run / f"stage_{s}" / "rollouts").glob(  # noqa: E731
         "shard_*.jsonl"))).replace(str(run), "RUN").replace(str(toy / "model"), "MODEL").replace(
         '"data/toy/model"', '"MODEL"')
@@ -585,17 +589,15 @@ def test_setup_refuses_a_driver_older_than_the_wheels_cuda(tmp_path):
 def resident_run(toy, tmp_path_factory):
     """The resident loop at the box's shape: the engine process coordinates two engine processes, the trainer runs
     on two ranks."""
-    run_dir = tmp_path_factory.mktemp("resident") / "run"
-    run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
-    return run_dir
+    return built_once(tmp_path_factory, "resident", lambda out: run_loop(
+        {**loop_env(toy, out / "run"), **BOX, "RESIDENT": "true"})) / "run"
 
 
 @pytest.fixture(scope="session")
 def resident_files_run(toy, tmp_path_factory):
     """resident_run with each policy handed over as files (HANDOFF=files) instead of vLLM's weight-transfer API."""
-    run_dir = tmp_path_factory.mktemp("resident_files") / "run"
-    run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "HANDOFF": "files"})
-    return run_dir
+    return built_once(tmp_path_factory, "resident_files", lambda out: run_loop(
+        {**loop_env(toy, out / "run"), **BOX, "RESIDENT": "true", "HANDOFF": "files"})) / "run"
 
 
 def _rows_without_run_dir(path, run_dir):
@@ -628,7 +630,7 @@ def assert_same_stages(one, two, stages=(0, 1)):
 
 @pytest.mark.slow
 @needs_vllm
-def test_resident_run_equals_the_process_per_phase_run(toy, finished_run, box_run, resident_run):
+def test_resident_run_equals_the_process_per_phase_run(toy, resident_run, box_run, finished_run):
     # the same seeds, stages, settings and shape through two long-lived processes: the same rollouts (every engine
     # reloads each policy in place), the same weights (the trainer keeps them and AdamW in memory), the same
     # metrics and evaluations as the process-per-phase loop, bit for bit
@@ -661,7 +663,7 @@ def test_resident_run_equals_the_process_per_phase_run(toy, finished_run, box_ru
 
 @pytest.mark.slow
 @needs_vllm
-def test_the_transfer_hand_off_gives_the_run_of_the_file_hand_off(resident_run, resident_files_run):
+def test_the_transfer_hand_off_gives_the_run_of_the_file_hand_off(resident_files_run, resident_run):
     # at the box's shape: the same rollouts, weights, metrics and evaluations whether each policy reaches the two
     # engines through vLLM's weight-transfer API (our shared-memory transport: two ranks' buffers) or as files
     assert_same_stages(resident_run, resident_files_run)

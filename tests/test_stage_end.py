@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import rollouts
-from conftest import kill_when, needs_vllm, read_lines, run_script
+from conftest import built_once, kill_when, needs_vllm, read_lines, run_script
 
 
 def import_script(monkeypatch, name, *argv):
@@ -113,13 +113,11 @@ def drift_env(toy, run, **more):
             "EVAL_EVERY": "2", "DRIFT_ARGS": " ".join([*ALWAYS_WARN[1:], "--drift_min_updates=2"]), **more}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def drift_run(toy, tmp_path_factory):
     """The process-per-phase run of drift_env, one engine and one process."""
     from test_loop import run_loop
-    whole = tmp_path_factory.mktemp("drift") / "whole"
-    run_loop(drift_env(toy, whole))
-    return whole
+    return built_once(tmp_path_factory, "drift", lambda out: run_loop(drift_env(toy, out / "whole"))) / "whole"
 
 
 @pytest.mark.slow
@@ -154,7 +152,7 @@ def test_a_run_of_stages_that_end_on_drift_is_planned_from_its_records_and_resum
 
 @pytest.mark.slow
 @needs_vllm
-def test_resident_stages_that_end_on_drift_are_the_process_per_phase_ones_and_resume_exactly(toy, drift_run, tmp_path):
+def test_resident_stages_that_end_on_drift_are_the_process_per_phase_ones_and_resume_exactly(toy, tmp_path, request):
     # the trainer plans each stage from where the last ended and tells the engines its size with the policy: two engine
     # processes (each reads the size from the flag) and one trainer rank give the process-per-phase run's stage
     # boundaries, rows (in two shards instead of one), metrics, weights and evaluations, bit for bit; killed while stage
@@ -164,6 +162,7 @@ def test_resident_stages_that_end_on_drift_are_the_process_per_phase_ones_and_re
     env = lambda run: drift_env(toy, run, RESIDENT="true", ENGINES="2", SAVE_EVERY="1")  # noqa: E731
     resident = tmp_path / "resident"
     run_loop(env(resident))
+    drift_run = request.getfixturevalue("drift_run")    # asked for here: this test runs beside its build (conftest)
     ends = lambda run: [json.loads((run / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(3)]  # noqa: E731
     assert ends(resident) == ends(drift_run) and not (resident / "stage_3").exists()
     for s in range(3):
