@@ -38,7 +38,7 @@ ONPOLICY_SEEDS=${ONPOLICY_SEEDS:-0 1 2}   # their seeds (resident mode: one engi
 EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
 MAX_RESPONSE=${MAX_RESPONSE:-$([[ $LAB == lab-fork ]] && echo 160 || echo 128)}   # tokens (lab: 32–77; lab-fork: up to 82 as built by default, longer with fork=end)
 # ---- the box
-JOBS=${JOBS:-2}                 # replays run side by side, each on CPUS / JOBS threads
+JOBS=${JOBS:-2}                 # replays run side by side, each on its JOBS-th of the cores (pinned, as many threads)
 # ------------------------------------------------------------------------------
 
 bash setup.sh >&2
@@ -65,7 +65,6 @@ export TRACKER_GROUP=${TRACKER_GROUP:-$(basename "$OUT")}
 mkdir -p "$OUT/.done" "$OUT/logs"
 exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
-THREADS=$(( $(nproc) / JOBS > 0 ? $(nproc) / JOBS : 1 ))
 T0=$(date +%s)
 echo "ablation $OUT on $LAB (build $BUILD): variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES_PER_STAGE updates of $PROMPTS_PER_UPDATE prompts" \
      "× G=$GROUP_SIZE at lr $LR, NAV δ = $NAV_DELTA, a policy every $SAVE_EVERY updates; on-policy references" \
@@ -90,26 +89,22 @@ step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --
     --prompts_per_stage=$((UPDATES_PER_STAGE * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
     --shard_prompts=1024 --gpus=0 "${SAMPLING[@]}"
 
-# 2. the replays, JOBS at a time
+# 2. the replays, JOBS at a time, each on its JOBS-th of the cores; a failed one stops the others (pool.py)
 replay() {
   local variant=$1 seed=$2 LOSS_ARGS KL_COEF=0
   loss_args "$variant"
-  OMP_NUM_THREADS=$THREADS $PY optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
+  $PY optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
       --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES_PER_STAGE" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
       --save_train_state=false --micro_batch_tokens=4096 $LOSS_ARGS --kl_coef="$KL_COEF"
   [[ "$REPORT_TO" == none ]] || $PY tracking.py --command=follow --run_dir="$OUT/$variant/seed$seed" \
       --report_to="$REPORT_TO" --group="$TRACKER_GROUP" --settings="LOSS=$variant"$'\n'"SEED=$seed"
 }
-failed=0
+export -f replay loss_args
+export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA LOSS_PRESETS
 for variant in $VARIANTS; do
-  for seed in $SEEDS; do
-    while (( $(jobs -rp | wc -l) >= JOBS )); do wait -n || failed=1; done
-    step "replay_${variant}_seed$seed" replay "$variant" "$seed" &
-  done
-done
-while (( $(jobs -rp | wc -l) > 0 )); do wait -n || failed=1; done
-(( failed == 0 )) || { echo "a replay failed (see above)" >&2; exit 1; }
+  for seed in $SEEDS; do echo "replay_${variant}_seed$seed replay $variant $seed"; done
+done | $PY pool.py --jobs="$JOBS" --logs="$OUT/logs" --done="$OUT/.done" 9>&-
 
 # 3. the on-policy reference: fresh rollouts every ONPOLICY_UPDATES updates, the same total updates
 if (( ONPOLICY_UPDATES > 0 )); then

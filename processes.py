@@ -199,10 +199,13 @@ def start_workers(script, argv, environments):
 
 def terminate_with_parent(parent):
     """In a child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG, kept across exec; a
-    parent that died before this call is caught by the getppid check)."""
+    parent that died before this call is caught by the getppid check). The child still runs the parent's Python
+    signal handlers until exec: a parent's SIGTERM handler (exit_on_sigterm) would turn that SIGTERM into an
+    exception here instead of the child's end, so the child ends by the default action."""
     import ctypes
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
 

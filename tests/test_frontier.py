@@ -221,8 +221,8 @@ def stubbed_frontier(tmp_path, **env):
     tree = tmp_path / "tree"
     (tree / "bench").mkdir(parents=True, exist_ok=True)      # (a second run: the same tree, its builds kept)
     (tree / "data").mkdir(exist_ok=True)
-    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "records.py", "rollouts.py", "bench/frontier.py",
-                 "bench/regimes.py"):
+    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "records.py", "rollouts.py", "processes.py",
+                 "pool.py", "bench/frontier.py", "bench/regimes.py", "bench/sweep.py"):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "setup.sh").write_text("exit 0\n")
     (tree / "run_stages.sh").write_text(STUB_RUN_STAGES + STUB_PROBE)
@@ -458,3 +458,38 @@ def test_runs_evaluated_at_other_update_counts_are_averaged_at_each_runs_last_ev
                                            ((0, 0.0, 0.1), (37, 25.0, 0.15), (64, 65.0, 0.3), (72, 90.0, 0.35), (256, 290.0, 0.55))]
     # runs evaluated at the same counts: the mean at each; a run that stopped early bounds the curve
     assert frontier.point_curve([a[:3], a]) == [pytest.approx(e) for e in a[:3]]
+
+
+def test_the_points_are_each_loss_at_each_mu_and_a_preset_with_nav_once_per_delta(monkeypatch):
+    # a preset has NAV when its flags follow NAV_DELTA (losses.sh), whatever its name; drift runs every stage's
+    # evaluation from DRIFT_FIRST; a fixed μ is evaluated every EVAL_UPDATES updates, after every stage when larger
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import sweep
+    for name, value in dict(losses="grpo mu-grpo relaxed-no-nav nav-T", nav_deltas="1e-4 0.1", mus="4 64 drift",
+                            points="", baseline="grpo:4", key_points="", total_updates="128", eval_updates="32",
+                            drift_first="16", resident_max_mu="16").items():
+        monkeypatch.setattr(sweep, name, value)
+    labels = ["grpo", "mu-grpo-d1e-4", "mu-grpo-d0.1", "relaxed-no-nav", "nav-T-d1e-4", "nav-T-d0.1"]
+    assert sweep.all_points() == [f"{label}:{mu}" for label in labels for mu in ("4", "64", "drift")]
+    assert sweep.point_env("nav-T-d0.1:4") == {"LOSS": "nav-T", "NAV_DELTA": "0.1", "RESIDENT": "true",
+                                               "STAGE_END": "fixed", "STAGES": "32", "UPDATES_PER_STAGE": "4",
+                                               "EVAL_EVERY": "8"}
+    assert sweep.point_env("grpo:64")["EVAL_EVERY"] == "1" and sweep.point_env("grpo:64")["RESIDENT"] == "false"
+    assert sweep.point_env("mu-grpo-d1e-4:drift") == {
+        "LOSS": "mu-grpo", "NAV_DELTA": "1e-4", "RESIDENT": "true", "STAGE_END": "drift", "UPDATES_PER_STAGE": "16",
+        "TOTAL_UPDATES": "128", "DRIFT_MAX_UPDATES": "128", "EVAL_EVERY": "1"}
+    monkeypatch.setattr(sweep, "key_points", "grpo:8")
+    with pytest.raises(SystemExit) as refused:
+        sweep.all_points()
+    assert refused.value.code == 2
+
+
+def test_the_runs_are_the_key_points_everywhere_then_the_sweep_on_its_builds(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import sweep
+    monkeypatch.setattr(sweep, "seeds", "0 1")
+    monkeypatch.setattr(sweep, "sweep_seeds", "0")
+    monkeypatch.setattr(sweep, "key_points", "a:4 b:64")
+    order = sweep.runs_in_order(["a:4", "a:64", "b:64"], kept=[3, 5], sweep=[5, 7])
+    assert order == [(3, "0", "a:4"), (5, "0", "a:4"), (3, "0", "b:64"), (5, "0", "b:64"), (5, "0", "a:64"),
+                     (3, "1", "a:4"), (5, "1", "a:4"), (3, "1", "b:64"), (5, "1", "b:64")]

@@ -630,7 +630,7 @@ def assert_same_stages(one, two, stages=(0, 1)):
 
 @pytest.mark.slow
 @needs_vllm
-def test_resident_run_equals_the_process_per_phase_run(toy, resident_run, box_run, finished_run):
+def test_resident_run_equals_the_process_per_phase_run(toy, box_run, resident_run, finished_run):
     # the same seeds, stages, settings and shape through two long-lived processes: the same rollouts (every engine
     # reloads each policy in place), the same weights (the trainer keeps them and AdamW in memory), the same
     # metrics and evaluations as the process-per-phase loop, bit for bit
