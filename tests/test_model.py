@@ -3,6 +3,7 @@ embeddings stay one parameter, what the resident trainer keeps while the engine 
 process group that cannot start."""
 import json
 
+import pytest
 import torch
 
 import common
@@ -118,6 +119,7 @@ def test_adamw_state_made_before_the_first_activation_gives_the_same_updates_bit
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
 
 
+@pytest.mark.slow
 def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path):
     # bench/gpu_check.py, the trainer's path on a lent GPU, at its CPU size: optimize.py on a synthetic stage, bf16
     # against float32 (CPU autocast), the hash on the device against the CPU's, the packed buffer hashed in a second
