@@ -85,7 +85,7 @@ JOBS=${JOBS:-$([[ $PRESET == lab* ]] && awk -v c="$(nproc)" '/MemAvailable/ { m 
                                 # about one busy; a run takes 1.15-1.19x its time alone on 2 cores, measured) and at
                                 # most one per 3 GiB available (a run peaks at about 2.5 GiB); every run has the
                                 # same share, so their times compare. Elsewhere 1: a run has the whole machine. On
-                                # a GPU box each run also gets GPUS / JOBS of the GPUs (gpu_slices in bench/frontier.py)
+                                # a GPU box each run also gets GPUS / JOBS of the GPUs (gpu_slices in pool.py)
 # ------------------------------------------------------------------------------
 
 export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}

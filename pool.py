@@ -45,6 +45,20 @@ def slots(n_jobs, environments=None):
     return out
 
 
+def gpu_slices(n_gpus, n_jobs, visible):
+    """The CUDA_VISIBLE_DEVICES of each of n_jobs runs at once: an even share of the box's n_gpus GPUs (the first n_gpus
+    of `visible`, the box's CUDA_VISIBLE_DEVICES, else 0..n_gpus−1), so no two runs' engines share a GPU and every run
+    has as many GPUs, and their times compare; a split that cannot be even is refused in one line."""
+    if n_jobs > n_gpus or n_gpus % n_jobs:
+        sys.exit(f"JOBS={n_jobs} cannot split this box's {n_gpus} GPU(s) evenly between runs at once (every run the "
+                 f"same share, so their times compare): use a JOBS that divides {n_gpus}, or JOBS=1")
+    ids = visible.split(",")[:n_gpus] if visible else [str(i) for i in range(n_gpus)]
+    if len(ids) < n_gpus:
+        sys.exit(f"CUDA_VISIBLE_DEVICES={visible} names fewer than the {n_gpus} GPUs to split (GPUS={n_gpus})")
+    per = n_gpus // n_jobs
+    return [",".join(ids[k * per:(k + 1) * per]) for k in range(n_jobs)]
+
+
 def run(tasks, slot_list, started=None, finished=None):
     """tasks: [(name, argv, environment, log path)], run in order in slot_list's slots (slots()); started(index, name,
     cores, environment) is called as each starts (its line on the terminal), finished(index) as each succeeds.

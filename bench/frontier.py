@@ -4,7 +4,6 @@ staleness and the importance weights' health, and the speed-ups against the base
 matched accuracy, and re-costed for a per-stage switching cost c.
 
     python bench/frontier.py --runs_dir=runs/frontier-lab-fork
-    python bench/frontier.py --jobs=2 --gpus=4      # each of 2 runs at once its GPUs (frontier.sh's JOBS on a GPU box)
 
 Imported (notebooks/results.ipynb), its functions draw a frontier from its records: collect, speedups, accuracy_figure
 and recost_figure, with the frontier's directory, baseline and costs as arguments (the command line is read only when
@@ -25,7 +24,6 @@ is T itself.
 """
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -46,8 +44,6 @@ estimate_from = ""              # a preflight.json: print each point's estimated
 estimate_points = ""            # its points, label:μ space-separated (frontier.sh passes them)
 total_updates = 0               # its updates per point, and the preflight's stage's (the μ it was run at)
 preflight_updates = 0
-jobs = 0                        # with gpus: print each of `jobs` runs at once its CUDA_VISIBLE_DEVICES, one line each
-gpus = 0                        # (gpu_slices; frontier.sh's JOBS on a box of this many GPUs)
 common.apply_overrides(globals(), sys.argv[1:] if __name__ == "__main__" else [])  # imported: not our argv (a kernel's)
 costs_s = [float(c) for c in costs.split(",")]
 
@@ -366,23 +362,7 @@ def print_estimate():
                                                          for c in costs_s) + " |")
 
 
-def gpu_slices(n_gpus, n_jobs, visible):
-    """The CUDA_VISIBLE_DEVICES of each of n_jobs runs at once: an even share of the box's n_gpus GPUs (the first n_gpus
-    of `visible`, the box's CUDA_VISIBLE_DEVICES, else 0..n_gpus−1), so no two runs' engines share a GPU and every run
-    has as many GPUs, and their times compare; a split that cannot be even is refused in one line."""
-    if n_jobs > n_gpus or n_gpus % n_jobs:
-        sys.exit(f"JOBS={n_jobs} cannot split this box's {n_gpus} GPU(s) evenly between runs at once (every run the "
-                 f"same share, so their times compare): use a JOBS that divides {n_gpus}, or JOBS=1")
-    ids = visible.split(",")[:n_gpus] if visible else [str(i) for i in range(n_gpus)]
-    if len(ids) < n_gpus:
-        sys.exit(f"CUDA_VISIBLE_DEVICES={visible} names fewer than the {n_gpus} GPUs to split (GPUS={n_gpus})")
-    per = n_gpus // n_jobs
-    return [",".join(ids[k * per:(k + 1) * per]) for k in range(n_jobs)]
-
-
 def main():
-    if jobs:
-        return print("\n".join(gpu_slices(gpus, jobs, os.environ.get("CUDA_VISIBLE_DEVICES"))))
     if estimate_from:
         return print_estimate()
     points, unfinished = collect(runs_dir)

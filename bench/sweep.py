@@ -253,11 +253,9 @@ def main():
     n_gpus = check()
     n_jobs = int(jobs)
     slices = []
-    if n_jobs > 1 and n_gpus > 0:      # each run at once on its own GPUS / JOBS of the GPUs (bench/frontier.py)
-        sys.path.insert(0, str(ROOT / "bench"))
-        import frontier
+    if n_jobs > 1 and n_gpus > 0:      # each run at once on its own GPUS / JOBS of the GPUs
         try:
-            slices = frontier.gpu_slices(n_gpus, n_jobs, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            slices = pool.gpu_slices(n_gpus, n_jobs, os.environ.get("CUDA_VISIBLE_DEVICES"))
         except SystemExit as e:
             refuse(str(e))
     gpu_envs = [{"CUDA_VISIBLE_DEVICES": s, "GPUS": str(n_gpus // n_jobs)} for s in slices]

@@ -253,17 +253,14 @@ def test_the_paper_frontier_runs_one_preflight_per_box_shape_and_splits_the_gpus
     assert len(proc.stderr.strip().splitlines()) == 1 and "JOBS=3" in proc.stderr
 
 
-def test_the_gpus_are_split_evenly_between_jobs_or_refused(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["frontier.py"])
-    sys.path.insert(0, str(ROOT / "bench"))
-    sys.modules.pop("frontier", None)
-    import frontier
-    assert frontier.gpu_slices(4, 2, None) == ["0,1", "2,3"]
-    assert frontier.gpu_slices(4, 4, "GPU-a,GPU-b,GPU-c,GPU-d") == ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
-    assert frontier.gpu_slices(2, 1, "3,5") == ["3,5"]
+def test_the_gpus_are_split_evenly_between_jobs_or_refused():
+    import pool
+    assert pool.gpu_slices(4, 2, None) == ["0,1", "2,3"]
+    assert pool.gpu_slices(4, 4, "GPU-a,GPU-b,GPU-c,GPU-d") == ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+    assert pool.gpu_slices(2, 1, "3,5") == ["3,5"]
     for gpus, jobs in ((4, 3), (2, 4)):
         with pytest.raises(SystemExit, match=f"JOBS={jobs}"):
-            frontier.gpu_slices(gpus, jobs, None)
+            pool.gpu_slices(gpus, jobs, None)
 
 
 # ------------------------------------------------------------------ regimes, the rule over builds, paired intervals
