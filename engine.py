@@ -107,6 +107,8 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         transfer_only = dict(weight_transfer_config={"backend": transfer.backend("cpu" if on_cpu else "cuda")})
     from vllm import LLM  # imported late: the rest of the project works without vLLM
+    if on_cpu:
+        eager_rank_count()
     # On CPU no prompt is prefilled in pieces: when one is, vLLM rewinds the seeded request's generator
     # (vllm/v1/worker/gpu_model_runner.py `_bookkeeping_sync`, gen.set_offset), which a CPU generator
     # cannot do ("CPU Generator does not use offset"); a few hundred seeded prompts at once trigger it.
@@ -118,6 +120,17 @@ def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utili
                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                dtype=common.engine_dtype(), enforce_eager=on_cpu, worker_extension_cls="engine.WeightHashes",
                **cpu_only, **gpu_only, **transfer_only)
+
+
+def eager_rank_count():
+    """On a CPU, vLLM's count of each sampled token's rank runs eagerly, in this process's engine. vLLM compiles it
+    with inductor (vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`, called at vllm/v1/sample/sampler.py
+    lines 221 and 351): about 3.5 s of a CPU engine's first request, of about 25 s for a toy phase, for an integer
+    count that is the same either way. torch.compile keeps the function it wraps as `_torchdynamo_orig_callable`
+    (torch/_dynamo/eval_frame.py line 1237). The rollouts of a toy stage are byte-identical either way."""
+    from vllm.v1.sample import sampler
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
 def load_policy(llm, path, kv_cache=True):

@@ -118,7 +118,7 @@ def test_the_trainer_refuses_rollouts_longer_than_its_policy_holds(tmp_path, mon
 
 
 @needs_vllm
-def test_every_phases_engine_shows_vllm_one_model_path_per_run(tmp_path, monkeypatch):
+def test_every_phases_engine_shows_vllm_one_model_path_per_run_and_counts_ranks_eagerly_on_a_cpu(tmp_path, monkeypatch):
     # vLLM keys its torch.compile cache on a hash of its config, the model path included: each stage's new policy
     # directory compiled afresh. The engines of a run see one path, a link named after the run, to the phase's policy
     # (outside the run directory, which stays a plain tree)
@@ -138,8 +138,16 @@ def test_every_phases_engine_shows_vllm_one_model_path_per_run(tmp_path, monkeyp
     monkeypatch.setattr(processes, "exit_on_sigterm", lambda: None)
     seen = {}
     monkeypatch.setattr(vllm, "LLM", lambda **kwargs: seen.update(kwargs))
+    from vllm.v1.sample import sampler
+    compiled = sampler.batched_count_greater_than
+    monkeypatch.setattr(sampler, "batched_count_greater_than", compiled)    # restored after the test
     engine.make_llm(one, seed=0, max_model_len=64, run_dir=run)
     assert seen["model"] == first
+    # on a CPU the sampled tokens' ranks are counted eagerly (engine.eager_rank_count), not compiled by inductor
+    import torch
+    count = sampler.batched_count_greater_than
+    assert hasattr(compiled, "_torchdynamo_orig_callable") and not hasattr(count, "_torchdynamo_orig_callable")
+    assert count(torch.tensor([[0.1, 0.5, 0.3], [0.2, 0.1, 0.0]]), torch.tensor([[0.3], [0.2]])).tolist() == [2, 1]
 
 
 @needs_vllm
