@@ -118,7 +118,8 @@ def test_the_trainer_refuses_rollouts_longer_than_its_policy_holds(tmp_path, mon
 
 
 @needs_vllm
-def test_every_phases_engine_shows_vllm_one_model_path_per_run_and_counts_ranks_eagerly_on_a_cpu(tmp_path, monkeypatch):
+def test_every_phases_engine_shows_vllm_one_model_path_per_run_and_counts_ranks_eagerly_on_a_cpu(
+        tmp_path, monkeypatch):
     # vLLM keys its torch.compile cache on a hash of its config, the model path included: each stage's new policy
     # directory compiled afresh. The engines of a run see one path, a link named after the run, to the phase's policy
     # (outside the run directory, which stays a plain tree)
