@@ -14,7 +14,8 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
     python launch.py --command=preflight  preflight.py at the run's settings
     python launch.py --command=handoff    resident: the hand-off the run uses (HANDOFF, or files after the preflight's
                                           fallback)
-    python launch.py --command=plan --stage=S   μ of stage S (rollouts.StagePlan), 0 once the run is over
+    python launch.py --command=plan --stage=S   μ of stage S and its prompts (rollouts.StagePlan), 0 0 once the run
+                                          is over
     python launch.py --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
                                           supervised: a failed one stops the other; timed into timeline.jsonl
     python launch.py --command=view       a phase's output (stdin) on the terminal without the libraries' chatter
@@ -185,7 +186,7 @@ def stage_plan(k):
 def derived(k):
     """The numbers and paths the loop uses, computed from the resolved knobs."""
     node0 = k["NODE_RANK"] == "0"
-    return {"PROMPTS_PER_STAGE": str(int(k["UPDATES_PER_STAGE"]) * int(k["PROMPTS_PER_UPDATE"])),
+    return {"PROMPTS_PER_STAGE": str(stage_plan(k).prompts_at(k["RUN"], 0, int(k["PROMPTS_PER_UPDATE"]))),
             "RUN_UPDATES": str(stage_plan(k).run_updates),
             "LOGS": k["RUN"] + ("/logs" if node0 else f"/logs/node{k['NODE_RANK']}"),
             "LOCK": k["RUN"] + ("/.lock" if node0 else f"/.lock.node{k['NODE_RANK']}"),
@@ -234,14 +235,20 @@ def lock_command():
 
 
 def preset_command():
-    visible = common.gpu_count()
+    """The preset (auto: paper with GPUs, else toy) and, for the presets that use it, the GPUs torch sees (VISIBLE_GPUS:
+    the paper preset's default GPUS). The CPU presets skip torch's count: importing torch for it is about 2.5 s of
+    every run_stages.sh start."""
     preset = os.environ.get("PRESET", "auto")
+    if preset not in ("auto", "paper"):
+        if preset not in ("toy", "lab", "lab-fork"):
+            refuse(f"PRESET must be auto, paper, toy, lab or lab-fork, got '{preset}'")
+        print(assignments({"PRESET": preset}))
+        return
+    visible = common.gpu_count()
     if preset == "auto":
         preset = "paper" if visible > 0 else "toy"
         print(f"PRESET=auto: using the '{preset}' preset ("
               f"{f'{visible} GPU(s) found' if preset == 'paper' else 'no GPU found'})", file=sys.stderr)
-    if preset not in ("paper", "toy", "lab", "lab-fork"):
-        refuse(f"PRESET must be auto, paper, toy, lab or lab-fork, got '{preset}'")
     if preset == "paper" and visible == 0:
         refuse(f"PRESET=paper needs GPUs and torch sees none here (CUDA_VISIBLE_DEVICES="
                f"'{os.environ.get('CUDA_VISIBLE_DEVICES', '')}'); on a CPU machine use PRESET=toy or PRESET=lab")
@@ -298,7 +305,10 @@ def prepared(env):
 
 
 def plan_command(s):
-    print(stage_plan(os.environ).updates_per_stage_at(os.environ["RUN"], s))
+    """Stage s's μ and its prompts (both 0 once the run is over)."""
+    plan = stage_plan(os.environ)
+    print(plan.updates_per_stage_at(os.environ["RUN"], s), plan.prompts_at(os.environ["RUN"], s,
+                                                                          int(os.environ["PROMPTS_PER_UPDATE"])))
 
 
 def preflight_command():

@@ -753,7 +753,8 @@ def resident_stage(partner, trainer, s, progress, check_all):
         record, fingerprint, timing["handoff_seconds"], sent = trainer.sender.send(trainer.model, trainer.dtype)
         if is_main:
             partner.publish_policy(s, None, run_stage_dir(s) / rollouts.POLICY, fingerprint,
-                                   run_updates=progress.after["run_updates"], next_stage_prompts=next_stage_prompts(s),
+                                   run_updates=progress.after["run_updates"],
+                                   next_stage_prompts=stage_plan.prompts_at(run_dir, s + 1, prompts_per_update),
                                    engine_weights=record)
             timing["handoff_gb_per_s"] = sent / 1e9 / timing["handoff_seconds"]
     # what each rank's allocator holds while the engines are awake (the preflight gates it against their share)
@@ -777,12 +778,8 @@ def publish(partner, s, directory):
     if is_main:
         record = common.policy_record(directory)
         partner.publish_policy(s, directory, run_stage_dir(s) / rollouts.POLICY, record["fingerprint"],
-                               run_updates=record["run_updates"], next_stage_prompts=next_stage_prompts(s))
-
-
-def next_stage_prompts(s):
-    """The prompts of the stage the policy trained on stage s generates (0: the run is over)."""
-    return stage_plan.updates_per_stage_at(run_dir, s + 1) * prompts_per_update
+                               run_updates=record["run_updates"],
+                               next_stage_prompts=stage_plan.prompts_at(run_dir, s + 1, prompts_per_update))
 
 
 if __name__ == "__main__":

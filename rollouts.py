@@ -222,6 +222,11 @@ class StagePlan:
         """The updates of the whole run."""
         return self.stages * self.updates_per_stage if self.stage_end == "fixed" else self.total_updates
 
+    def prompts_at(self, run_dir, s, prompts_per_update):
+        """The prompts stage s generates: its μ minibatches of prompts_per_update prompts each (0 once the run is
+        over). run_stages.sh's loop, the resident trainer's hand-over and the preflight's estimate all take it here."""
+        return self.updates_per_stage_at(run_dir, s) * prompts_per_update
+
     def updates_per_stage_at(self, run_dir, s):
         """μ of stage s, 0 once the run is over."""
         if self.stage_end == "fixed":

@@ -237,25 +237,25 @@ else
   (( EVAL_EVERY == 0 )) || phase eval_init -1 "${INIT_EVAL[@]}"
   # stage s has μ = launch.py plan's updates_per_stage (rollouts.StagePlan), until 0; several nodes: node 0's plan
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
-  updates_per_stage=$($PY launch.py --command=plan --stage=0)     # μ of this stage
-  while (( updates_per_stage > 0 )); do
+  plan=($($PY launch.py --command=plan --stage=0))     # this stage's μ and its prompts, μ × PROMPTS_PER_UPDATE
+  while (( plan[0] > 0 )); do
     STAGE_DIR=$RUN/stage_$s
     (( NODE_RANK > 0 )) || $PY tracking.py --command=where --run_dir="$RUN" --total_updates="$RUN_UPDATES" --stage=$s
     phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}" \
-        --prompts_per_stage=$((updates_per_stage * PROMPTS_PER_UPDATE))
+        --prompts_per_stage="${plan[1]}"
     phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
-        "${OPTIMIZE_ARGS[@]}" --updates_per_stage="$updates_per_stage" "${STATE_ARGS[@]}"
+        "${OPTIMIZE_ARGS[@]}" --updates_per_stage="${plan[0]}" "${STATE_ARGS[@]}"
     POLICY=$STAGE_DIR/policy
     [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
     if (( s > 0 && NODE_RANK == 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes
       rm -rf "$RUN/stage_$((s - 1))/train_state"                  # per parameter; stage s carries it on
     fi
     NEXT=$( (( NODE_RANK > 0 )) || $PY launch.py --command=plan --stage=$((s + 1)) )   # a failure stops the run here
-    NEXT=$(share "planned/$((s + 1))" "$NEXT")
-    if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || NEXT == 0) )); then
+    next=($(share "planned/$((s + 1))" "$NEXT"))
+    if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || next[0] == 0) )); then
       phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
     fi
-    s=$((s + 1)) updates_per_stage=$NEXT
+    s=$((s + 1)) plan=("${next[@]}")
   done
 fi
 if (( NODE_RANK > 0 )); then echo "node $NODE_RANK: run $RUN done (node 0 summarizes it)"; exit 0; fi

@@ -46,6 +46,8 @@ def test_the_defaults_are_resolved_once_from_the_knobs():
                             "STAGE_END": "drift", "TOTAL_UPDATES": "100"})
     assert (k4["ENGINES"], k4["TRAIN_RANKS"], k4["SAVE_EVERY"], k4["PREFLIGHT"]) == ("4", "4", "2", "1")
     assert launch.derived(k4)["RUN_UPDATES"] == "100"                              # drift: the run's updates
+    short = launch.resolve({**TOY, "STAGE_END": "drift", "TOTAL_UPDATES": "4"})[0]  # the plan's first stage: 4 updates,
+    assert launch.derived(short)["PROMPTS_PER_STAGE"] == "64"                      # 4 · 16 prompts, not 8 · 16
     node1 = launch.derived(launch.resolve({**TOY, "NNODES": "2", "NODE_RANK": "1"})[0])
     assert (node1["LOGS"], node1["LOCK"]) == ("runs/toy-mu-grpo/logs/node1", "runs/toy-mu-grpo/.lock.node1")
 
@@ -117,6 +119,22 @@ def test_the_settings_command_prints_shell_assignments_and_refuses_with_status_2
     assert old.returncode == 2 and old.stderr.strip() == "UPDATES=64: the knob is UPDATES_PER_STAGE now"
 
 
+def test_only_the_presets_that_use_the_gpu_count_ask_torch_for_it(monkeypatch, capsys):
+    counted = []
+    monkeypatch.setattr(launch.common, "gpu_count", lambda: counted.append(1) or 4)
+    said = {}
+    for preset in ("toy", "lab", "lab-fork", "auto", "paper"):
+        monkeypatch.setenv("PRESET", preset)
+        launch.preset_command()
+        said[preset] = (capsys.readouterr().out, len(counted))
+    assert said["toy"] == ("PRESET=toy\n", 0) and said["lab-fork"] == ("PRESET=lab-fork\n", 0)
+    assert said["auto"] == ("PRESET=paper\nVISIBLE_GPUS=4\n", 1) and said["paper"] == ("PRESET=paper\nVISIBLE_GPUS=4\n", 2)
+    monkeypatch.setenv("PRESET", "tiny")
+    with pytest.raises(SystemExit):
+        launch.preset_command()
+    assert capsys.readouterr().err.strip() == "PRESET must be auto, paper, toy, lab or lab-fork, got 'tiny'"
+
+
 def test_the_handoff_command_falls_back_to_files_only_where_the_preflight_did(tmp_path):
     import json
     env = {**TOY, "RUN": str(tmp_path), "RESIDENT": "true"}
@@ -157,7 +175,8 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
 
 def test_the_plan_command_is_the_stage_plan(tmp_path):
     env = {**TOY, "RUN": str(tmp_path), "TOTAL_UPDATES": "24", "DRIFT_MAX_UPDATES": "32"}
-    assert [run_launch("--command=plan", f"--stage={s}", env=env).stdout.strip() for s in (0, 2, 3)] == ["8", "8", "0"]
+    assert [run_launch("--command=plan", f"--stage={s}", env=env).stdout.strip() for s in (0, 2, 3)] == [
+        "8 128", "8 128", "0 0"]                                                       # μ, μ · 16 prompts
 
 
 def test_the_lock_tells_another_holder_from_a_filesystem_without_locks(tmp_path, monkeypatch):
