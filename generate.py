@@ -237,10 +237,14 @@ def response_texts(tokenizer, token_id_lists):
     return [t.rstrip("\ufffd") for t in texts]
 
 
-def grade_and_write(s, label, k, kept, outputs, skipped, gen_seconds, started_at, policy_id, tokenizer, max_num_seqs):
-    """Grade shard k of stage s, compute group advantages and write the shard (its stats last)."""
+def grade_and_write(s, k, shard, policy, tokenizer):
+    """Grade shard k of stage s, compute group advantages and write the shard (its stats last). shard:
+    generate_shards' record of it (its kept prompts and their outputs, the prompts skipped as too long, its generation
+    seconds, when it started, the engine's largest batch); policy: (label, fingerprint) of the policy that sampled it."""
+    label, policy_id = policy
+    kept = shard["kept"]
     samples = []  # (position in stage, row, prompt ids, completion) in group order
-    for (pos, row, ids), out in zip(kept, outputs):
+    for (pos, row, ids), out in zip(kept, shard["outputs"]):
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != group_size:
             raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {row['id']}, "
@@ -267,15 +271,15 @@ def grade_and_write(s, label, k, kept, outputs, skipped, gen_seconds, started_at
         })
     lengths = [len(x["response_token_ids"]) for x in lines]
     groups = [rewards[j:j + group_size] for j in range(0, len(rewards), group_size)]
-    stats = {"shard": k, "prompts": len(kept), "skipped_long_prompts": skipped, "responses": len(lines),
+    stats = {"shard": k, "prompts": len(kept), "skipped_long_prompts": shard["skipped"], "responses": len(lines),
              "reward_sum": sum(rewards), "groups_all_correct": sum(min(g) == 1.0 for g in groups),
              "groups_all_wrong": sum(max(g) == 0.0 for g in groups),
              "groups_zero_variance": int(sum(bool(z) for z in zero_var)),
              "response_tokens": sum(lengths), "max_response_tokens": max(lengths, default=0),
              "truncated": sum(x["finish_reason"] == "length" for x in lines),
              "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
-             "generation_seconds": gen_seconds, "started_at": started_at, "engine": engine_index(),
-             "max_num_seqs": max_num_seqs}
+             "generation_seconds": shard["seconds"], "started_at": shard["started_at"], "engine": engine_index(),
+             "max_num_seqs": shard["max_num_seqs"]}
     rollouts.write_shard(rollouts.shard_path(rollouts_dir(s), k), lines)          # JSONL and its columns
     stats["finished_at"] = time.time()
     common.atomic_write_json(rollouts.stats_path(rollouts_dir(s), k), stats)      # a shard counts once its stats exist too
@@ -300,9 +304,9 @@ def finish_reason(completion):
 
 def start_engine(path, s):
     """This process's vLLM engine on the policy at `path` (to generate stage s), its weights verified
-    (engine.verify_weights), its grading processes, and a two-token warm-up (the first request with log-probs
-    compiles vLLM's token-rank kernel, vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`; seconds on
-    CPU), so start-up pays it, not the first shard's tokens/s."""
+    (engine.verify_weights), its grading processes, and a two-token warm-up (on a GPU the first request with
+    log-probs compiles vLLM's token-rank kernel, vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`;
+    a CPU counts eagerly, engine.eager_rank_count), so start-up pays it, not the first shard's tokens/s."""
     from vllm import SamplingParams
     reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
     llm = engine.make_llm(path, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
@@ -359,8 +363,8 @@ def generate_shards(llm, s, label, policy_id, shard_ids, shards):
         nonlocal last_finished
         r, now = running.pop(k), time.perf_counter()
         seconds, last_finished = now - max(r["submitted"], last_finished), now
-        return grading.submit(grade_and_write, s, label, k, r["kept"], r["outputs"], r["skipped"], seconds,
-                              r["started_at"], policy_id, tokenizer, max_num_seqs)
+        return grading.submit(grade_and_write, s, k, {**r, "seconds": seconds, "max_num_seqs": max_num_seqs},
+                              (label, policy_id), tokenizer)
 
     def report(future):
         st = future.result()
@@ -529,7 +533,7 @@ def score_evaluation(ev, t, label, updates, samples, seconds):
         sample_dir=benchmarks.stage_samples_dir(results, t), say=f"stage {t} "))
 
 
-def resident_engine(problems, procs=()):
+class ResidentEngine:
     """Resident mode, one engine (this process's; rank worker_rank of n_engines) for every stage from the first
     pending one: wait for the policy the trainer hands over, load it in place, evaluate it when due, generate
     this engine's shards of the stage (as many prompts as the policy's flag says; 0: the run is over), sleep.
@@ -539,108 +543,129 @@ def resident_engine(problems, procs=()):
     Timeline rows: the main process's per stage (phase generate: from the policy's arrival to the manifest, and
     the wait for it), every engine's own per stage (phase engine: its reload, sleep and the GPU memory sleep freed),
     the main process's per evaluation."""
-    rank, writes_run_files, has_engine = max(worker_rank, 0), not is_engine_worker, not procs
-    partner = handoff.Partner(run_dir, "engine")
-    if writes_run_files:
-        partner.announce()
-    first = first_pending_stage()
-    ev = evaluation() if eval_every and results else None
-    eval_parts = handoff.state_dir(run_dir) / "eval"
 
-    def watch_workers():
-        for p in procs:
+    def __init__(self, procs=()):
+        self.procs, self.rank = procs, max(worker_rank, 0)
+        self.writes_run_files, self.has_engine = not is_engine_worker, not procs
+        self.partner = handoff.Partner(run_dir, "engine")
+        self.llm = self.server = self.ev = None
+
+    def where(self, s):
+        return f"engine {engine_index()}, stage {s}"
+
+    def watch_workers(self):
+        for p in self.procs:
             if p.poll() not in (None, 0):
                 raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
 
-    flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
-            "run_updates": common.policy_record(policy).get("run_updates", 0), "next_stage_prompts": prompts_per_stage}
-    # a resumed run's engine starts on the last policy handed over; with the transfer it starts on the initial one,
-    # since the policy it waits for may come over the API, which needs the engine up
-    if first > stage and policy_handoff == "files":
-        flag, _ = partner.wait_for_policy(first - 1)
-    t_start = time.time()                    # the start-up (after that wait: the trainer's time, the engine not up)
-    llm = start_engine(flag["path"], first) if has_engine else None
-    where = lambda s: f"engine {engine_index()}, stage {s}"  # noqa: E731
-    server = None
-    if has_engine and policy_handoff == "transfer":
-        import transfer
-        server = transfer.EngineServer(run_dir, engine_index(), llm, where(first), check=partner.check_partner)
-    # a resumed run with the transfer: the trainer trains before this engine's first stage, so the engine sleeps at once
-    # (the trainer takes memory only once every engine has slept: optimize.py resident_main)
-    sleeps_first = policy_handoff == "transfer" and first > stage
-    if has_engine and sleeps_first:
-        engine.sleep(llm)
-        partner.engine_asleep(rank)
-    started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
-    if writes_run_files:
-        if sleeps_first:                     # its row ends once every engine is asleep ("asleep": the trainer's turn)
-            partner.wait(lambda: partner.engines_asleep(n_engines), watch=watch_workers)
-        partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start, "end": time.time(),
-                          **({"asleep": True} if sleeps_first else {})})
-    try:
-        resident_stages(problems, procs, partner, llm, server, first, flag, started, ev, eval_parts, watch_workers,
-                        where)
-    finally:
-        if server is not None:
-            server.close()
+    def run(self, problems):
+        """Every stage from the first pending one until a policy says the run is over."""
+        partner = self.partner
+        if self.writes_run_files:
+            partner.announce()
+        first = first_pending_stage()
+        self.ev = evaluation() if eval_every and results else None
+        flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
+                "run_updates": common.policy_record(policy).get("run_updates", 0),
+                "next_stage_prompts": prompts_per_stage}
+        # a resumed run's engine starts on the last policy handed over; with the transfer it starts on the initial
+        # one, since the policy it waits for may come over the API, which needs the engine up
+        if first > stage and policy_handoff == "files":
+            flag, _ = partner.wait_for_policy(first - 1)
+        t_start = time.time()                    # the start-up (after that wait: the trainer's time, the engine not up)
+        if self.has_engine:
+            self.llm = start_engine(flag["path"], first)
+        if self.has_engine and policy_handoff == "transfer":
+            import transfer
+            self.server = transfer.EngineServer(run_dir, engine_index(), self.llm, self.where(first),
+                                                check=partner.check_partner)
+        # a resumed run with the transfer: the trainer trains before this engine's first stage, so the engine sleeps
+        # at once (the trainer takes memory only once every engine has slept: optimize.py resident_main)
+        sleeps_first = policy_handoff == "transfer" and first > stage
+        if self.has_engine and sleeps_first:
+            engine.sleep(self.llm)
+            partner.engine_asleep(self.rank)
+        started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
+        if self.writes_run_files:
+            if sleeps_first:                     # its row ends once every engine is asleep ("asleep": the trainer's turn)
+                partner.wait(lambda: partner.engines_asleep(n_engines), watch=self.watch_workers)
+            partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start,
+                              "end": time.time(), **({"asleep": True} if sleeps_first else {})})
+        try:
+            for s in itertools.count(first):
+                row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
+                mine = {"phase": "engine", "name": f"engine_{self.rank}_{s}", "stage": s, "engine": self.rank,
+                        "reload_seconds": 0.0, "start_seconds": started if s == first else 0.0,
+                        "handoff": policy_handoff}
+                if s > first or (first > stage and policy_handoff == "transfer"):   # a policy arrives before it
+                    flag = self.receive(s, row, mine)
+                else:
+                    row["start"] = mine["start"] = time.time()
+                t, prompts = s - 1, flag["next_stage_prompts"]
+                # (rows of t are written only after every engine sampled t: all of them see the same table here)
+                if eval_due(t, last=prompts == 0) and not benchmarks.evaluated(results, t, self.ev):
+                    self.evaluate(t, flag)
+                if prompts == 0:
+                    break
+                self.generate(s, flag, problems, prompts, row, mine)
+        finally:
+            if self.server is not None:
+                self.server.close()
 
-
-def resident_stages(problems, procs, partner, llm, server, first, flag, started, ev, eval_parts, watch_workers, where):
-    """resident_engine's stages, from `first` until a policy says the run is over."""
-    rank, writes_run_files, has_engine = max(worker_rank, 0), not is_engine_worker, not procs
-    for s in itertools.count(first):
-        row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
-        mine = {"phase": "engine", "name": f"engine_{rank}_{s}", "stage": s, "engine": rank, "reload_seconds": 0.0,
-                "start_seconds": started if s == first else 0.0, "handoff": policy_handoff}
-        handed = s > first or (first > stage and policy_handoff == "transfer")     # a policy arrives before this stage
-        if handed:
-            if server is not None:
-                server.where = where(s)
-            if server is None:
-                flag, row["wait_seconds"] = partner.wait_for_policy(s - 1)
-            else:                 # its checks every 50 ms, the trainer's calls answered as they come in between
-                row["wait_seconds"], flag = partner.wait(lambda: partner.trained(s - 1),
-                                                         watch=lambda: server.poll(timeout_s=0.05), poll_s=0.0)
+    def receive(self, s, row, mine):
+        """The policy trained on stage s − 1, waited for (row's wait_seconds), loaded in place and verified (mine's
+        reload_seconds); returns its flag."""
+        if self.server is None:
+            flag, row["wait_seconds"] = self.partner.wait_for_policy(s - 1)
+        else:                 # its checks every 50 ms, the trainer's calls answered as they come in between
+            self.server.where = self.where(s)
+            row["wait_seconds"], flag = self.partner.wait(lambda: self.partner.trained(s - 1),
+                                                          watch=lambda: self.server.poll(timeout_s=0.05), poll_s=0.0)
         row["start"] = mine["start"] = time.time()
-        if handed and has_engine:
+        if self.has_engine:
             if flag["path"]:      # a policy directory: HANDOFF=files, or the saved policy a resumed trainer starts from
-                mine["reload_seconds"] = engine.load_policy(llm, flag["path"], kv_cache=False)
+                mine["reload_seconds"] = engine.load_policy(self.llm, flag["path"], kv_cache=False)
             else:                 # it came over the weight-transfer API while this engine waited
-                mine["reload_seconds"], mine["handoff_bytes"] = server.seconds, server.received
-            print(engine.verify_weights(llm, flag["policy"] if not flag["path"] else flag["path"], where(s),
+                mine["reload_seconds"], mine["handoff_bytes"] = self.server.seconds, self.server.received
+            print(engine.verify_weights(self.llm, flag["policy"] if not flag["path"] else flag["path"], self.where(s),
                                         record=flag.get("engine_weights")), flush=True)
-            engine.wake_kv_cache(llm)         # only once the weights are the trainer's
-        t, prompts = s - 1, flag["next_stage_prompts"]
-        # (rows of t are written only after every engine sampled t: all of them see the same table here)
-        if eval_due(t, last=prompts == 0) and not benchmarks.evaluated(results, t, ev):
-            t0 = time.time()
-            if has_engine:
-                samples = benchmarks.sample_and_grade(llm, ev, rank, n_engines)
-                if not writes_run_files:
-                    benchmarks.write_part(eval_parts / f"stage_{t}", rank, samples)
-            if writes_run_files:
-                if procs:
-                    partner.wait(lambda: all(benchmarks.part_path(eval_parts / f"stage_{t}", r).exists()
-                                             for r in range(n_engines)), watch=watch_workers, partner=False)
-                    samples = [x for part in benchmarks.read_parts(eval_parts / f"stage_{t}", n_engines) for x in part]
-                score_evaluation(ev, t, flag["policy"], flag["run_updates"], samples, time.time() - t0)
-                partner.timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
-        if prompts == 0:
-            break
-        if writes_run_files:
+            engine.wake_kv_cache(self.llm)         # only once the weights are the trainer's
+        return flag
+
+    def evaluate(self, t, flag):
+        """The policy trained on stage t, sampled by every engine; the main process scores it and writes its rows,
+        samples and timeline row."""
+        ev, parts, t0 = self.ev, handoff.state_dir(run_dir) / "eval" / f"stage_{t}", time.time()
+        if self.has_engine:
+            samples = benchmarks.sample_and_grade(self.llm, ev, self.rank, n_engines)
+            if not self.writes_run_files:
+                benchmarks.write_part(parts, self.rank, samples)
+        if self.writes_run_files:
+            if self.procs:
+                self.partner.wait(lambda: all(benchmarks.part_path(parts, r).exists() for r in range(n_engines)),
+                                  watch=self.watch_workers, partner=False)
+                samples = [x for part in benchmarks.read_parts(parts, n_engines) for x in part]
+            score_evaluation(ev, t, flag["policy"], flag["run_updates"], samples, time.time() - t0)
+            self.partner.timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
+
+    def generate(self, s, flag, problems, prompts, row, mine):
+        """Stage s of `prompts` prompts: this engine's shards, then asleep before the trainer (told by the manifest)
+        takes memory; the main process prepares the stage and writes its manifest and timeline rows."""
+        if self.writes_run_files:
             prepare_stage(s, flag["policy"], prompts)
         shards = stage_shards(s, problems, prompts)
-        if has_engine:     # this engine's shards, then asleep before the trainer (told by the manifest) takes memory
-            generate_shards(llm, s, flag["policy"], flag["fingerprint"], engine_shards(shards, rank, s), shards)
-            mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(llm)
-            partner.engine_asleep(rank)
-            partner.engine_finished(s, rank, {**mine, "end": time.time()})
-        if writes_run_files:
-            engine_rows = partner.wait(lambda: partner.engines_finished(s, n_engines), watch=watch_workers,
-                                       partner=False)[1]
+        if self.has_engine:
+            generate_shards(self.llm, s, flag["policy"], flag["fingerprint"], engine_shards(shards, self.rank, s),
+                            shards)
+            mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(self.llm)
+            self.partner.engine_asleep(self.rank)
+            self.partner.engine_finished(s, self.rank, {**mine, "end": time.time()})
+        if self.writes_run_files:
+            engine_rows = self.partner.wait(lambda: self.partner.engines_finished(s, n_engines),
+                                            watch=self.watch_workers, partner=False)[1]
             write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
             for r in [*engine_rows, {**row, "end": time.time()}]:
-                partner.timeline(r)
+                self.partner.timeline(r)
 
 
 def main():
@@ -656,7 +681,7 @@ def main():
         remove_temporaries(first_pending_stage())
         procs = processes.start_workers(__file__, sys.argv[1:], engine.worker_environments(n_engines, tensor_parallel))
         try:
-            resident_engine(problems, procs)
+            ResidentEngine(procs).run(problems)
             codes = [p.wait() for p in procs]
             if any(codes):
                 sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
@@ -665,7 +690,7 @@ def main():
     else:
         if not is_engine_worker:
             remove_temporaries(first_pending_stage())
-        resident_engine(problems)
+        ResidentEngine().run(problems)
 
 
 if __name__ == "__main__":
