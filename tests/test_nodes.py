@@ -100,6 +100,7 @@ def make_model(path, weights):
     return path
 
 
+@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
 def test_join_accepts_nodes_that_agree_and_refuses_one_line_per_difference(tmp_path):
     where = f"127.0.0.1:{free_port()}"
     store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)     # node 0's watch process serves it in a run
@@ -165,6 +166,7 @@ def wait_until_both_beat(where, timeout=120):
         time.sleep(0.1)
 
 
+@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
 def test_nodes_that_end_well_leave_together():
     where = f"127.0.0.1:{free_port()}"
     runs = [fake_run(r, where, "sleep 4; kill -USR1 $w; wait $w") for r in (0, 1)]
@@ -172,6 +174,7 @@ def test_nodes_that_end_well_leave_together():
     assert [p.returncode for p in runs] == [0, 0], outs
 
 
+@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
 @pytest.mark.parametrize("how,reason", [("killed", "node 1 stopped answering"),
                                         ("failed", "node 1 failed: its run_stages.sh ended with an error")])
 def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason, tmp_path):
@@ -193,6 +196,7 @@ def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason, tmp_pat
     assert took < 2 + 5 + 5       # dead_after_s, the grace before SIGKILL, a few beats (killed: no heartbeat for 2 s)
 
 
+@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
 def test_a_node_that_ends_before_node_0_is_up_is_reported_with_its_own_error_line(tmp_path):
     # node 1 starts first and fails at once (as run_stages.sh did on a model path node 0 had not built yet); its watch
     # is still waiting for node 0's store then. Once node 0 is up, node 1's watch tells it, with node 1's own last
@@ -215,6 +219,7 @@ def test_a_node_that_ends_before_node_0_is_up_is_reported_with_its_own_error_lin
     assert f"[node 0] node 1 failed: its run_stages.sh ended with an error: {error}: stopping" in err, err
 
 
+@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
 def test_other_nodes_wait_for_node_0_to_say_the_model_and_data_are_ready():
     where = f"127.0.0.1:{free_port()}"
     store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)     # node 0's watch process serves it in a run
@@ -247,6 +252,7 @@ def collective(rank, port, more_env=None, timeout_s=20):
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
 def test_the_trainers_network_is_checked_in_seconds_with_one_line_naming_the_likely_cause():
     port = free_port()
     ranks = [collective(r, port) for r in (0, 1)]
@@ -283,6 +289,7 @@ def test_the_process_group_is_bound_to_the_ranks_device(monkeypatch):
     assert [(backend, kw["device_id"]) for backend, kw in calls] == [("nccl", torch.device("cuda", 1)), ("gloo", None)]
 
 
+@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
 def test_a_frozen_node_0_stops_the_others_though_its_connection_stays_open():
     # SIGSTOP: node 0's store neither answers nor closes its connections (a host gone off the network), so node 1's
     # store calls block; its watch's guard stops it after dead_after_s
