@@ -20,7 +20,7 @@ from pathlib import Path
 
 import common
 import reward
-import rollouts
+import records
 
 
 @dataclasses.dataclass
@@ -152,7 +152,7 @@ def policy_rows(samples, ev, *, stage, updates, policy, seconds, engines, run_st
 
 def stage_samples_dir(results, stage):
     """Where the graded samples of the policy trained on `stage` go: beside the results table."""
-    return Path(results).parent / rollouts.EVAL_SAMPLES / rollouts.stage_dir("", stage)
+    return Path(results).parent / records.EVAL_SAMPLES / records.stage_dir("", stage)
 
 
 def update_results(path, rows):

@@ -22,6 +22,7 @@ import torch
 
 import common
 import loss as L
+import records
 import rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
@@ -108,7 +109,7 @@ def checkpoint_path(root, variant, seed, u, model):
     if u == 0:
         return model
     d = root / variant / f"seed{seed}"
-    candidates = [d / f"{rollouts.POLICY}_u{u:05d}", d / rollouts.POLICY]
+    candidates = [d / f"{records.POLICY}_u{u:05d}", d / records.POLICY]
     for c in candidates:
         meta = c / common.POLICY_ID_FILE
         if meta.exists() and json.loads(meta.read_text()).get("stage_updates") == u:
@@ -142,7 +143,7 @@ def deltas(root, variant_seeds):
 def main():
     from transformers import AutoTokenizer
     root = Path(ablation_dir)
-    stage_rollouts = rollouts.stage_dir(root, 0) / rollouts.ROLLOUTS
+    stage_rollouts = records.stage_dir(root, 0) / records.ROLLOUTS
     manifest = json.loads((stage_rollouts / rollouts.MANIFEST).read_text())
     model = manifest["policy"]
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -27,7 +27,7 @@ import common
 import engine
 import processes
 import reward
-import rollouts
+import records
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the policies and the benchmarks
@@ -123,7 +123,7 @@ def sample_dir_of(path, n_policies):
     policy (a comma list)."""
     if n_policies == 1:
         return Path(samples_dir) if samples_dir else (B.stage_samples_dir(results, stage) if results else None)
-    return (Path(samples_dir) if samples_dir else Path(path).parent / rollouts.EVAL_SAMPLES) / Path(path).name
+    return (Path(samples_dir) if samples_dir else Path(path).parent / records.EVAL_SAMPLES) / Path(path).name
 
 
 def evaluate_once(ev, path):

@@ -27,7 +27,6 @@ import os
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import benchmarks
 import common
@@ -35,6 +34,7 @@ import engine
 import handoff
 import loss
 import processes
+import records
 import reward
 import rollouts
 
@@ -127,7 +127,7 @@ def engine_index():
 
 
 def rollouts_dir(s):
-    return rollouts.stage_dir(run_dir, s) / rollouts.ROLLOUTS
+    return records.stage_dir(run_dir, s) / records.ROLLOUTS
 
 
 def shard_count(prompts):

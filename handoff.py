@@ -277,7 +277,7 @@ class Partner:
     # the engine → the trainer
 
     def manifest(self, stage):
-        return rollouts.stage_dir(self.run_dir, stage) / rollouts.ROLLOUTS / rollouts.MANIFEST
+        return records.stage_dir(self.run_dir, stage) / records.ROLLOUTS / rollouts.MANIFEST
 
     def wait_for_rollouts(self, stage):
         """Seconds waited until stage `stage`'s rollouts are complete (their manifest is written last, once every

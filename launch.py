@@ -14,7 +14,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
     python launch.py --command=preflight  preflight.py at the run's settings
     python launch.py --command=handoff    resident: the hand-off the run uses (HANDOFF, or files after the preflight's
                                           fallback)
-    python launch.py --command=plan --stage=S   μ of stage S and its prompts (rollouts.StagePlan), 0 0 once the run
+    python launch.py --command=plan --stage=S   μ of stage S and its prompts (records.StagePlan), 0 0 once the run
                                           is over
     python launch.py --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
                                           supervised: a failed one stops the other; timed into timeline.jsonl
@@ -127,7 +127,7 @@ SETTINGS = {
 }
 
 
-PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: rollouts.StagePlan's defaults
+PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: records.StagePlan's defaults
 
 
 def resolve(knobs):
@@ -177,8 +177,7 @@ def resolve(knobs):
 
 
 def stage_plan(k):
-    import rollouts
-    return rollouts.StagePlan(int(k["UPDATES_PER_STAGE"]), int(k["STAGES"]), k["STAGE_END"],
+    return records.StagePlan(int(k["UPDATES_PER_STAGE"]), int(k["STAGES"]), k["STAGE_END"],
                               total_updates=int(k["TOTAL_UPDATES"] or 0), drift_growth=float(k["DRIFT_GROWTH"]),
                               drift_max_updates=int(k["DRIFT_MAX_UPDATES"] or 0))
 

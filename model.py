@@ -611,9 +611,9 @@ COUNTS = ("run_updates", "optimizer_updates")
 def newest_state(run_dir):
     """(stage, progress.json) of the newest train state in a run directory's stage_<s>/ (a resident trainer's
     resume), or (None, None)."""
-    import rollouts
-    states = [(s, d / rollouts.TRAIN_STATE / "progress.json") for s, d in rollouts.stage_dirs(run_dir)
-              if (d / rollouts.TRAIN_STATE / "progress.json").exists()]
+    import records
+    states = [(s, d / records.TRAIN_STATE / "progress.json") for s, d in records.stage_dirs(run_dir)
+              if (d / records.TRAIN_STATE / "progress.json").exists()]
     if not states:
         return None, None
     s, path = max(states)

@@ -7,7 +7,7 @@ The stage's groups are put once in a seeded order and cut into `updates_per_stag
 `prompts_per_update` groups: update u trains on minibatch u, data exactly u updates stale, no
 response used twice (docs/design.md §1). An update (update.py) is one AdamW step on loss.policy_loss: the loss
 is summed over packed micro-batches and ranks and divided by the minibatch's kept-token count. With --resident, one
-process trains a run's every stage, each of the μ that rollouts.StagePlan gives it.
+process trains a run's every stage, each of the μ that records.StagePlan gives it.
 
 Writes next to --out (default <stage_dir>/policy): the next policy (an HF directory vLLM loads, in the
 initial model's dtype), metrics.jsonl (one line per update), optimize_timing.json, and train_state/
@@ -32,6 +32,7 @@ import common
 import handoff
 import loss as L
 import model as M
+import records
 import rollouts
 import tracking
 import update
@@ -125,7 +126,7 @@ resident = False                # keep the model and AdamW for a run's every sta
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
 stages = 0                      # resident, stage_end=fixed: the run's stages, each of updates_per_stage updates
 total_updates = 0               # resident, stage_end=drift: the run's updates (0: stages × updates_per_stage) in stages
-drift_growth = 1.25             # planned as run_stages.sh plans them (rollouts.StagePlan with its DRIFT_GROWTH
+drift_growth = 1.25             # planned as run_stages.sh plans them (records.StagePlan with its DRIFT_GROWTH
 drift_max_updates = 0           # and DRIFT_MAX_UPDATES; 0: 4 × updates_per_stage)
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
                                 # last (0: the last only); the engines get every policy by policy_handoff
@@ -139,7 +140,7 @@ common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
 common.check_choice("stage_end", stage_end, ("fixed", "drift"))
 common.check_choice("policy_handoff", policy_handoff, ("transfer", "files"))
 # μ of each stage (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
-stage_plan = rollouts.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
+stage_plan = records.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
                                 total_updates=total_updates, drift_growth=drift_growth,
                                 drift_max_updates=drift_max_updates)
 common.check_choice("agg", agg, L.AGG_MODES)
@@ -205,11 +206,11 @@ class Progress:
 
     @property
     def state_dir(self):
-        return self.work_dir / rollouts.TRAIN_STATE
+        return self.work_dir / records.TRAIN_STATE
 
     @property
     def metrics_path(self):
-        return self.work_dir / rollouts.METRICS
+        return self.work_dir / records.METRICS
 
 
 # ----------------------------------------------------------------------------- the stage's rollouts
@@ -217,7 +218,7 @@ class Progress:
 
 def open_stage(directory):
     try:
-        return rollouts.open_stage(Path(directory) / rollouts.ROLLOUTS, rank, world, barrier, decide=M.broadcast)
+        return rollouts.open_stage(Path(directory) / records.ROLLOUTS, rank, world, barrier, decide=M.broadcast)
     except rollouts.RolloutError as e:
         raise SystemExit(str(e)) from None
 
@@ -455,7 +456,7 @@ def check_engines(model, stage, temp):
 def record_stage_end(stage, schedule, done, neg_ratios, progress):
     """stage_end.json beside metrics.jsonl: where the stage ended and why, the drift signal there, and the groups
     (prompts) generated for it but never trained on; the next stage's size is planned from it
-    (rollouts.StagePlan)."""
+    (records.StagePlan)."""
     average, warned = drift_warning(neg_ratios)
     unused = schedule[done:].ravel().tolist()
     if done < progress.updates_per_stage:
@@ -463,7 +464,7 @@ def record_stage_end(stage, schedule, done, neg_ratios, progress):
             f"1 − E[ρ | A<0] of the last {drift_window} updates is {average:.4f} > {drift_threshold}; "
             f"{len(unused)} prompts unused")
     if is_main:
-        common.atomic_write_json(progress.work_dir / rollouts.STAGE_END, {
+        common.atomic_write_json(progress.work_dir / records.STAGE_END, {
             "stage": stage.index, "reason": "drift" if done < progress.updates_per_stage else "all minibatches",
             "updates": done, "generated_updates": progress.updates_per_stage, "stage_end": stage_end,
             "drift_signal": average, "drift_warning": warned, "drift_window": drift_window,
@@ -576,7 +577,7 @@ def main():
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
         + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
-    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / rollouts.POLICY, updates_per_stage=updates_per_stage,
+    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / records.POLICY, updates_per_stage=updates_per_stage,
                         save_state=save_train_state)
     reference = kl_reference(start_policy)
     check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
@@ -621,7 +622,7 @@ class Resident:
 
 
 def run_stage_dir(s):
-    return rollouts.stage_dir(run_dir, s)
+    return records.stage_dir(run_dir, s)
 
 
 def resident_main():
@@ -641,9 +642,9 @@ def resident_main():
     last, meta = M.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
-    resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / rollouts.POLICY)
+    resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / records.POLICY)
     if meta is not None and meta["complete"] and not resave:
-        publish(partner, last, run_stage_dir(last) / rollouts.POLICY)   # the engine resumes from it
+        publish(partner, last, run_stage_dir(last) / records.POLICY)   # the engine resumes from it
     # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
     # that policy, holding none)
     if stage_plan.updates_per_stage_at(run_dir, first) and not resave:
@@ -656,19 +657,19 @@ def resident_main():
     start_policy = common.local_dir(policy)
     trainer = build_resident(start_policy, weights=meta is None, sender=sender)
     start, before, start_weights, said = M.restore(
-        trainer.model, trainer.optimizer, run_stage_dir(last) / rollouts.TRAIN_STATE if meta else None,
+        trainer.model, trainer.optimizer, run_stage_dir(last) / records.TRAIN_STATE if meta else None,
         resume=meta is not None and not meta["complete"], start_weights=common.policy_fingerprint(start_policy),
         start_policy=start_policy)
     if said:
         log(said)
     if resave:
-        M.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / rollouts.POLICY,
+        M.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / records.POLICY,
                       {"stage": last, "stage_updates": meta["update"], **{k: meta[k] for k in M.COUNTS}})
         # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
         # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
         # as every stage's hand-over does (release_gradients)
         M.release_memory()
-        publish(partner, last, run_stage_dir(last) / rollouts.POLICY)
+        publish(partner, last, run_stage_dir(last) / records.POLICY)
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     try:
@@ -688,11 +689,11 @@ def resident_stages(partner, trainer, first, start, before, start_weights):
         # the run's updates unless it ends on drift)
         due = stage_plan.may_end_run(s, before["run_updates"], updates_per_stage) or bool(
             save_every and (s + 1) % save_every == 0)
-        progress = Progress(out_dir=run_stage_dir(s) / rollouts.POLICY, updates_per_stage=updates_per_stage,
+        progress = Progress(out_dir=run_stage_dir(s) / records.POLICY, updates_per_stage=updates_per_stage,
                             start=start if s == first else 0, before=before,
                             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
                             policy_dirs=(*([trainer.fast / f"policy_{s}"] if trainer.fast else []),
-                                         *([run_stage_dir(s) / rollouts.POLICY] if due else [])))
+                                         *([run_stage_dir(s) / records.POLICY] if due else [])))
         resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
         s += 1
@@ -752,7 +753,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     else:
         record, fingerprint, timing["handoff_seconds"], sent = trainer.sender.send(trainer.model, trainer.dtype)
         if is_main:
-            partner.publish_policy(s, None, run_stage_dir(s) / rollouts.POLICY, fingerprint,
+            partner.publish_policy(s, None, run_stage_dir(s) / records.POLICY, fingerprint,
                                    run_updates=progress.after["run_updates"],
                                    next_stage_prompts=stage_plan.prompts_at(run_dir, s + 1, prompts_per_update),
                                    engine_weights=record)
@@ -762,7 +763,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     reserved = M.gather_values(torch.tensor([math.nan if held is None else held], device=device)).tolist()
     if is_main and progress.save_state and release_init_state:    # the newest train state replaces the older ones
         for older in range(s):
-            shutil.rmtree(run_stage_dir(older) / rollouts.TRAIN_STATE, ignore_errors=True)
+            shutil.rmtree(run_stage_dir(older) / records.TRAIN_STATE, ignore_errors=True)
     write_timing(progress, {**timing, "attention": trainer.attention, "wait_seconds": waited})
     if is_main:
         partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
@@ -777,7 +778,7 @@ def publish(partner, s, directory):
     size of the stage it generates (0: the run is over)."""
     if is_main:
         record = common.policy_record(directory)
-        partner.publish_policy(s, directory, run_stage_dir(s) / rollouts.POLICY, record["fingerprint"],
+        partner.publish_policy(s, directory, run_stage_dir(s) / records.POLICY, record["fingerprint"],
                                run_updates=record["run_updates"],
                                next_stage_prompts=stage_plan.prompts_at(run_dir, s + 1, prompts_per_update))
 

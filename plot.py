@@ -14,7 +14,6 @@ from pathlib import Path
 
 import common
 import records
-import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
 run_dir = "runs/toy-mu-grpo"    # one run directory, or several separated by commas
@@ -102,7 +101,7 @@ def load_ablation(path):
     the on-policy reference is the variant "onpolicy-<loss>", its curve the stage policies'. The initial
     policy (updates 0) starts every curve."""
     path = Path(path).resolve()
-    rows = _rows(path / rollouts.RESULTS)
+    rows = _rows(path / records.RESULTS)
     initial = [r["avg_at_k"] for r in rows if path not in Path(r["policy"]).resolve().parents]
     out = {}
     for r in rows:
@@ -116,7 +115,7 @@ def load_ablation(path):
     for variant, v in out.items():
         for seed, curve in v["curves"].items():
             v["curves"][seed] = sorted(([(0, initial[0])] if initial else []) + curve)
-            v["metrics"][seed] = _rows(path / variant / f"seed{seed}" / rollouts.METRICS)
+            v["metrics"][seed] = _rows(path / variant / f"seed{seed}" / records.METRICS)
     return out, (initial[0] if initial else float("nan"))
 
 

@@ -6,16 +6,107 @@ read through it.
 timeline.jsonl, one row per timed span: {"phase", "name", "stage", "start", "end", "seconds"} (Unix seconds), written
 by run_stages.sh (launch.py --command=row: each phase; --command=attempt: an attempt's zero-length start row), by
 launch.py (a resident attempt's top row, attempt_row) and by the resident processes (handoff.Partner.timeline: rows
-that carry "process", parts of their attempt's row). The run directory's other names and the stage plan:
-rollouts.py (imported where it is used: it brings numpy, and this module's writer runs once per phase).
+that carry "process", parts of their attempt's row). It is also the home of the run directory's names (a stage's
+rollouts/ files: rollouts.py) and of the stage plan (StagePlan: each stage's μ, read from the records).
 """
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import common
 
+
+# ----------------------------------------------------------------------------- the run directory's names
+# Every script reads and writes a run directory through these names; this module owns them (docs/design.md §2):
+#   <run>/stage_<s>/rollouts/       generate.py: shard_<k>.jsonl, columns/, plan.json, manifest.json (rollouts.py)
+#   <run>/stage_<s>/policy/         optimize.py: the policy trained on stage s (and evaluated)
+#   <run>/stage_<s>/train_state/    optimize.py: fp32 weights, AdamW, counts (the next stage starts from it)
+#   <run>/stage_<s>/metrics.jsonl   optimize.py: one row per update; beside it stage_end.json
+#   <run>/results.jsonl, eval_samples/   evaluate.py: one row per (stage, benchmark), the graded samples
+#   <run>/timeline.jsonl            one row per phase, and timeline.attempt.json (TIMELINE, ATTEMPT below)
+# and the directories their owners name: resident/ (handoff.py), .nodes/ (nodes.py), tracking/ (tracking.py), logs/
+# and .done/ (run_stages.sh, whose loop, the part a researcher reads, spells stage_<s>/policy and train_state/ itself)
+ROLLOUTS = "rollouts"
+POLICY = "policy"
+TRAIN_STATE = "train_state"
+METRICS = "metrics.jsonl"
+RESULTS = "results.jsonl"
+EVAL_SAMPLES = "eval_samples"
+STAGE_END = "stage_end.json"    # beside the stage's metrics.jsonl: where training on it ended and why
 TIMELINE = "timeline.jsonl"
 ATTEMPT = "timeline.attempt.json"   # a resident pair's start, until its top row is in the timeline (attempt_row)
+
+
+def stage_dir(run_dir, s):
+    """Stage s's directory in a run."""
+    return Path(run_dir) / f"stage_{s}"
+
+
+def stage_dirs(run_dir):
+    """[(s, its directory)] of every stage directory in a run, in stage order."""
+    found = [(int(p.name[6:]), p) for p in Path(run_dir).glob("stage_*") if p.name[6:].isdigit()]
+    return sorted(found)
+
+
+# ----------------------------------------------------------------------------- the stage plan
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """How a run's stages are sized: μ (updates_per_stage) of each stage, the one rule run_stages.sh's loop, the
+    resident trainer and the preflight follow. stage_end="fixed": `stages` stages of `updates_per_stage` updates.
+    stage_end="drift": stage 0 of `updates_per_stage`; after a stage that ended on the drift warning after u
+    updates, ceil(drift_growth · u) (the warning came at u: the next stage plans a little past it); after one that
+    trained on all its μ minibatches without a warning, 2μ; at least the μ_min below which no stage ends (its
+    record's drift_min_updates), at most drift_max_updates, never past the run's total_updates. Read from the
+    records alone (stage_<s>/stage_end.json), so a rerun plans the same stages."""
+    updates_per_stage: int              # μ: fixed, every stage's; drift, the first stage's
+    stages: int                         # fixed: the run's stages (drift: total_updates' default)
+    stage_end: str = "fixed"            # fixed | drift
+    total_updates: int = 0              # drift: the run's updates (0: stages × updates_per_stage)
+    drift_growth: float = 1.25
+    drift_max_updates: int = 0          # drift: the largest μ a stage is planned with (0: 4 × updates_per_stage)
+
+    def __post_init__(self):
+        if self.stage_end not in ("fixed", "drift"):
+            raise ValueError(f"stage_end must be fixed or drift, got {self.stage_end!r}")
+        if not self.total_updates:
+            object.__setattr__(self, "total_updates", self.stages * self.updates_per_stage)
+        if not self.drift_max_updates:
+            object.__setattr__(self, "drift_max_updates", 4 * self.updates_per_stage)
+
+    @property
+    def run_updates(self):
+        """The updates of the whole run."""
+        return self.stages * self.updates_per_stage if self.stage_end == "fixed" else self.total_updates
+
+    def prompts_at(self, run_dir, s, prompts_per_update):
+        """The prompts stage s generates: its μ minibatches of prompts_per_update prompts each (0 once the run is
+        over). run_stages.sh's loop, the resident trainer's hand-over and the preflight's estimate all take it here."""
+        return self.updates_per_stage_at(run_dir, s) * prompts_per_update
+
+    def updates_per_stage_at(self, run_dir, s):
+        """μ of stage s, 0 once the run is over."""
+        if self.stage_end == "fixed":
+            return self.updates_per_stage if s < self.stages else 0
+        if s == 0:
+            return min(self.updates_per_stage, self.total_updates)
+        path = stage_dir(run_dir, s - 1) / STAGE_END
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: stage {s - 1} has not been trained on, so stage {s} has no "
+                                    f"size")
+        end = json.loads(path.read_text())
+        size = math.ceil(self.drift_growth * end["updates"]) if end["reason"] == "drift" else 2 * end["generated_updates"]
+        return max(0, min(max(end["drift_min_updates"], size), self.drift_max_updates,
+                          self.total_updates - end["run_updates"]))
+
+    def may_end_run(self, s, run_updates_before, updates_per_stage):
+        """Whether stage s (of that μ, after run_updates_before updates) may be the run's last: the last fixed
+        stage, or a drift stage that reaches the run's updates unless it ends early."""
+        if self.stage_end == "fixed":
+            return s == self.stages - 1
+        return run_updates_before + updates_per_stage >= self.total_updates
 
 
 # ----------------------------------------------------------------------------- writing
@@ -39,8 +130,7 @@ def attempt_row(run_dir, start, end, ended):
     """A resident attempt's top row in timeline.jsonl (its processes' rows are parts of it: time_split), then its
     start marker removed: how it ended (completed, failed, stopped by a Ctrl-C, or killed: a SIGKILL or SIGTERM leaves
     no time to write the row, close_killed_attempt writes it at the next start) and the last stage trained."""
-    import rollouts
-    last = sum((d / rollouts.STAGE_END).exists() for _, d in rollouts.stage_dirs(run_dir)) - 1
+    last = sum((d / STAGE_END).exists() for _, d in stage_dirs(run_dir)) - 1
     append(run_dir, {"phase": "resident", "name": "resident", "stage": last, "start": start, "end": end}, ended=ended)
     (Path(run_dir) / ATTEMPT).unlink(missing_ok=True)
 
@@ -77,17 +167,17 @@ def load_run(path):
     import rollouts          # (numpy: the writer above stays light for run_stages.sh's row of every phase)
     path = Path(path)
     metrics, manifests, stage_ends = [], {}, {}
-    for _, stage_dir in rollouts.stage_dirs(path):
+    for _, stage_dir in stage_dirs(path):
         s = int(stage_dir.name.split("_")[1])
-        for row in _rows(stage_dir / rollouts.METRICS):
+        for row in _rows(stage_dir / METRICS):
             metrics.append({**row, "stage": s})
-        if (stage_dir / rollouts.STAGE_END).exists():      # where training on the stage ended, and why
-            stage_ends[s] = json.loads((stage_dir / rollouts.STAGE_END).read_text())
-        if (stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).exists():
-            manifests[s] = json.loads((stage_dir / rollouts.ROLLOUTS / rollouts.MANIFEST).read_text())
-    for row in _rows(path / rollouts.METRICS):   # an ablation replay: optimize.py --out=<path>/policy
+        if (stage_dir / STAGE_END).exists():      # where training on the stage ended, and why
+            stage_ends[s] = json.loads((stage_dir / STAGE_END).read_text())
+        if (stage_dir / ROLLOUTS / rollouts.MANIFEST).exists():
+            manifests[s] = json.loads((stage_dir / ROLLOUTS / rollouts.MANIFEST).read_text())
+    for row in _rows(path / METRICS):   # an ablation replay: optimize.py --out=<path>/policy
         metrics.append(row)
-    return {"name": path.name, "results": _rows(path / rollouts.RESULTS), "timeline": _rows(path / TIMELINE),
+    return {"name": path.name, "results": _rows(path / RESULTS), "timeline": _rows(path / TIMELINE),
             "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
 
 

@@ -16,7 +16,6 @@ while a shard is parsed, so building them needs no more memory than one line; np
 with nothing beyond numpy (a notebook too: np.fromfile(path, dtype)); and a token's position in the
 stage is a plain offset, which the per-stage log-prob passes (TokenColumn) share.
 """
-import dataclasses
 import json
 import math
 import os
@@ -147,36 +146,10 @@ class ColumnWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-# ----------------------------------------------------------------------------- the run directory's names
-# Every script reads and writes a run directory through these names; this module owns them (docs/design.md §2):
-#   <run>/stage_<s>/rollouts/       generate.py: shard_<k>.jsonl, columns/, plan.json, manifest.json
-#   <run>/stage_<s>/policy/         optimize.py: the policy trained on stage s (and evaluated)
-#   <run>/stage_<s>/train_state/    optimize.py: fp32 weights, AdamW, counts (the next stage starts from it)
-#   <run>/stage_<s>/metrics.jsonl   optimize.py: one row per update; beside it stage_end.json
-#   <run>/results.jsonl, eval_samples/   evaluate.py: one row per (stage, benchmark), the graded samples
-#   <run>/timeline.jsonl            one row per phase, and timeline.attempt.json: records.py, their home
-# and the directories their owners name: resident/ (handoff.py), .nodes/ (nodes.py), tracking/ (tracking.py), logs/
-# and .done/ (run_stages.sh, whose loop, the part a researcher reads, spells stage_<s>/policy and train_state/ itself)
-ROLLOUTS = "rollouts"
-POLICY = "policy"
-TRAIN_STATE = "train_state"
-METRICS = "metrics.jsonl"
-RESULTS = "results.jsonl"
-EVAL_SAMPLES = "eval_samples"
-MANIFEST = "manifest.json"      # rollouts/: written last, its presence means the stage is complete
-PLAN = "plan.json"              # rollouts/: the settings the stage was started with (a rerun with others is refused)
-STAGE_END = "stage_end.json"    # beside the stage's metrics.jsonl: where training on it ended and why
-
-
-def stage_dir(run_dir, s):
-    """Stage s's directory in a run."""
-    return Path(run_dir) / f"stage_{s}"
-
-
-def stage_dirs(run_dir):
-    """[(s, its directory)] of every stage directory in a run, in stage order."""
-    found = [(int(p.name[6:]), p) for p in Path(run_dir).glob("stage_*") if p.name[6:].isdigit()]
-    return sorted(found)
+# ----------------------------------------------------------------------------- a stage's rollouts/ directory
+# (the run directory's other names, stage_<s>/ and what it holds beside rollouts/, and the stage plan: records.py)
+MANIFEST = "manifest.json"      # written last, its presence means the stage is complete
+PLAN = "plan.json"              # the settings the stage was started with (a rerun with others is refused)
 
 
 def shard_path(directory, k):
@@ -191,63 +164,6 @@ def stats_path(directory, k):
 
 def shard_done(directory, k):
     return shard_path(directory, k).exists() and stats_path(directory, k).exists()
-
-
-@dataclasses.dataclass(frozen=True)
-class StagePlan:
-    """How a run's stages are sized: μ (updates_per_stage) of each stage, the one rule run_stages.sh's loop, the
-    resident trainer and the preflight follow. stage_end="fixed": `stages` stages of `updates_per_stage` updates.
-    stage_end="drift": stage 0 of `updates_per_stage`; after a stage that ended on the drift warning after u
-    updates, ceil(drift_growth · u) (the warning came at u: the next stage plans a little past it); after one that
-    trained on all its μ minibatches without a warning, 2μ; at least the μ_min below which no stage ends (its
-    record's drift_min_updates), at most drift_max_updates, never past the run's total_updates. Read from the
-    records alone (stage_<s>/stage_end.json), so a rerun plans the same stages."""
-    updates_per_stage: int              # μ: fixed, every stage's; drift, the first stage's
-    stages: int                         # fixed: the run's stages (drift: total_updates' default)
-    stage_end: str = "fixed"            # fixed | drift
-    total_updates: int = 0              # drift: the run's updates (0: stages × updates_per_stage)
-    drift_growth: float = 1.25
-    drift_max_updates: int = 0          # drift: the largest μ a stage is planned with (0: 4 × updates_per_stage)
-
-    def __post_init__(self):
-        if self.stage_end not in ("fixed", "drift"):
-            raise ValueError(f"stage_end must be fixed or drift, got {self.stage_end!r}")
-        if not self.total_updates:
-            object.__setattr__(self, "total_updates", self.stages * self.updates_per_stage)
-        if not self.drift_max_updates:
-            object.__setattr__(self, "drift_max_updates", 4 * self.updates_per_stage)
-
-    @property
-    def run_updates(self):
-        """The updates of the whole run."""
-        return self.stages * self.updates_per_stage if self.stage_end == "fixed" else self.total_updates
-
-    def prompts_at(self, run_dir, s, prompts_per_update):
-        """The prompts stage s generates: its μ minibatches of prompts_per_update prompts each (0 once the run is
-        over). run_stages.sh's loop, the resident trainer's hand-over and the preflight's estimate all take it here."""
-        return self.updates_per_stage_at(run_dir, s) * prompts_per_update
-
-    def updates_per_stage_at(self, run_dir, s):
-        """μ of stage s, 0 once the run is over."""
-        if self.stage_end == "fixed":
-            return self.updates_per_stage if s < self.stages else 0
-        if s == 0:
-            return min(self.updates_per_stage, self.total_updates)
-        path = stage_dir(run_dir, s - 1) / STAGE_END
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: stage {s - 1} has not been trained on, so stage {s} has no "
-                                    f"size")
-        end = json.loads(path.read_text())
-        size = math.ceil(self.drift_growth * end["updates"]) if end["reason"] == "drift" else 2 * end["generated_updates"]
-        return max(0, min(max(end["drift_min_updates"], size), self.drift_max_updates,
-                          self.total_updates - end["run_updates"]))
-
-    def may_end_run(self, s, run_updates_before, updates_per_stage):
-        """Whether stage s (of that μ, after run_updates_before updates) may be the run's last: the last fixed
-        stage, or a drift stage that reaches the run's updates unless it ends early."""
-        if self.stage_end == "fixed":
-            return s == self.stages - 1
-        return run_updates_before + updates_per_stage >= self.total_updates
 
 
 def remove_temporaries(directory):

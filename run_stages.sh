@@ -20,7 +20,7 @@ TRACKER_GROUP=${TRACKER_GROUP:-}  # the tracker group of this run (frontier.sh a
 # ---- where a stage ends
 STAGE_END=${STAGE_END:-fixed}   # fixed: STAGES stages of UPDATES_PER_STAGE updates | drift: a stage ends once the policy
                                 # has drifted from its rollouts (optimize.py's warning on E[ρ | A<0]), the next one's μ
-                                # planned from where it ended (rollouts.StagePlan), until TOTAL_UPDATES
+                                # planned from where it ended (records.StagePlan), until TOTAL_UPDATES
 TOTAL_UPDATES=${TOTAL_UPDATES:-}  # drift: the run's updates (default STAGES × UPDATES_PER_STAGE)
 DRIFT_GROWTH=${DRIFT_GROWTH:-1.25}  # drift: after a warning at update u the next stage plans ceil(growth · u) updates
 DRIFT_MAX_UPDATES=${DRIFT_MAX_UPDATES:-}  # drift: the largest μ a stage is planned with (default 4 × UPDATES_PER_STAGE)
@@ -235,7 +235,7 @@ if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed o
       --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else
   (( EVAL_EVERY == 0 )) || phase eval_init -1 "${INIT_EVAL[@]}"
-  # stage s has μ = launch.py plan's updates_per_stage (rollouts.StagePlan), until 0; several nodes: node 0's plan
+  # stage s has μ = launch.py plan's updates_per_stage (records.StagePlan), until 0; several nodes: node 0's plan
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
   plan=($($PY launch.py --command=plan --stage=0))     # this stage's μ and its prompts, μ × PROMPTS_PER_UPDATE
   while (( plan[0] > 0 )); do

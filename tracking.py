@@ -96,7 +96,7 @@ def _numbers(row, prefix, skip=()):
 
 
 def _stage_dirs(run):
-    return [d for _, d in rollouts.stage_dirs(run)]
+    return [d for _, d in records.stage_dirs(run)]
 
 
 class RecordFiles:
@@ -129,7 +129,7 @@ def _updates_after(run, s, files=None):
     """The run updates recorded when stage s ended (its stage_end.json), 0 before the first stage, None if unknown."""
     if s < 0:
         return 0
-    end = (files or RecordFiles()).json(rollouts.stage_dir(run, s) / rollouts.STAGE_END)
+    end = (files or RecordFiles()).json(records.stage_dir(run, s) / records.STAGE_END)
     return end["run_updates"] if end else None
 
 
@@ -145,19 +145,19 @@ def rows(run, files=None):
     between passes (a follower's), so that only what changed is read."""
     run, out, files = Path(run), [], files or RecordFiles()
     # an ablation replay's directory holds its metrics.jsonl (ablate.sh: optimize.py --out=<dir>/policy); a run's stages
-    for metrics in [run / rollouts.METRICS, *(d / rollouts.METRICS for d in _stage_dirs(run))]:
+    for metrics in [run / records.METRICS, *(d / records.METRICS for d in _stage_dirs(run))]:
         for r in files.jsonl(metrics):
             out.append((f"train/{r['run_update']}", r["run_update"], r.get("time"),
                         _numbers(r, "train/", skip=("update", "run_update", "stage", "time"))))
     for d in _stage_dirs(run):
         s = int(d.name[6:])
-        manifest = d / rollouts.ROLLOUTS / rollouts.MANIFEST
+        manifest = d / records.ROLLOUTS / rollouts.MANIFEST
         read = files.read(manifest, lambda p: (json.loads(Path(p).read_text()), os.stat(p).st_mtime))
         if read is not None and (step := _updates_after(run, s - 1, files)) is not None:
             m, written = read
             out.append((f"rollout/{s}", step, written, _numbers(
                 m, "rollout/", skip=("complete", "stage", "engines_ran", "max_response_tokens", "prompts", "responses"))))
-    for r in files.jsonl(run / rollouts.RESULTS):
+    for r in files.jsonl(run / records.RESULTS):
         b = r["benchmark"]
         out.append((f"eval/{r['stage']}/{b}/{r.get('policy')}", r["updates"], r.get("time"), {
             f"eval/{b}/avg_at_{r['k']}": r["avg_at_k"], f"eval/{b}/pass_at_{r['k']}": r["pass_at_k"],
@@ -179,7 +179,7 @@ def rows(run, files=None):
 def run_config(run, knobs):
     """The tracker run's config: run_stages.sh's knobs, and the first stage's optimize.py settings once written."""
     config = {"run_stages": knobs, "group": group}
-    first = rollouts.stage_dir(run, 0) / "optimize_config.json"
+    first = records.stage_dir(run, 0) / "optimize_config.json"
     if first.exists():
         config["optimize"] = json.loads(first.read_text())
     return config
@@ -342,7 +342,7 @@ def where_line(run, total, s):
     run = Path(run)
     done = _updates_after(run, s - 1) or 0
     parts = [f"[stage {s}] update {done} of {total}"]
-    results = common.read_jsonl(run / rollouts.RESULTS) if (run / rollouts.RESULTS).exists() else []
+    results = common.read_jsonl(run / records.RESULTS) if (run / records.RESULTS).exists() else []
     if results:
         last = max(results, key=lambda r: r["time"])
         same = [r for r in results if r["stage"] == last["stage"] and r.get("policy") == last.get("policy")]

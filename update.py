@@ -22,6 +22,7 @@ import torch.distributed as dist
 import common
 import loss as L
 import model as M
+import records
 import rollouts
 
 
@@ -232,8 +233,8 @@ def agreement_reference(stage):
     run's stage 0 (or, before it has one, of the preflight's miniature stage 0, <run>/preflight/stage_0); None when
     neither is there."""
     run_dir = Path(stage.directory).parent.parent
-    for where in (rollouts.stage_dir(run_dir, 0), rollouts.stage_dir(run_dir / "preflight", 0)):
-        path = where / rollouts.METRICS
+    for where in (records.stage_dir(run_dir, 0), records.stage_dir(run_dir / "preflight", 0)):
+        path = where / records.METRICS
         first = common.read_jsonl(path)[:1] if path.exists() else []
         if first and first[0].get("mismatch/mean_abs_log_ratio") is not None and first[0].get("entropy") is not None:
             return first[0]["mismatch/mean_abs_log_ratio"], first[0]["entropy"], str(path)

@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import records  # noqa: E402
 import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -48,9 +49,9 @@ def build(out):
              "response_token_ids": [9 + i, 10, 11], "behavior_logprobs": [-10.0, -10.0, -10.0], "finish_reason": "stop",
              "reward": float(i == 0), "advantage": 1.5 if i == 0 else -0.5, "stage": 0, "policy": str(model_dir)}
             for g in range(4) for i in range(4)]
-    (stage / rollouts.ROLLOUTS).mkdir(parents=True, exist_ok=True)
-    common.atomic_write_lines(rollouts.shard_path(stage / rollouts.ROLLOUTS, 0), rows)
-    common.atomic_write_json(stage / rollouts.ROLLOUTS / rollouts.MANIFEST, {
+    (stage / records.ROLLOUTS).mkdir(parents=True, exist_ok=True)
+    common.atomic_write_lines(rollouts.shard_path(stage / records.ROLLOUTS, 0), rows)
+    common.atomic_write_json(stage / records.ROLLOUTS / rollouts.MANIFEST, {
         "complete": True, "stage": 0, "policy": str(model_dir), "shards": ["shard_00000.jsonl"],
         "sampling": {"n": 4, "temperature": 1.0, "top_p": 1.0, "max_tokens": 3}})
     return model_dir, stage

@@ -23,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import records  # noqa: E402
 import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -53,7 +54,7 @@ print(seconds, peak, stage.n, n_tokens)
 def write_stage(stage_dir):
     """The synthetic stage as JSONL shards and a manifest (no columns)."""
     rng = np.random.default_rng(0)
-    out = stage_dir / rollouts.ROLLOUTS
+    out = stage_dir / records.ROLLOUTS
     out.mkdir(parents=True, exist_ok=True)
     names, tokens = [], 0
     for k, start in enumerate(range(0, prompts, shard_prompts)):
@@ -107,11 +108,11 @@ if __name__ == "__main__":
     subprocess.run(["rm", "-rf", str(stage_dir)], check=True)
     t0 = time.perf_counter()
     tokens = write_stage(stage_dir)
-    jsonl_gb = sum(f.stat().st_size for f in (stage_dir / rollouts.ROLLOUTS).glob("*.jsonl")) / 1e9
+    jsonl_gb = sum(f.stat().st_size for f in (stage_dir / records.ROLLOUTS).glob("*.jsonl")) / 1e9
     print(f"synthetic stage: {prompts} prompts × G={group_size} = {prompts * group_size} responses, "
           f"{tokens / 1e6:.1f} M response tokens, {jsonl_gb:.2f} GB of JSONL in "
-          f"{len(list((stage_dir / rollouts.ROLLOUTS).glob('*.jsonl')))} shards (written in {time.perf_counter() - t0:.0f} s)")
-    code = MEASURE.format(root=str(ROOT), rollouts=str(stage_dir / rollouts.ROLLOUTS))
+          f"{len(list((stage_dir / records.ROLLOUTS).glob('*.jsonl')))} shards (written in {time.perf_counter() - t0:.0f} s)")
+    code = MEASURE.format(root=str(ROOT), rollouts=str(stage_dir / records.ROLLOUTS))
     rows = []
     for label in ("first start (columns built from JSONL)", "later start (columns memory-mapped)"):
         seconds, peak, n, _ = measure([sys.executable, "-c", code]).split()

@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import records  # noqa: E402
-import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 stages = 32                     # stages of each run
@@ -47,7 +46,7 @@ def measure(run):
     """Wall, compute and overhead parts (seconds) of a finished run directory."""
     records_of = records.load_run(run)      # the timeline, the manifests and metrics, read once
     timeline = records_of["timeline"]
-    timing = [json.loads(p.read_text()) for _, d in rollouts.stage_dirs(run)
+    timing = [json.loads(p.read_text()) for _, d in records.stage_dirs(run)
               if (p := d / "optimize_timing.json").exists()]
     wall = records.time_split(records_of)["wall"]       # the run's wall-clock, pauses out
     generation = sum(m["generation_seconds"] for m in records_of["manifests"].values())
@@ -84,14 +83,14 @@ def same_runs(one, two):
     (the same rows once each run's own directory is taken out of them). Returns (same weights, same rollouts)."""
     import torch
     from safetensors.torch import load_file
-    last = rollouts.stage_dir("", stages - 1) / rollouts.POLICY / "model.safetensors"
+    last = records.stage_dir("", stages - 1) / records.POLICY / "model.safetensors"
     w1, w2 = load_file(one / last), load_file(two / last)
     same_weights = w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
     def rows(path, run):
         return [json.loads(line.replace(str(run), "RUN")) for line in path.read_text().splitlines()]
-    shards = sorted(p.relative_to(one) for _, d in rollouts.stage_dirs(one)
-                    for p in (d / rollouts.ROLLOUTS).glob("shard_*.jsonl"))
+    shards = sorted(p.relative_to(one) for _, d in records.stage_dirs(one)
+                    for p in (d / records.ROLLOUTS).glob("shard_*.jsonl"))
     same_rollouts = len(shards) >= stages and all(
         (two / p).exists() and rows(one / p, one) == rows(two / p, two) for p in shards)
     return same_weights, same_rollouts

@@ -22,7 +22,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import rollouts  # noqa: E402
+import records  # noqa: E402
 from synthetic import SHAPES, build_model, count_parameters, model_flops, write_stage  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -75,7 +75,7 @@ if __name__ == "__main__":
         if proc.returncode != 0:
             table.append((ckpt, None, proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"))
             continue
-        metrics = [json.loads(line) for line in open(stage / rollouts.METRICS)]
+        metrics = [json.loads(line) for line in open(stage / records.METRICS)]
         timing = json.loads((stage / "optimize_timing.json").read_text())
         if n_params is None:
             n_params = count_parameters(model_dir)

@@ -392,8 +392,8 @@ def main():
     common.atomic_write(where / "frontier.md", table + "\n")
     figures(points, speed, baseline, costs_s, where / "plots")
     print(table)
-    print(f"\n± SE: the final accuracy's test-set standard error (each run's avg@k over its problems, in quadrature "
-          f"over the point's runs); min–max: over builds and seeds.")
+    print("\n± SE: the final accuracy's test-set standard error (each run's avg@k over its problems, in quadrature "
+          "over the point's runs); min–max: over builds and seeds.")
     print(f"speed-ups against {baseline} over the (build, seed) pairs both ran: mean [95 % t interval over the pairs]; "
           f"other columns: mean (min–max) over the runs; matched accuracy: "
           f"each run's first evaluation at or above the lowest final accuracy of {baseline}'s seeds on that build; "

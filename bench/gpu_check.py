@@ -22,7 +22,6 @@ On a model built from a config with random weights (bench/synthetic.py) and a sy
    the hashes must equal the sender's.
 Every row passes or fails; the script exits 1 if one fails. Figures go to docs/paper-run.md with the command.
 """
-import json
 import math
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import records  # noqa: E402
 from synthetic import build_model, model_flops, write_stage  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -54,7 +54,6 @@ common.apply_overrides(globals(), sys.argv[1:])
 def throughput(model_dir, stage, lengths, n_params, layers, hidden, vocab, tied):
     """optimize.py on the stage (gradient checkpointing, packing); its metrics → the throughput rows."""
     import handoff
-    import rollouts
     proc = subprocess.run([sys.executable, str(ROOT / "optimize.py"), f"--stage_dir={stage}", f"--policy={model_dir}",
                            f"--out={stage / 'policy'}", f"--updates_per_stage={updates}",
                            f"--prompts_per_update={prompts_per_update}", "--save_train_state=false",
@@ -62,7 +61,7 @@ def throughput(model_dir, stage, lengths, n_params, layers, hidden, vocab, tied)
                            "--engine_mismatch_bound=0"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"optimize.py failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
-    metrics = common.read_jsonl(stage / rollouts.METRICS)
+    metrics = common.read_jsonl(stage / records.METRICS)
     steady = range(1, updates) if updates > 1 else range(1)
     seconds = sum(metrics[u]["seconds"] for u in steady)
     per_update = len(lengths) // updates
@@ -90,7 +89,7 @@ def bf16_against_fp32(model_dir, stage):
     import update
     _, _, device = M.placement()
     net = M.build(model_dir, attention=M.choose_attention("auto", device), gradient_checkpointing=True)
-    data = rollouts.open_stage(stage / rollouts.ROLLOUTS, workers=1)
+    data = rollouts.open_stage(stage / records.ROLLOUTS, workers=1)
     first = np.arange(min(8 * prompts_per_update, data.n))
     mb = update.micro_batches(data, first[np.argsort(-(data.prompt_len + data.response_len)[first], kind="stable")],
                               micro_batch_tokens)[0]

@@ -10,6 +10,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import records  # noqa: E402
 import rollouts  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (the models' config.json)
@@ -55,7 +56,7 @@ def write_stage(stage, vocab, groups, mean_prompt_tokens, mean_response_tokens, 
                          "finish_reason": "length", "reward": float(i % 2), "advantage": 1.0 if i % 2 else -1.0,
                          "stage": 0, "policy": "bench"})
             lengths.append((len(prompt), n))
-    out = Path(stage) / rollouts.ROLLOUTS
+    out = Path(stage) / records.ROLLOUTS
     out.mkdir(parents=True, exist_ok=True)
     common.atomic_write_lines(rollouts.shard_path(out, 0), rows)
     common.atomic_write_json(out / rollouts.MANIFEST, {

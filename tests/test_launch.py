@@ -12,7 +12,6 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
 import launch  # noqa: E402
 
 # the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve)

@@ -1,5 +1,5 @@
 """Stages that end on drift (optimize.py --stage_end=drift) and the next stage planned from where the last one ended
-(rollouts.StagePlan): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
+(records.StagePlan): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
 import json
 import math
 import shutil
@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import records
 import rollouts
 from conftest import built_once, kill_when, needs_vllm, read_lines, run_script
 
@@ -34,14 +35,14 @@ def test_the_drift_warning_is_the_moving_average_of_one_minus_e_rho_given_a_nega
 
 
 def write_end(run_dir, s, reason, updates, generated, run_updates, min_updates=16):
-    path = run_dir / f"stage_{s}" / rollouts.STAGE_END
+    path = run_dir / f"stage_{s}" / records.STAGE_END
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"reason": reason, "updates": updates, "generated_updates": generated,
                                 "run_updates": run_updates, "drift_min_updates": min_updates}))
 
 
 def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
-    plan = lambda s, **kw: rollouts.StagePlan(**{  # noqa: E731
+    plan = lambda s, **kw: records.StagePlan(**{  # noqa: E731
         "updates_per_stage": 64, "stages": 0, "stage_end": "drift", "drift_growth": 1.25, "drift_max_updates": 100,
         "total_updates": 1000, **kw}).updates_per_stage_at(tmp_path, s)
     assert plan(0) == 64 and plan(0, total_updates=10) == 10
@@ -58,14 +59,14 @@ def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
 
 
 def test_a_fixed_plan_and_the_drift_defaults():
-    fixed = rollouts.StagePlan(updates_per_stage=8, stages=3)
+    fixed = records.StagePlan(updates_per_stage=8, stages=3)
     assert [fixed.updates_per_stage_at("/nonexistent", s) for s in range(4)] == [8, 8, 8, 0]
     assert fixed.run_updates == 24 and fixed.may_end_run(2, 16, 8) and not fixed.may_end_run(1, 8, 8)
-    drift = rollouts.StagePlan(updates_per_stage=8, stages=3, stage_end="drift")
+    drift = records.StagePlan(updates_per_stage=8, stages=3, stage_end="drift")
     assert (drift.total_updates, drift.drift_max_updates, drift.run_updates) == (24, 32, 24)   # 3 · 8, 4 · 8
     assert drift.may_end_run(1, 16, 8) and not drift.may_end_run(1, 15, 8)
     with pytest.raises(ValueError, match="stage_end"):
-        rollouts.StagePlan(updates_per_stage=8, stages=3, stage_end="early")
+        records.StagePlan(updates_per_stage=8, stages=3, stage_end="early")
 
 
 def test_a_stages_prompts_follow_the_previous_stages_as_its_plan_records_them(monkeypatch, tmp_path):
@@ -89,7 +90,7 @@ def test_a_stage_that_ended_on_drift_resumes_to_the_same_end_and_weights(toy, tm
     args = [f"--stage_dir={tmp_path / 'stage_0'}", "--updates_per_stage=4", "--prompts_per_update=1", "--lr=1e-3",
             "--checkpoint_every=1", *ALWAYS_WARN, "--drift_min_updates=2"]
     run_script("optimize.py", *args)
-    end = json.loads((tmp_path / "stage_0" / rollouts.STAGE_END).read_text())
+    end = json.loads((tmp_path / "stage_0" / records.STAGE_END).read_text())
     assert (end["reason"], end["updates"], end["generated_updates"], end["run_updates"]) == ("drift", 2, 4, 2)
     assert end["unused_prompts"] == 2 and len(end["unused_groups"]) == 2
     metrics = read_lines(tmp_path / "stage_0" / "metrics.jsonl")
@@ -97,11 +98,11 @@ def test_a_stage_that_ended_on_drift_resumes_to_the_same_end_and_weights(toy, tm
     assert sorted([*(g for m in metrics for g in m["groups"]), *end["unused_groups"]]) == [0, 1, 2, 3]
     weights = _weights(tmp_path / "stage_0" / "policy")
     shutil.rmtree(tmp_path / "stage_0" / "policy")
-    (tmp_path / "stage_0" / rollouts.STAGE_END).unlink()
+    (tmp_path / "stage_0" / records.STAGE_END).unlink()
     run_script("optimize.py", *args)
     again = _weights(tmp_path / "stage_0" / "policy")
     assert all(a.equal(again[k]) for k, a in weights.items())
-    assert json.loads((tmp_path / "stage_0" / rollouts.STAGE_END).read_text()) == end
+    assert json.loads((tmp_path / "stage_0" / records.STAGE_END).read_text()) == end
     assert [m["update"] for m in read_lines(tmp_path / "stage_0" / "metrics.jsonl")] == [0, 1]
 
 
@@ -129,7 +130,7 @@ def test_a_run_of_stages_that_end_on_drift_is_planned_from_its_records_and_resum
     from test_loop import run_loop
     env = lambda run: drift_env(toy, run)  # noqa: E731
     whole = drift_run
-    ends = [json.loads((whole / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(3)]
+    ends = [json.loads((whole / f"stage_{s}" / records.STAGE_END).read_text()) for s in range(3)]
     assert [(e["generated_updates"], e["updates"], e["run_updates"], e["reason"]) for e in ends] == \
         [(4, 2, 2, "drift"), (3, 2, 4, "drift"), (1, 1, 5, "all minibatches")]
     assert not (whole / "stage_3").exists()
@@ -147,7 +148,7 @@ def test_a_run_of_stages_that_end_on_drift_is_planned_from_its_records_and_resum
     run_loop(env(killed))
     from test_loop import assert_same_stages
     assert_same_stages(whole, killed, stages=(0, 1, 2))
-    assert [json.loads((killed / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(3)] == ends
+    assert [json.loads((killed / f"stage_{s}" / records.STAGE_END).read_text()) for s in range(3)] == ends
 
 
 @pytest.mark.slow
@@ -163,7 +164,7 @@ def test_resident_stages_that_end_on_drift_are_the_process_per_phase_ones_and_re
     resident = tmp_path / "resident"
     run_loop(env(resident))
     drift_run = request.getfixturevalue("drift_run")    # asked for here: this test runs beside its build (conftest)
-    ends = lambda run: [json.loads((run / f"stage_{s}" / rollouts.STAGE_END).read_text()) for s in range(3)]  # noqa: E731
+    ends = lambda run: [json.loads((run / f"stage_{s}" / records.STAGE_END).read_text()) for s in range(3)]  # noqa: E731
     assert ends(resident) == ends(drift_run) and not (resident / "stage_3").exists()
     for s in range(3):
         rows = lambda run: "".join(p.read_text() for p in sorted((run / f"stage_{s}" / "rollouts").glob(  # noqa: E731
