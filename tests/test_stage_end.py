@@ -140,7 +140,6 @@ def test_a_run_of_stages_that_end_on_drift_is_planned_from_its_records_and_resum
     assert runs == list(range(5))
     results = read_lines(whole / "results.jsonl")   # the start, after stage 1 (EVAL_EVERY=2), and after the last
     assert sorted({(r["stage"], r["updates"]) for r in results}) == [(-1, 0), (1, 4), (2, 5)]
-    import records
     assert sorted(records.load_run(whole)["stage_ends"]) == [0, 1, 2]
     killed = tmp_path / "killed"
     assert kill_when(["bash", "run_stages.sh"], lambda: (killed / "stage_1" / "metrics.jsonl").exists(),
