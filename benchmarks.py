@@ -1,5 +1,5 @@
-"""The evaluation protocol: benchmark sets, avg@k sampling and grading, the results file. generate.py (resident
-mode's evaluations) and evaluate.py share it: every benchmark's prompts sampled k times each by the engine (the share
+"""The evaluation protocol: benchmark sets, avg@k sampling and grading, the results file. generate.py (the evaluations its
+engines make before a stage's rollouts) and evaluate.py share it: every benchmark's prompts sampled k times each by the engine (the share
 of one data-parallel engine), graded by reward.py; per benchmark avg@k, pass@k and avg@k's standard error, one
 results row (results.jsonl, keyed on stage, benchmark and policy) and the graded samples.
 
@@ -178,14 +178,20 @@ def part_path(directory, r):
     return Path(directory) / f"part_{r}.json"
 
 
-def write_part(directory, r, samples):
+def write_part(directory, r, samples, start, end):
+    """Engine r's part of an evaluation: its graded samples of each policy it sampled ([policy][sample]), and when
+    it sampled them (Unix seconds)."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    common.atomic_write_json(part_path(directory, r), samples)
+    common.atomic_write_json(part_path(directory, r), {"start": start, "end": end, "samples": samples})
 
 
-def read_parts(directory, n):
-    """The graded samples that n data-parallel engine processes left in directory/part_<r>.json."""
-    return [json.loads(part_path(directory, r).read_text()) for r in range(n)]
+def merge_parts(directory, n):
+    """The parts n data-parallel engines left in directory (write_part) as one evaluation, the one merge every mode
+    takes: each policy's samples from every engine in engine order, and the span they sampled in (the first start,
+    the last end)."""
+    parts = [json.loads(part_path(directory, r).read_text()) for r in range(n)]
+    samples = [[x for part in parts for x in part["samples"][i]] for i in range(len(parts[0]["samples"]))]
+    return samples, min(part["start"] for part in parts), max(part["end"] for part in parts)
 
 
 # ----------------------------------------------------------------------------- evaluations reused across runs

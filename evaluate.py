@@ -83,19 +83,26 @@ def evaluation():
 
 
 def sample_and_grade(policies, ev, rank, n):
-    """For each policy, its graded samples of every benchmark's prompts at positions ≡ rank (mod n). The engine
-    is built once; the next policy's weights are loaded into it in place (engine.load_policy)."""
+    """For each policy, its graded samples of every benchmark's prompts at positions ≡ rank (mod n), and when the
+    sampling started (the engine built). The engine is built once; the next policy's weights are loaded into it in
+    place (engine.load_policy)."""
     reward.start_graders(grader_workers)  # their start-up runs beside the engine's
     llm = engine.make_llm(policies[0], seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
                           run_dir=Path(results).parent if results else None)   # the run's one compile cache
-    parts = []
+    parts, start = [], time.time()
     for i, path in enumerate(policies):
         if i:
             engine.load_policy(llm, path)
         print(engine.verify_weights(llm, path, f"evaluation engine {rank}"), flush=True)
         parts.append(B.sample_and_grade(llm, ev, rank, n))
-    return parts
+    return parts, start
+
+
+def write_part(directory, policies, ev, rank, total):
+    """Engine `rank`'s share (of `total` engines), sampled, graded and left in directory (benchmarks.write_part)."""
+    parts, start = sample_and_grade(policies, ev, rank, total)
+    B.write_part(directory, rank, parts, start, time.time())
 
 
 def score_policies(ev, policies, parts, seconds, engines):
@@ -158,7 +165,7 @@ def main():
     ev = evaluation()
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
         _, first, total = engines_here()
-        B.write_part(parts_dir, first + worker_rank, sample_and_grade(policies, ev, first + worker_rank, total))
+        write_part(parts_dir, policies, ev, first + worker_rank, total)
         return
     if not cache:
         evaluate(ev, policies)
@@ -186,17 +193,16 @@ def evaluate(ev, policies):
                 if any(codes):
                     sys.exit(f"evaluation engines failed with exit codes {codes}")
             else:
-                B.write_part(tmp, first, sample_and_grade(policies, ev, first, total))
+                write_part(tmp, policies, ev, first, total)
             cluster.barrier(f"eval_{stage}/sampled")
             if cluster.rank > 0:                    # node 0 scores every node's samples
                 cluster.barrier(f"eval_{stage}/scored")
                 print(f"node {node_rank}: its {n} engine(s)' samples handed to node 0")
                 return []
             common.wait_visible([B.part_path(tmp, r) for r in range(total)])    # one node: there already
-            per_rank = B.read_parts(tmp, total)
-            parts = [[x for part in per_rank for x in part[i]] for i in range(len(policies))]
+            parts = B.merge_parts(tmp, total)[0]
     else:
-        parts = sample_and_grade(policies, ev, 0, 1)
+        parts = sample_and_grade(policies, ev, 0, 1)[0]
     seconds = (time.perf_counter() - t0) / len(policies)
     out_rows = score_policies(ev, policies, parts, seconds, total)
     mean = sum(r["avg_at_k"] for r in out_rows) / max(1, len(out_rows))

@@ -11,14 +11,21 @@ each on its own shards; --tensor_parallel shards one engine across GPUs for mode
 nodes (run_stages.sh NNODES > 1) every node runs this script for its engines: shard k goes to engine k mod (nodes ×
 engines) counted over all of them, node 0 writes the plan and, once every node's shards are in, the manifest.
 
+Evaluations (--eval_every > 0, --results): the engines that generate stage s first evaluate their policy (the one
+trained on stage s − 1, the initial one at stage 0) when it is due, every benchmark's prompts shared among them as
+evaluate.py shares them, so that a run starts no engine for it; node 0 scores it into the results table (its rows
+and samples as evaluate.py writes them) and the timeline (an eval row, a part of the generate phase's). The run's
+last policy has no next stage: run_stages.sh evaluates it with evaluate.py.
+
 Resident mode (--resident=true, run_stages.sh RESIDENT=true): the engines are built once and generate every
 stage from --stage on, each with the policy the trainer process (optimize.py --resident) hands over
 (handoff.py), loaded in place; between stages they sleep (GPU). The trainer plans the stages: each policy it
 hands over says how many prompts the stage it generates has (0: it is the run's last policy). Every stage is
-generated exactly as a one-stage run would (the same shards, manifest and seeds), and the policy trained on
-every --eval_every-th stage (and on the last) is evaluated by the same engines, as evaluate.py would.
+generated exactly as a one-stage run would (the same shards, manifest and seeds), and its evaluations are made as
+that run's (and the last policy's too).
 """
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import json
@@ -27,6 +34,7 @@ import os
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import benchmarks
 import common
@@ -81,14 +89,16 @@ tensor_parallel = 1             # GPUs per engine
 gpu_memory_utilization = 0.85   # of each GPU (resident mode on a GPU: leave the trainer's resident state room)
 worker_rank = -1                # internal: set for the per-GPU engine subprocesses
 
-# resident mode (run_stages.sh RESIDENT=true) and its evaluations
+# resident mode (run_stages.sh RESIDENT=true)
 resident = False                # keep the engines for the stages from --stage on (policies from optimize.py --resident)
 policy_handoff = "transfer"     # resident: how each policy arrives: transfer (vLLM's weight-transfer API, transfer.py)
                                 # | files (a policy directory, loaded with reload_weights); optimize.py's the same
-eval_every = 0                  # resident: evaluate the policy trained on every N-th stage and on the last (0: never;
-                                # the initial policy too, as stage −1, unless results has it)
-eval_benchmarks = "test"        # resident evaluation: evaluate.py's --benchmarks, --data_dir, --k, --temperature,
-eval_data_dir = "data/toy"      # --top_p, --results and --run_start, with this script's prompt settings
+
+# the evaluations these engines make before the stage they generate (resident: and after the last)
+eval_every = 0                  # the policy trained on every N-th stage, and the initial policy as stage −1 (0: none);
+                                # not one the results table holds already
+eval_benchmarks = "test"        # evaluate.py's --benchmarks, --data_dir, --k, --temperature, --top_p, --results and
+eval_data_dir = "data/toy"      # --run_start, with this script's prompt settings
 eval_k = 4
 eval_temperature = 1.0
 eval_top_p = 1.0
@@ -96,6 +106,7 @@ eval_seed = 0                   # the evaluation's sampling seed, not the run's:
                                 # a policy's avg@k is the same number whichever mode and training seed evaluated it
 results = ""
 run_start = 0.0
+eval_parts = ""                 # internal: where the per-GPU engine subprocesses leave their shares of the evaluation
 
 # several nodes (run_stages.sh NNODES > 1)
 nnodes = 1                      # nodes generating this stage side by side (run_stages.sh NNODES), each with its
@@ -455,16 +466,28 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     return manifest
 
 
+def evaluation_due(cluster):
+    """The protocol of the evaluation stage --stage's engines make first, of the policy they generate with (trained
+    on the stage before): when it is due (eval_due; the run's last policy is evaluate.py's) and the results table
+    lacks it (node 0's answer: a resumed stage does not redo it); else None."""
+    if not eval_due(stage - 1, last=False):
+        return None
+    ev = evaluation()
+    missing = cluster.share(f"generate_{stage}/evaluate", not benchmarks.evaluated(results, stage - 1, ev))
+    return ev if missing == "True" else None
+
+
 def one_stage(problems, cluster):
     """The process-per-phase run: stage --stage with --policy, on one engine here or one per GPU group, beside the
     other nodes' (cluster: nodes.from_args, nodes.OneNode on one node; node 0 decides what the filesystem says and
-    writes the plan and the manifest, the others wait for it at barriers)."""
+    writes the plan, the evaluation and the manifest, the others wait for it at barriers)."""
     s, label = stage, str(policy)
     node0 = node_rank == 0
     complete = cluster.share(f"generate_{s}/complete", (rollouts_dir(s) / rollouts.MANIFEST).exists()) == "True"
-    if complete:
+    if complete:                 # (its evaluation was scored before the manifest was written)
         print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
         return
+    ev = evaluation_due(cluster)
     shards = stage_shards(s, problems, prompts_per_stage)
     if node0:
         prepare_stage(s, label, prompts_per_stage)
@@ -475,14 +498,23 @@ def one_stage(problems, cluster):
         print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
               f"in {len(shards)} shards; {nnodes} node(s) × {n_engines} engine(s) × TP {tensor_parallel}; "
               f"temperature {temperature}, max {max_response_tokens} tokens")
-    print(f"stage {s}, node {node_rank}: {len(todo)} shard(s) to generate here", flush=True)
-    if len({k % all_engines for k in todo}) > 1:      # more than one of this node's engines has shards
-        codes = processes.run_workers(__file__, sys.argv[1:], engine.worker_environments(n_engines, tensor_parallel))
-        if any(codes):
-            sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
-    elif todo:
-        generate_shards(start_engine(policy, s), s, label, common.policy_fingerprint(policy), todo, shards)
-    cluster.barrier(f"generate_{s}/generated")
+    print(f"stage {s}, node {node_rank}: {len(todo)} shard(s) to generate here"
+          f"{f', the evaluation of stage {s - 1} first' if ev else ''}", flush=True)
+    # the engines' shares of the evaluation meet beside the results table (one node: a temporary directory)
+    meeting = cluster.meeting_dir(Path(results).parent / ".nodes" / f"eval_stage_{s - 1}", f"generate_{s}/eval")
+    with meeting if ev else contextlib.nullcontext() as parts:
+        # every engine of this node evaluates; more than one of them generates
+        if n_engines > 1 and (ev or len({k % all_engines for k in todo}) > 1):
+            codes = processes.run_workers(__file__, [*sys.argv[1:], *([f"--eval_parts={parts}"] if ev else [])],
+                                          engine.worker_environments(n_engines, tensor_parallel))
+            if any(codes):
+                sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
+        elif todo or ev:
+            engine_work(todo, shards, ev, parts)
+        cluster.barrier(f"generate_{s}/generated")
+        if node0 and ev:
+            records.append(run_dir, score_evaluation(ev, s - 1, label, common.policy_record(policy).get(
+                "run_updates", 0), parts), process="generate")
     if node0:
         common.wait_visible([rollouts.stats_path(rollouts_dir(s), k) for k in shards])   # the other nodes' too
         write_manifest(s, label, list(shards))
@@ -491,12 +523,20 @@ def one_stage(problems, cluster):
 
 
 def engine_worker():
-    """A per-GPU engine subprocess of one_stage: this engine's shards of the stage."""
+    """A per-GPU engine subprocess of one_stage: this engine's part of the stage."""
     shards = stage_shards(stage, common.load_problems(data), prompts_per_stage)
     mine = engine_shards(shards, worker_rank, stage)
+    if mine or eval_parts:
+        engine_work(mine, shards, evaluation() if eval_parts else None, eval_parts)
+
+
+def engine_work(mine, shards, ev, parts):
+    """One engine's part of the stage: its share of the evaluation first (ev: when one is due), then its shards."""
+    llm = start_engine(policy, stage)
+    if ev is not None:
+        sample_evaluation(llm, ev, parts)
     if mine:
-        generate_shards(start_engine(policy, stage), stage, str(policy), common.policy_fingerprint(policy), mine,
-                        shards)
+        generate_shards(llm, stage, str(policy), common.policy_fingerprint(policy), mine, shards)
 
 
 # ----------------------------------------------------------------------------- resident mode
@@ -508,13 +548,11 @@ def first_pending_stage():
 
 
 def eval_due(t, last):
-    """Whether the policy trained on stage t (t = stage − 1: the initial policy) is evaluated: as run_stages.sh
-    evaluates, after every eval_every-th stage and after the run's last (`last`), and the initial policy first."""
+    """Whether the policy trained on stage t (−1: the initial policy) is evaluated, the one rule of both modes: the
+    initial policy, the one after every eval_every-th stage and the run's last (`last`)."""
     if not eval_every or not results:
         return False
-    if t < stage:
-        return True
-    return (t + 1) % eval_every == 0 or last
+    return t < 0 or (t + 1) % eval_every == 0 or last
 
 
 def evaluation():
@@ -526,11 +564,23 @@ def evaluation():
                                grader_workers=graders, grader_timeout_s=grader_timeout_s)
 
 
-def score_evaluation(ev, t, label, updates, samples, seconds):
-    """The rows and sample files of the policy trained on stage t, as evaluate.py writes them."""
+def sample_evaluation(llm, ev, parts):
+    """This engine's share of an evaluation, left in `parts` for the process that scores it."""
+    t0 = time.time()
+    benchmarks.write_part(parts, engine_index(), [benchmarks.sample_and_grade(llm, ev, engine_index(), all_engines)],
+                          t0, time.time())
+
+
+def score_evaluation(ev, t, label, updates, parts):
+    """Every engine's share of the evaluation of the policy trained on stage t (`label`, trained for the run's
+    `updates`), merged and scored: its rows and sample files as evaluate.py writes them. Returns its timeline row,
+    from the first engine's start to the scores."""
+    common.wait_visible([benchmarks.part_path(parts, r) for r in range(all_engines)])     # the other nodes' too
+    (samples,), start, _ = benchmarks.merge_parts(parts, all_engines)
     benchmarks.update_results(results, benchmarks.policy_rows(
-        samples, ev, stage=t, updates=updates, policy=label, seconds=seconds, engines=n_engines, run_start=run_start,
-        sample_dir=benchmarks.stage_samples_dir(results, t), say=f"stage {t} "))
+        samples, ev, stage=t, updates=updates, policy=label, seconds=time.time() - start, engines=all_engines,
+        run_start=run_start, sample_dir=benchmarks.stage_samples_dir(results, t), say=f"stage {t} "))
+    return {"phase": "eval", "name": f"eval_{t}", "stage": t, "start": start, "end": time.time()}
 
 
 class ResidentEngine:
@@ -635,18 +685,13 @@ class ResidentEngine:
     def evaluate(self, t, flag):
         """The policy trained on stage t, sampled by every engine; the main process scores it and writes its rows,
         samples and timeline row."""
-        ev, parts, t0 = self.ev, handoff.state_dir(run_dir) / "eval" / f"stage_{t}", time.time()
+        parts = handoff.state_dir(run_dir) / "eval" / f"stage_{t}"
         if self.has_engine:
-            samples = benchmarks.sample_and_grade(self.llm, ev, self.rank, n_engines)
-            if not self.writes_run_files:
-                benchmarks.write_part(parts, self.rank, samples)
+            sample_evaluation(self.llm, self.ev, parts)
         if self.writes_run_files:
-            if self.procs:
-                self.partner.wait(lambda: all(benchmarks.part_path(parts, r).exists() for r in range(n_engines)),
-                                  watch=self.watch_workers, partner=False)
-                samples = [x for part in benchmarks.read_parts(parts, n_engines) for x in part]
-            score_evaluation(ev, t, flag["policy"], flag["run_updates"], samples, time.time() - t0)
-            self.partner.timeline({"phase": "eval", "name": f"eval_{t}", "stage": t, "start": t0, "end": time.time()})
+            self.partner.wait(lambda: all(benchmarks.part_path(parts, r).exists() for r in range(n_engines)),
+                              watch=self.watch_workers, partner=False)
+            self.partner.timeline(score_evaluation(self.ev, t, flag["policy"], flag["run_updates"], parts))
 
     def generate(self, s, flag, problems, prompts, row, mine):
         """Stage s of `prompts` prompts: this engine's shards, then asleep before the trainer (told by the manifest)

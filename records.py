@@ -5,8 +5,9 @@ read through it.
 
 timeline.jsonl, one row per timed span: {"phase", "name", "stage", "start", "end", "seconds"} (Unix seconds), written
 by run_stages.sh (launch.py --command=row: each phase; --command=attempt: an attempt's zero-length start row), by
-launch.py (a resident attempt's top row, attempt_row) and by the resident processes (handoff.Partner.timeline: rows
-that carry "process", parts of their attempt's row). It is also the home of the run directory's names (a stage's
+launch.py (a resident attempt's top row, attempt_row), by the resident processes (handoff.Partner.timeline) and by
+generate.py (the evaluation its engines make before a stage): rows that carry "process", parts of a top row (their
+attempt's, their generate phase's). It is also the home of the run directory's names (a stage's
 rollouts/ files: rollouts.py) and of the stage plan (StagePlan: each stage's μ, read from the records).
 """
 import dataclasses
@@ -192,9 +193,9 @@ def accuracy_by_stage(run):
 
 
 def phase_summary(run):
-    """Seconds per phase kind, total, and the share spent outside generation and training compute. The rows a
-    resident run's two processes write (they carry "process") are parts of its "resident" row: they count in
-    evaluation and in the components, not again in the total."""
+    """Seconds per phase kind, total, and the share spent outside generation and training compute. The rows that
+    carry "process" (a resident run's two processes', a generate phase's evaluation) are parts of a top row: they
+    count in evaluation and in the components, not again in the total."""
     per_kind, parts = {}, {}
     for t in run["timeline"]:
         kinds = parts if "process" in t else per_kind

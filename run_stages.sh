@@ -207,7 +207,10 @@ EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" 
 GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --temperature=$TEMPERATURE
                --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE --shard_prompts=$SHARD_PROMPTS
                --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" --per_request_seed="$PER_REQUEST_SEED"
-               "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}")
+               "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}"     # and the evaluations due before the stage, by its engines:
+               --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" --eval_data_dir="$EVAL_DATA_DIR"
+               --eval_k="$EVAL_K" --eval_temperature="$EVAL_TEMPERATURE" --eval_top_p="$EVAL_TOP_P"
+               --results="$RUN/results.jsonl" --run_start="$START")
 OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR   # and each stage its μ, --updates_per_stage
                --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
                --seed="$SEED" --checkpoint_every=$(( UPDATES_PER_STAGE >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
@@ -219,22 +222,20 @@ if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0
 elif (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS")
 else TRAIN=($PY); fi
 
-INIT_EVAL=($PY evaluate.py --policy="$MODEL" --stage=-1 "${EVAL_ARGS[@]}" ${EVAL_CACHE:+"--cache=$EVAL_CACHE"})
+# the engines evaluate each policy before the stage it generates, the initial one too, unless a kept evaluation may
+# spare it (evaluate.py --cache)
+[[ -z "$EVAL_CACHE" ]] || (( EVAL_EVERY == 0 )) || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 \
+    "${EVAL_ARGS[@]}" --cache="$EVAL_CACHE"
 if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed one stops the other); a rerun resumes:
                                      # the engine at the first stage without rollouts, the trainer at its last state
-  # the engines evaluate the initial policy themselves, unless a kept evaluation may spare it
-  [[ -z "$EVAL_CACHE" ]] || (( EVAL_EVERY == 0 )) || phase eval_init -1 "${INIT_EVAL[@]}"
   $PY launch.py --command=resident --logs="$RUN/logs" \
       $PY generate.py --resident=true --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
       --prompts_per_stage="$PROMPTS_PER_STAGE" --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" \
-      --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" --eval_data_dir="$EVAL_DATA_DIR" --eval_k="$EVAL_K" \
-      --eval_temperature="$EVAL_TEMPERATURE" --eval_top_p="$EVAL_TOP_P" --results="$RUN/results.jsonl" \
-      --run_start="$START" --policy_handoff="$HANDOFF" :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" \
+      --policy_handoff="$HANDOFF" :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" \
       --stages="$STAGES" --policy_handoff="$HANDOFF" --engines="$ENGINES" \
       --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --updates_per_stage="$UPDATES_PER_STAGE" --save_every="$SAVE_EVERY" \
       --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else
-  (( EVAL_EVERY == 0 )) || phase eval_init -1 "${INIT_EVAL[@]}"
   # stage s has μ = launch.py plan's updates_per_stage (records.StagePlan), until 0; several nodes: node 0's plan
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
   plan=($($PY launch.py --command=plan --stage=0))     # this stage's μ and its prompts, μ × PROMPTS_PER_UPDATE
@@ -252,7 +253,7 @@ else
     fi
     NEXT=$( (( NODE_RANK > 0 )) || $PY launch.py --command=plan --stage=$((s + 1)) )   # a failure stops the run here
     next=($(share "planned/$((s + 1))" "$NEXT"))
-    if (( EVAL_EVERY > 0 && ((s + 1) % EVAL_EVERY == 0 || next[0] == 0) )); then
+    if (( EVAL_EVERY > 0 && next[0] == 0 )); then    # the last policy (the others: the next stage's engines)
       phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
     fi
     s=$((s + 1)) plan=("${next[@]}")

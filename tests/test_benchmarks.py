@@ -113,11 +113,14 @@ def test_a_rerun_replaces_its_rows_and_keeps_the_others(tmp_path):
     assert [r["avg_at_k"] for r in common.read_jsonl(path)] == [0.6, 0.7]
 
 
-def test_the_engines_parts_are_read_back_in_rank_order(tmp_path):
-    parts = [[["a", 0, 0, "t", 1.0, {"reason": "correct"}]], [], [["a", 1, 0, "u", 0.0, {"reason": "wrong"}]]]
+def test_the_engines_parts_merge_in_rank_order_with_their_span(tmp_path):
+    # engine r's samples of two policies ([policy][sample]), written out of rank order, and when each sampled
+    a0, b0 = ["a", 0, 0, "t", 1.0, {"reason": "correct"}], ["a", 0, 0, "v", 0.0, {"reason": "wrong"}]
+    a1, b1 = ["a", 1, 0, "u", 0.0, {"reason": "wrong"}], ["a", 1, 0, "w", 1.0, {"reason": "correct"}]
+    parts = {0: ([[a0], [b0]], 10.0, 14.0), 1: ([[], []], 11.0, 12.0), 2: ([[a1], [b1]], 9.5, 13.0)}
     for r in (2, 0, 1):
-        (tmp_path / f"part_{r}.json").write_text(json.dumps(parts[r]))
-    assert benchmarks.read_parts(tmp_path, 3) == parts
-    assert benchmarks.read_parts(tmp_path, 2) == parts[:2]
+        benchmarks.write_part(tmp_path, r, *parts[r])
+    assert benchmarks.merge_parts(tmp_path, 3) == ([[a0, a1], [b0, b1]], 9.5, 14.0)   # first start, last end
+    assert benchmarks.merge_parts(tmp_path, 2) == ([[a0], [b0]], 10.0, 14.0)
     with pytest.raises(FileNotFoundError, match="part_3.json"):              # an engine that left none
-        benchmarks.read_parts(tmp_path, 4)
+        benchmarks.merge_parts(tmp_path, 4)

@@ -1,6 +1,6 @@
 """evaluate.py's glue in process, no engine (its sampling replaced by given graded samples): the rows and sample files
-it writes, and resident mode's evaluations (generate.py --resident), which must write the same bytes from the same
-samples."""
+it writes, and the evaluations generate.py's engines make (before a stage, and resident after the last), which must
+write the same bytes from the same samples."""
 import importlib
 import json
 import socket
@@ -51,7 +51,7 @@ def evaluate_alone(monkeypatch, tmp_path, policy):
                              f"--data_dir={tmp_path / 'bench'}", "--k=2", "--top_p=0.7", "--stage=3", "--run_start=1000",
                              f"--results={tmp_path / 'alone' / 'results.jsonl'}", "--engines=1", *PROMPTS)
     monkeypatch.setattr(evaluate, "time", CLOCK)
-    monkeypatch.setattr(evaluate, "sample_and_grade", lambda policies, ev, rank, n: [list(SAMPLES)])
+    monkeypatch.setattr(evaluate, "sample_and_grade", lambda policies, ev, rank, n: ([list(SAMPLES)], 4600.0))
     evaluate.main()
     return evaluate
 
@@ -74,23 +74,39 @@ def test_evaluate_writes_a_row_per_benchmark_and_its_graded_samples(files, monke
     assert out[:2] == ["a: avg@2 0.2500  pass@2 0.5000  (2 problems)", "b: avg@2 1.0000  pass@2 1.0000  (1 problems)"]
 
 
-def test_resident_evaluations_write_evaluate_pys_rows_and_samples_byte_for_byte(files, monkeypatch, capsys):
+def test_generate_pys_evaluations_write_evaluate_pys_rows_and_samples_byte_for_byte(files, monkeypatch, capsys):
     tmp_path, policy = files
     evaluate = evaluate_alone(monkeypatch, tmp_path, policy)
     alone = capsys.readouterr().out.splitlines()[:2]
-    generate = import_script(monkeypatch, "generate", "--resident=true", f"--run_dir={tmp_path / 'run'}",
+    generate = import_script(monkeypatch, "generate", f"--run_dir={tmp_path / 'run'}",
                              "--eval_every=1", "--eval_benchmarks=a,b", f"--eval_data_dir={tmp_path / 'bench'}",
                              "--eval_k=2", "--eval_top_p=0.7", "--run_start=1000", "--engines=1",
-                             f"--results={tmp_path / 'resident' / 'results.jsonl'}", *PROMPTS)
+                             f"--results={tmp_path / 'generate' / 'results.jsonl'}", *PROMPTS)
+    monkeypatch.setattr(generate, "time", CLOCK)
     ev = generate.evaluation()
     assert ev == evaluate.evaluation()            # the same protocol from the same settings
     assert not benchmarks.evaluated(generate.results, 3, ev)
-    # the engine's samples of the policy trained on stage 3, as its hand-off flag names it (the seconds: evaluate.py's)
-    generate.score_evaluation(ev, 3, str(policy), common.policy_record(policy)["run_updates"], list(SAMPLES), 0.0)
+    # the engine's samples of the policy trained on stage 3, left as its part and scored as the flag of the policy
+    # names it (the seconds: evaluate.py's, 0 on this clock)
+    monkeypatch.setattr(benchmarks, "sample_and_grade", lambda llm, ev, rank, n: list(SAMPLES))
+    generate.sample_evaluation(None, ev, tmp_path / "parts")
+    row = generate.score_evaluation(ev, 3, str(policy), common.policy_record(policy)["run_updates"], tmp_path / "parts")
+    assert row == {"phase": "eval", "name": "eval_3", "stage": 3, "start": 4600.0, "end": 4600.0}
     assert benchmarks.evaluated(generate.results, 3, ev) and not benchmarks.evaluated(generate.results, 4, ev)
     for name in ("results.jsonl", "eval_samples/stage_3/a.jsonl", "eval_samples/stage_3/b.jsonl"):
-        assert (tmp_path / "resident" / name).read_bytes() == (tmp_path / "alone" / name).read_bytes(), name
+        assert (tmp_path / "generate" / name).read_bytes() == (tmp_path / "alone" / name).read_bytes(), name
     assert capsys.readouterr().out.splitlines() == [f"stage 3 {line}" for line in alone]
+
+
+@pytest.mark.parametrize("every,due", [(1, [-1, 0, 1, 2, 3]), (2, [-1, 1, 3]), (3, [-1, 2, 3]), (0, [])])
+def test_one_rule_says_which_policies_are_evaluated(monkeypatch, tmp_path, every, due):
+    # a 4-stage run: the initial policy (−1), every every-th stage's, and the last (3) whatever every is; none at 0
+    for stage in (0, 2):          # whichever stage's engines ask (per phase, stage 2's evaluate stage 1's policy)
+        generate = import_script(monkeypatch, "generate", f"--eval_every={every}", f"--stage={stage}",
+                                 f"--results={tmp_path / 'r.jsonl'}")
+        assert [t for t in range(-1, 4) if generate.eval_due(t, last=t == 3)] == due
+    generate = import_script(monkeypatch, "generate", f"--eval_every={every}")      # no results table: none
+    assert not any(generate.eval_due(t, last=t == 3) for t in range(-1, 4))
 
 
 # a node's evaluate.py, its engines' sampling replaced: engine r of n gets every n-th prompt from r on (a0, a1, b0)
@@ -100,8 +116,8 @@ samples, sys.argv = json.loads(sys.argv[2]), ["evaluate.py", *json.loads(sys.arg
 import benchmarks, evaluate
 benchmarks.time = evaluate.time = types.SimpleNamespace(time=lambda: 4600.0, perf_counter=lambda: 5.0)
 order = [("a", 0), ("a", 1), ("b", 0)]
-evaluate.sample_and_grade = lambda policies, ev, rank, n: [
-    [s for s in samples if order.index((s[0], s[1])) % n == rank]]
+evaluate.sample_and_grade = lambda policies, ev, rank, n: ([
+    [s for s in samples if order.index((s[0], s[1])) % n == rank]], 4600.0)
 evaluate.main()
 """
 
@@ -143,7 +159,8 @@ def evaluate_kept(monkeypatch, tmp_path, policy, out, *flags):
                              f"--cache={tmp_path / 'cache'}", *PROMPTS, *flags)
     asked = []
     monkeypatch.setattr(evaluate, "time", CLOCK)
-    monkeypatch.setattr(evaluate, "sample_and_grade", lambda policies, ev, rank, n: asked.append(policies) or [list(SAMPLES)])
+    monkeypatch.setattr(evaluate, "sample_and_grade",
+                        lambda policies, ev, rank, n: asked.append(policies) or ([list(SAMPLES)], 4600.0))
     evaluate.main()
     return asked
 

@@ -21,6 +21,10 @@ def loop_env(toy, run_dir):
             "PROMPTS_PER_UPDATE": "16", "LR": "5e-4", "MAX_RESPONSE": "12", "EVAL_K": "4"}
 
 
+def read_log(path):
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def run_loop(env):
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=900)
@@ -50,9 +54,23 @@ def test_toy_loop_end_to_end(finished_run):
         assert [m["update"] for m in read_lines(stage / "metrics.jsonl")] == list(range(6))
     attempt, *rows = read_lines(finished_run / "timeline.jsonl")      # the attempt's start (records.pauses), then
     assert (attempt["phase"], attempt["seconds"]) == ("attempt", 0) and attempt["start"] <= rows[0]["start"]  # phases
-    phases = [t["name"] for t in rows]
-    assert phases == ["eval_init", "generate_0", "optimize_0", "eval_0", "generate_1", "optimize_1", "eval_1"]
+    phases = [t["name"] for t in rows if "process" not in t]
+    assert phases == ["generate_0", "optimize_0", "generate_1", "optimize_1", "eval_1"]
     assert all((finished_run / "logs" / f"{p}.log").exists() for p in phases)
+    # a stage's engines evaluate the policy they generate with first (the last policy: evaluate.py, eval_1): its row
+    # is a part of the generate phase's, counted once in the run's evaluation and not again in its wall-clock
+    parts = {t["name"]: t for t in rows if "process" in t}
+    assert {name: t["process"] for name, t in parts.items()} == {"eval_-1": "generate", "eval_0": "generate"}
+    for name, s in (("eval_-1", 0), ("eval_0", 1)):
+        generate = next(t for t in rows if t["name"] == f"generate_{s}")
+        assert generate["start"] < parts[name]["start"] < parts[name]["end"] < generate["end"]
+    import records
+    split = records.time_split(records.load_run(finished_run))
+    assert split["evaluation"] == pytest.approx(sum(t["seconds"] for t in rows if t["phase"] == "eval"))
+    top = [t for t in rows if "process" not in t]
+    assert split["wall"] == pytest.approx(top[-1]["end"] - top[0]["start"])
+    assert split["switching"] == pytest.approx(sum(t["seconds"] for t in top) - split["evaluation"]
+                                               - split["generation"] - split["training"])
     samples = read_lines(finished_run / "eval_samples" / "stage_1" / "test.jsonl")
     assert len(samples) == 4 * results[-1]["problems"]
 
@@ -118,12 +136,14 @@ def killed_in_each_phase(toy, run_dir):
            "WANDB_SILENT": "true", "TRACKER_GROUP": "box"}
     in_generation = lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()  # noqa: E731
     in_optimization = lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()  # noqa: E731
-    in_evaluation = lambda: (run_dir / ".done" / "optimize_0").exists()  # noqa: E731
+    # the evaluation of stage 0's policy, which stage 1's engines make first (generate.py says so before they start)
+    in_evaluation = lambda: "the evaluation of stage 0 first" in read_log(run_dir / "logs" / "generate_1.log")  # noqa: E731
     for condition, unfinished in [(in_generation, "generate_0"), (in_optimization, "optimize_0"),
-                                  (in_evaluation, "eval_0")]:
+                                  (in_evaluation, "generate_1")]:
         assert kill_when(["bash", "run_stages.sh"], condition, env=env, timeout=600)
         assert not (run_dir / ".done" / unfinished).exists()
         assert_none_left(run_dir)
+    assert {r["stage"] for r in read_lines(run_dir / "results.jsonl")} == {-1}     # stage 0's not scored yet
     run_loop(env)
 
 
@@ -278,7 +298,8 @@ def test_two_localhost_nodes_from_a_cold_start_end_where_one_node_does_and_a_dea
     # node 0 alone keeps the run-level records (an attempt's start row at each of its starts); node 1's phase logs
     # are its own; the time from the first attempt's last record to the rerun is not the run's (records.pauses)
     timeline = read_lines(run_dir / "timeline.jsonl")
-    assert [t["name"] for t in timeline] == ["attempt", "eval_init", "generate_0", "attempt", "optimize_0", "eval_0"]
+    assert [t["name"] for t in timeline] == ["attempt", "eval_-1", "generate_0", "attempt", "optimize_0", "eval_0"]
+    assert timeline[1]["process"] == "generate"     # the initial policy's, by generate_0's engines, one per node
     import records
     assert records.pauses({"timeline": timeline}) == [(timeline[2]["end"], timeline[3]["start"])]
     assert (run_dir / "logs" / "node1" / "eval_0.log").exists() and (run_dir / ".done" / "all").exists()
@@ -298,7 +319,7 @@ def test_a_wrong_interface_stops_every_node_right_after_the_join_in_one_line(toy
     for _, err in outs:
         assert ("the trainers' gloo process group across 2 nodes (2 ranks) failed" in err and
                 "likely the wrong interface (GLOO_SOCKET_IFNAME=no-such-if0" in err), err[-3000:]
-    assert not (run_dir / ".done" / "eval_init").exists() and not list(run_dir.glob("stage_*"))
+    assert not (run_dir / "results.jsonl").exists() and not list(run_dir.glob("stage_*"))
 
 
 @pytest.mark.slow
@@ -463,7 +484,7 @@ def test_training_data_without_answers_fails_before_any_phase(toy, tmp_path):
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 2 and "has no field 'answer'" in proc.stderr
-    assert not (tmp_path / "run" / ".done" / "eval_init").exists()
+    assert not (tmp_path / "run" / "results.jsonl").exists()        # no evaluation either
 
 
 @pytest.mark.slow
