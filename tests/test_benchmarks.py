@@ -1,7 +1,6 @@
 """benchmarks.py, the evaluation protocol, in process and by hand (no engine): benchmark sets, samples per problem,
 avg@k, pass@k and avg@k's standard error, the rows and sample files a policy's graded samples give, the results
 table a rerun updates in place, the engines' parts read back."""
-import json
 import math
 
 import pytest
