@@ -55,7 +55,7 @@ JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}  # seconds the nodes wait for each other to st
 DEAD_AFTER=${DEAD_AFTER:-10}    # seconds without a node's heartbeat before the others stop (naming it)
 COLLECTIVE_TIMEOUT=${COLLECTIVE_TIMEOUT:-60}  # seconds the trainers' ranks have to reach each other after the join
 HSDP=${HSDP:-false}             # true: shard the trainer within each node, replicate across nodes (16 bytes/parameter)
-# ---- set per preset below, unless given in the environment
+# ---- set per preset (presets.sh), unless given in the environment
 #   MODEL, TRAIN_DATA, BENCHMARKS  initial policy (HF name or directory), training problems (JSONL), evaluated sets
 #   STAGES              generate → optimize stages                                    (paper 4)
 #   UPDATES_PER_STAGE   μ, optimizer updates per stage                                (paper 1024)
@@ -76,29 +76,7 @@ for v in "${!PET_@}"; do unset "$v"; done
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh); tests point MU_GRPO_VENV at theirs
 out=$($PY launch.py --command=preset) || exit 2; eval "$out"     # PRESET=auto: paper with GPUs, else toy
-case "$PRESET" in
-  paper)
-    : "${MODEL:=Qwen/Qwen2.5-Math-7B}" "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
-    : "${BENCHMARKS:=amc23,amc24,aime24,aime25,math500}" "${STAGES:=4}" "${UPDATES_PER_STAGE:=1024}"
-    : "${PROMPTS_PER_UPDATE:=64}" "${GROUP_SIZE:=8}" "${LR:=1e-6}" "${MAX_PROMPT:=1536}" "${MAX_RESPONSE:=2560}"
-    : "${TEMPERATURE:=1.0}" "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$VISIBLE_GPUS}"
-    : "${TEMPLATE:=default}" "${WARMUP:=0}" "${MICRO_BATCH_TOKENS:=16384}" "${GRAD_CKPT:=true}" "${SHARD_PROMPTS:=4096}" ;;
-  toy)
-    : "${MODEL:=data/toy/model}" "${TRAIN_DATA:=data/toy/train.jsonl}" "${EVAL_DATA_DIR:=data/toy}"
-    : "${BENCHMARKS:=test}" "${STAGES:=3}" "${UPDATES_PER_STAGE:=8}" "${PROMPTS_PER_UPDATE:=16}"
-    : "${GROUP_SIZE:=8}" "${LR:=2e-4}" "${MAX_PROMPT:=64}" "${MAX_RESPONSE:=16}" "${TEMPERATURE:=1.0}"
-    : "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
-    : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=64}" ;;
-  lab|lab-fork)   # the CPU lab tasks of ablate.sh: data/lab.py (3–8-step arithmetic chains, 32–77-token
-                  # solutions) and data/lab_fork.py (the same chains, most demonstrations taking a doomed detour)
-    LAB_DIR=data/${PRESET/-/_}
-    : "${MODEL:=$LAB_DIR/model}" "${TRAIN_DATA:=$LAB_DIR/train.jsonl}" "${EVAL_DATA_DIR:=$LAB_DIR}"
-    : "${BENCHMARKS:=test}" "${STAGES:=8}" "${UPDATES_PER_STAGE:=32}" "${PROMPTS_PER_UPDATE:=4}"
-    : "${GROUP_SIZE:=8}" "${LR:=1e-4}" "${MAX_PROMPT:=64}" "${TEMPERATURE:=1.0}"
-    : "${MAX_RESPONSE:=$([[ $PRESET == lab-fork ]] && echo 160 || echo 128)}"
-    : "${EVAL_K:=1}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=1.0}" "${GPUS:=0}" "${TEMPLATE:=plain}" "${WARMUP:=0}"
-    : "${MICRO_BATCH_TOKENS:=4096}" "${GRAD_CKPT:=false}" "${SHARD_PROMPTS:=1024}" ;;
-esac
+source presets.sh                # the preset's defaults for the knobs above that it sets
 source losses.sh                 # the paper's method and the baselines it is compared with, as optimize.py flags
 loss_args "$LOSS" || exit 2
 # every knob checked before any phase runs (a typo fails here, not after the first evaluation), defaults resolved

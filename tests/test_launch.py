@@ -256,12 +256,13 @@ def test_the_resident_pair_that_ends_well_is_one_timeline_row(tmp_path, monkeypa
 
 
 def test_every_knob_run_stages_sh_sets_is_in_the_table():
-    # the knob block (NAME=${NAME:-...}) and the presets (: "${NAME:=...}"): a knob added there and not to the table
-    # would go unchecked and uncompared between nodes
+    # the knob block (NAME=${NAME:-...}) and the presets (presets.sh: : "${NAME:=...}"): a knob added there and not to
+    # the table would go unchecked and uncompared between nodes
     import re
     text = (ROOT / "run_stages.sh").read_text()
-    block = text[:text.index("# ---- set per preset below")]
-    knobs = set(re.findall(r"^([A-Z_]+)=\$\{\1:-", block, re.M)) | set(re.findall(r'"\$\{([A-Z_]+):=', text))
+    block = text[:text.index("# ---- set per preset (presets.sh)")]
+    knobs = set(re.findall(r"^([A-Z_]+)=\$\{\1:-", block, re.M)) | set(re.findall(r'"\$\{([A-Z_]+):=', text + (
+        ROOT / "presets.sh").read_text()))
     assert len(knobs) > 40
     assert knobs - {"NAV_DELTA"} <= set(launch.SETTINGS), knobs - set(launch.SETTINGS)   # NAV_DELTA: in LOSS_ARGS
     assert set(launch.SETTINGS) - knobs == {"LOSS_ARGS", "ENGINES", "TRAIN_RANKS"}    # losses.sh's, and two defaults
