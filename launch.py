@@ -7,10 +7,12 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
                                           them (every knob, KEY=value lines: what the nodes' join compares and the
                                           trackers' config)
     python launch.py --command=lock       the run directory's lock, on run_stages.sh's descriptor 9
-    python launch.py --command=build      node 0: the preset's task and policy built, the paper's data fetched
-    python launch.py --command=prepare    once the model and data are there: a hub MODEL resolved to its local copy,
-                                          TRAIN_DATA read, the resident engines' GPU share checked
-    python launch.py --command=collective   several nodes, right after the join: the trainers' ranks reach each other
+    python launch.py --command=start --logs=DIR --coordinator=ADDR:PORT   the start-up, every node, before any
+                                          compute: node 0 builds the preset's task and policy and fetches the paper's
+                                          data while the others wait for its word; a hub MODEL resolved to its local
+                                          copy, TRAIN_DATA read, the resident engines' GPU share checked; on several
+                                          nodes their join and the trainers' ranks reaching each other; the run's
+                                          start time. Its assignments go to descriptor 3, its output to stdout
     python launch.py --command=preflight  preflight.py at the run's settings
     python launch.py --command=handoff    resident: the hand-off the run uses (HANDOFF, or files after the preflight's
                                           fallback)
@@ -41,8 +43,8 @@ import records
 # ----------------------------------------------------------------------------- hyperparameters
 command = ""                    # one of the commands above
 stage = 0                       # plan: the stage whose μ is asked
-logs = ""                       # resident, collective: the directory of the logs (engine.log, trainer.log, collective.log)
-coordinator = "127.0.0.1:29500"  # collective: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
+logs = ""                       # resident, start: the directory of the logs (engine.log, trainer.log, collective.log)
+coordinator = "127.0.0.1:29500"  # start: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
 name = ""                       # row: the phase's name (eval_init, generate_0, ...; its kind: the part before the last _)
 start = 0.0                     # row: when the phase started and ended (Unix seconds)
 end = 0.0
@@ -276,12 +278,44 @@ def build_command():
         benchmarks.benchmark_sets(e["BENCHMARKS"].split(","), e["EVAL_DATA_DIR"])
 
 
-def prepare_command():
-    """Once node 0 has built or fetched the model and data (every node: after nodes.py ready). The libraries' output
-    goes to stderr: stdout is the assignments run_stages.sh evals."""
-    with contextlib.redirect_stdout(sys.stderr):
-        values = prepared(os.environ)
-    print(assignments(values))
+def start_up_command():
+    """Every node, before any compute: node 0 builds or fetches the model and data (build_command) while the others
+    wait for its word (nodes.py ready: started first, they would find nothing at those paths yet, and take a directory
+    not built yet for a hub name); the model and data prepared (prepared); on several nodes, all of them checked to
+    have the same settings, model and data (nodes.py join), then the trainers' network (collective_command); the
+    run's start, node 0's. The assignments run_stages.sh evals go to descriptor 3 (stdout stays the terminal's)."""
+    e, several, node0 = os.environ, int(os.environ["NNODES"]) > 1, os.environ["NODE_RANK"] == "0"
+    node_flags = [f"--nnodes={e['NNODES']}", f"--node_rank={e['NODE_RANK']}", f"--coordinator={coordinator}",
+                  f"--join_timeout_s={e['JOIN_TIMEOUT']}"]
+    if node0:
+        build_command()
+    is_dir = "1" if Path(e["MODEL"]).is_dir() else "0"
+    if several:         # node 0's word: on another node a directory may not be visible yet
+        is_dir = nodes_command("ready", *node_flags, f"--value={is_dir}", capture=True)
+    with contextlib.redirect_stdout(sys.stderr):      # the libraries' output
+        values = prepared({**e, "MODEL_IS_DIR": is_dir})
+    if several:
+        data = ",".join([e["TRAIN_DATA"], *(f"{e['EVAL_DATA_DIR']}/{b}.jsonl" for b in e["BENCHMARKS"].split(","))])
+        nodes_command("join", *node_flags, f"--run_dir={e['RUN']}", f"--model={values['MODEL']}", f"--data={data}",
+                      f"--settings={e['SETTINGS']}")
+        collective_command()
+    marker = Path(e["RUN"]) / ".done" / "start"
+    if node0 and not marker.exists():
+        marker.write_text(f"{int(time.time())}\n")
+    values["START"] = marker.read_text().strip() if node0 else ""
+    if several:
+        values["START"] = nodes_command("share", *node_flags, "--key=start", f"--value={values['START']}", capture=True)
+    with open(3, "w") as out:
+        out.write(assignments(values) + "\n")
+
+
+def nodes_command(name, *flags, capture=False):
+    """nodes.py's command `name`; its failure ends this one with its status. capture: returns what it printed."""
+    proc = subprocess.run([sys.executable, "nodes.py", f"--command={name}", *flags], text=True,
+                          stdout=subprocess.PIPE if capture else None)
+    if proc.returncode:
+        sys.exit(proc.returncode)
+    return proc.stdout.strip() if capture else None
 
 
 def prepared(env):
@@ -428,9 +462,8 @@ if __name__ == "__main__":
     n_own = next((i for i, a in enumerate(argv) if not a.startswith("--")), len(argv))
     common.apply_overrides(globals(), argv[:n_own])
     rest = argv[n_own:]
-    commands = {"lock": lock_command, "preset": preset_command, "settings": settings_command, "build": build_command,
-                "prepare": prepare_command,
-                "collective": collective_command, "preflight": preflight_command, "handoff": handoff_command,
+    commands = {"lock": lock_command, "preset": preset_command, "settings": settings_command, "start": start_up_command,
+                "preflight": preflight_command, "handoff": handoff_command,
                 "plan": lambda: plan_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
                 "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}

@@ -117,22 +117,10 @@ echo "run $RUN: $PRESET preset, loss $LOSS; $( [[ $STAGE_END == drift ]] \
   && echo "stages that end on drift, the first of $UPDATES_PER_STAGE updates, until $TOTAL_UPDATES updates" \
   || echo "$STAGES stages × $UPDATES_PER_STAGE updates") of $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE; model $MODEL; GPUs $GPUS"
 
-# node 0 builds the toy and lab tasks and their warm-started policies, fetches the paper's data (and on several nodes
-# the benchmarks), then tells the others (nodes.py ready: started first, they would find nothing at those paths yet)
-(( NODE_RANK > 0 )) || $PY launch.py --command=build 9>&-
-MODEL_IS_DIR=$([[ -d "$MODEL" ]] && echo 1 || echo 0)
-(( NNODES == 1 )) || MODEL_IS_DIR=$($PY nodes.py --command=ready "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" \
-                                    --value="$MODEL_IS_DIR" 9>&-)
-out=$(MODEL_IS_DIR=$MODEL_IS_DIR $PY launch.py --command=prepare 9>&-) || exit 2; eval "$out"  # MODEL: a local directory
-if (( NNODES > 1 )); then     # before any compute: all nodes here, with the same settings, model and data; then the
-                              # trainers' network (one all-reduce of every rank), now and not in the first update
-  $PY nodes.py --command=join "${NODE_ARGS[@]}" --join_timeout_s="$JOIN_TIMEOUT" --run_dir="$RUN" --model="$MODEL" \
-      --data="$TRAIN_DATA$(for b in ${BENCHMARKS//,/ }; do printf ',%s' "$EVAL_DATA_DIR/$b.jsonl"; done)" \
-      --settings="$SETTINGS" 9>&-
-  $PY launch.py --command=collective --logs="$LOGS" --coordinator="$MASTER_ADDR:$MASTER_PORT" 9>&-
-fi
-(( NODE_RANK > 0 )) || [[ -f "$RUN/.done/start" ]] || date +%s > "$RUN/.done/start"
-START=$(share start "$( (( NODE_RANK > 0 )) || cat "$RUN/.done/start")")
+# before any compute (launch.py start): node 0 builds the toy and lab tasks, fetches data, the others wait for it; MODEL
+# a local directory; several nodes: all here with the same settings, model and data, then the trainers' network; START
+{ out=$($PY launch.py --command=start --logs="$LOGS" --coordinator="$MASTER_ADDR:$MASTER_PORT" 3>&1 >&4 9>&-) \
+  || exit $?; } 4>&1; eval "$out"       # (its assignments on descriptor 3, its output on this script's stdout)
 # the trackers' follower: node 0 alone (its records are the run's), in a session of its own, so that a kill of this
 # script's process group leaves it its last pass and the trackers' close (tracking.py)
 if [[ "$REPORT_TO" != none ]] && (( NODE_RANK == 0 )); then

@@ -172,6 +172,27 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
     assert flags["--optimize_args"] == "--gradient_checkpointing=true --clip_low=0 --kl_coef=0"
 
 
+def test_the_start_up_gives_its_assignments_on_descriptor_3_and_the_runs_start_once(tmp_path):
+    # run_stages.sh's line, on one node: MODEL a directory, not the preset's own (nothing to build); its assignments
+    # on descriptor 3, its output on the script's stdout; the start time written once, a rerun keeping it
+    model, data, run = tmp_path / "model", tmp_path / "train.jsonl", tmp_path / "run"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data.write_text(json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}) + "\n")
+    (run / ".done").mkdir(parents=True)
+    env = {**os.environ, **TOY, "MODEL": str(model), "TRAIN_DATA": str(data), "RUN": str(run), "NNODES": "1",
+           "NODE_RANK": "0", "JOIN_TIMEOUT": "10", "RESIDENT": "false", "RESIDENT_GPU_MEMORY": "auto", "GPUS": "0"}
+    line = f'{{ out=$("{sys.executable}" launch.py --command=start 3>&1 >&4) || exit $?; }} 4>&1; echo "[$out]"'
+    runs = [subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+            for _ in range(2)]
+    start = (run / ".done" / "start").read_text().strip()
+    assert abs(int(start) - time.time()) < 120
+    assert [r.stdout for r in runs] == [f"[MODEL={model}\nRESIDENT_GPU_MEMORY=0.1\nSTART={start}]\n"] * 2
+    data.write_text("")                                    # a refusal: its line, its status, no assignments
+    bad = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (bad.returncode, bad.stdout) == (2, "") and f"TRAIN_DATA={data} has no problems" in bad.stderr
+
+
 def test_the_plan_command_is_the_stage_plan(tmp_path):
     env = {**TOY, "RUN": str(tmp_path), "TOTAL_UPDATES": "24", "DRIFT_MAX_UPDATES": "32"}
     assert [run_launch("--command=plan", f"--stage={s}", env=env).stdout.strip() for s in (0, 2, 3)] == [
