@@ -8,7 +8,7 @@ One small stage (`prompts` × G at the preset's response length) with generate.p
 process each), a few updates with optimize.py (torchrun over the run's trainer ranks, its micro-batch,
 checkpointing and loss flags), a second small stage sampled by vLLM from the saved policy and read back by the
 trainer from its own fp32 state, two one-update runs with and without gradient checkpointing, a tiny
-evaluation, and with --resident=true two stages handed over between the resident engine and trainer
+evaluation (by the second stage's engines first, as a run's engines evaluate), and with --resident=true two stages handed over between the resident engine and trainer
 processes. Each check prints PASS / FAIL / SKIPPED (INFO: printed, not gated) with its measured number and
 threshold; preflight.json keeps them and is written whatever happens (a check that raises is that check's
 FAIL). A pass is cached for the same model, code (every source file and the requirements files), installed
@@ -144,7 +144,7 @@ HINTS = {
                               "gradient_checkpointing_enable (transformers version?)",
     "round trip": "the saved policy is not the trained one, or the next stage did not load the train state: check "
                   "the saved dtype, tied weights, the FSDP2 gather (model.save_policy) and --init_state",
-    "evaluation": "evaluate.py failed on the saved policy: see its log",
+    "evaluation": "the engines' evaluation of the saved policy failed: see generate_1's log",
     "resident hand-off": "the engine and trainer processes did not hand a stage over: see logs/resident_engine.log "
                          "and logs/resident_trainer.log (on a GPU: lower RESIDENT_GPU_MEMORY if the engine cannot wake)",
     "disk": "the run directory's filesystem cannot hold what the run keeps: free space, point RUN at a larger disk, "
@@ -573,20 +573,19 @@ def miniature(results, figures, model):
     # fp32 train state with --policy the *initial* model, so a train state that is not loaded shows as a mismatch
     with guarded(results, "round trip"):
         round_trip_checks(results, model, stage0 / records.POLICY, stage0 / records.TRAIN_STATE)
-    run("generate_1", generate_cmd(stage0 / records.POLICY, 1))
+    # the saved policy's evaluation first, by the engines that generate with it (generate.py, as in a run): 16
+    # training problems, k = 2, the paper's top_p
+    (work / "eval").mkdir(parents=True, exist_ok=True)
+    common.atomic_write_lines(work / "eval" / "train.jsonl", common.read_jsonl(data)[:16])
+    run("generate_1", [*generate_cmd(stage0 / records.POLICY, 1), "--eval_every=1", "--eval_benchmarks=train",
+                       f"--eval_data_dir={work / 'eval'}", "--eval_k=2", "--eval_top_p=0.7",
+                       f"--results={work / 'eval' / records.RESULTS}"])
     run("optimize_1", optimize_cmd(stage1, stage1 / records.POLICY, 1, f"--policy={model}",
                                    f"--init_state={stage0 / records.TRAIN_STATE}", "--save_train_state=false"))
     with guarded(results, "round trip"):
         agreement_checks(results, common.read_jsonl(stage1 / records.METRICS)[0],
                          "round trip: vLLM on the saved policy vs the trainer's state")
 
-    (work / "eval").mkdir(parents=True, exist_ok=True)
-    shutil.copy(data, work / "eval" / "train.jsonl")
-    run("evaluate", [sys.executable, "evaluate.py", f"--policy={stage0 / records.POLICY}", "--benchmarks=train",
-                     f"--data_dir={work / 'eval'}", "--max_problems=16", "--k=2", f"--gpus={n_gpus}",
-                     f"--engines={n_engines}", f"--max_prompt_tokens={max_prompt_tokens}",
-                     f"--max_response_tokens={max_response_tokens}", f"--prompt_template={prompt_template}",
-                     f"--results={work / 'eval' / records.RESULTS}"])
     ev = common.read_jsonl(work / "eval" / records.RESULTS)[0]
     check(results, "evaluation: avg@2 of the saved policy on 16 training problems", True, round(ev["avg_at_k"], 4), "runs")
     if resident:
