@@ -194,10 +194,14 @@ def accuracy_by_stage(run):
 
 def phase_summary(run):
     """Seconds per phase kind, total, and the share spent outside generation and training compute. The rows that
-    carry "process" (a resident run's two processes', a generate phase's evaluation) are parts of a top row: they
-    count in evaluation and in the components, not again in the total."""
+    carry "process" are parts of a top row, not counted again in the total: a resident run's two processes' count in
+    evaluation and the components; a generate phase's evaluation moves its seconds from the phase's kind to eval."""
     per_kind, parts = {}, {}
     for t in run["timeline"]:
+        if t.get("process") == "generate":    # its engines' evaluation, inside a generate phase: the phase's time is
+            per_kind["generate"] = per_kind.get("generate", 0.0) - t["seconds"]     # the evaluation's, not generation's
+            per_kind[t["phase"]] = per_kind.get(t["phase"], 0.0) + t["seconds"]
+            continue
         kinds = parts if "process" in t else per_kind
         kinds[t["phase"]] = kinds.get(t["phase"], 0.0) + t["seconds"]
     total = sum(per_kind.values())

@@ -29,6 +29,21 @@ def test_run_stages_rows_are_written_by_records_one_writer(tmp_path):
                      "seconds": 20.25}]
 
 
+def test_an_evaluation_inside_a_generate_phase_is_evaluation_time_counted_once():
+    # per phase: generate_0 (0-30 s) evaluated the initial policy first (20-25 s, its part row), optimize_0 (30-50 s),
+    # the last policy evaluated alone (eval_0, 50-60 s); generation 12 s, training 8 s of compute
+    row = lambda phase, name, start, end, **more: {"phase": phase, "name": name, "stage": 0, "start": start,  # noqa: E731
+                                                  "end": end, "seconds": end - start, **more}
+    run = {"timeline": [row("eval", "eval_-1", 20, 25, process="generate"), row("generate", "generate_0", 0, 30),
+                        row("optimize", "optimize_0", 30, 50), row("eval", "eval_0", 50, 60)],
+           "manifests": {0: {"generation_seconds": 12}}, "metrics": [{"seconds": 8}]}
+    per_kind, total, generation, training, overhead = records.phase_summary(run)
+    assert per_kind == {"generate": 25, "eval": 15, "optimize": 20} and (total, generation, training) == (60, 12, 8)
+    assert overhead == pytest.approx((60 - 15 - 12 - 8) / (60 - 15))
+    split = records.time_split(run)
+    assert (split["wall"], split["evaluation"], split["switching"], split["idle"]) == (60, 15, 25, 0)
+
+
 def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_split_adds_up(tmp_path):
     # attempt 1 started at t = 100 and was SIGKILLed (no row of its own, its start marker left); its processes wrote
     # rows up to t = 150 (its engine's start 100-105, the initial evaluation 105-110, stage 0 generated 110-130 and
