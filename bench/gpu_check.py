@@ -51,8 +51,9 @@ out_dir = str(ROOT / "bench" / "out" / "gpu_check")
 common.apply_overrides(globals(), sys.argv[1:])
 
 
-def throughput(model_dir, stage, lengths, n_params, layers, hidden, vocab, tied):
-    """optimize.py on the stage (gradient checkpointing, packing); its metrics → the throughput rows."""
+def throughput(model_dir, stage, lengths, dims):
+    """optimize.py on the stage (gradient checkpointing, packing); its metrics → the throughput rows. dims: the
+    model's (parameters, layers, hidden size, vocabulary, tied embeddings), synthetic.build_model's."""
     import handoff
     proc = subprocess.run([sys.executable, str(ROOT / "optimize.py"), f"--stage_dir={stage}", f"--policy={model_dir}",
                            f"--out={stage / 'policy'}", f"--updates_per_stage={updates}",
@@ -65,11 +66,10 @@ def throughput(model_dir, stage, lengths, n_params, layers, hidden, vocab, tied)
     steady = range(1, updates) if updates > 1 else range(1)
     seconds = sum(metrics[u]["seconds"] for u in steady)
     per_update = len(lengths) // updates
-    flops = sum(model_flops(lengths[u * per_update:(u + 1) * per_update], n_params, layers, hidden, vocab, tied)
-                for u in steady)
+    flops = sum(model_flops(lengths[u * per_update:(u + 1) * per_update], *dims) for u in steady)
     peak = max((m.get("memory/peak_gib") or 0.0) for m in metrics) or None
     saved = max(m["memory/saved_activations_gib"] for m in metrics)
-    estimate = 16 * n_params / 2**30 + saved + handoff.TRAINER_OVERHEAD_GIB
+    estimate = 16 * dims[0] / 2**30 + saved + handoff.TRAINER_OVERHEAD_GIB
     return [("optimize.py tokens/s (gradient checkpointing, packed)", "info", sum(metrics[u]["tokens"] for u in steady)
              / seconds, None),
             ("model FLOPs utilisation", "info", flops / seconds / (peak_tflops * 1e12), None),
@@ -189,14 +189,15 @@ if __name__ == "__main__":
     out = Path(out_dir)
     model_dir, stage = out / f"model-{shape}", out / f"stage-{shape}"
     subprocess.run(["rm", "-rf", str(model_dir), str(stage)], check=True)
-    n_params, layers, hidden, vocab, tied = build_model(model_dir, shape)
+    dims = build_model(model_dir, shape)         # parameters, layers, hidden size, vocabulary, tied embeddings
+    n_params, vocab = dims[0], dims[3]
     lengths = write_stage(stage, vocab, prompts_per_update * updates, mean_prompt_tokens, mean_response_tokens,
                           max_response_tokens)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
     print(f"{shape}: {n_params / 1e9:.3f} B parameters on one {name}; {prompts_per_update * 8} responses per update, "
           f"mean {sum(p + r for p, r in lengths) / len(lengths):.0f} tokens (prompt + response); micro-batches of "
           f"{micro_batch_tokens} tokens; torch {torch.__version__}")
-    rows = [*throughput(model_dir, stage, lengths, n_params, layers, hidden, vocab, tied),
+    rows = [*throughput(model_dir, stage, lengths, dims),
             *bf16_against_fp32(model_dir, stage), *hash_on_device(model_dir, device), *handoff_by_ipc(model_dir, device)]
     show(rows)
     failed = [r[0] for r in rows if r[1] is False]
