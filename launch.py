@@ -186,9 +186,9 @@ def stage_plan(k):
 
 def derived(k):
     """The numbers and paths the loop uses, computed from the resolved knobs."""
-    node0 = k["NODE_RANK"] == "0"
-    return {"PROMPTS_PER_STAGE": str(stage_plan(k).prompts_at(k["RUN"], 0, int(k["PROMPTS_PER_UPDATE"]))),
-            "RUN_UPDATES": str(stage_plan(k).run_updates),
+    node0, plan = k["NODE_RANK"] == "0", stage_plan(k)
+    return {"PROMPTS_PER_STAGE": str(plan.prompts_at(k["RUN"], 0, int(k["PROMPTS_PER_UPDATE"]))),
+            "RUN_UPDATES": str(plan.run_updates),
             "LOGS": k["RUN"] + ("/logs" if node0 else f"/logs/node{k['NODE_RANK']}"),
             "LOCK": k["RUN"] + ("/.lock" if node0 else f"/.lock.node{k['NODE_RANK']}"),
             "SETTINGS": "".join(f"{n}={k[n]}\n" for n, (_, *node) in SETTINGS.items() if not node)}
@@ -339,9 +339,8 @@ def prepared(env):
 
 def plan_command(s):
     """Stage s's μ and its prompts (both 0 once the run is over)."""
-    plan = stage_plan(os.environ)
-    print(plan.updates_per_stage_at(os.environ["RUN"], s), plan.prompts_at(os.environ["RUN"], s,
-                                                                          int(os.environ["PROMPTS_PER_UPDATE"])))
+    plan, run = stage_plan(os.environ), os.environ["RUN"]
+    print(plan.updates_per_stage_at(run, s), plan.prompts_at(run, s, int(os.environ["PROMPTS_PER_UPDATE"])))
 
 
 def preflight_command():
