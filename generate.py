@@ -573,14 +573,16 @@ def sample_evaluation(llm, ev, parts):
 
 def score_evaluation(ev, t, label, updates, parts):
     """Every engine's share of the evaluation of the policy trained on stage t (`label`, trained for the run's
-    `updates`), merged and scored: its rows and sample files as evaluate.py writes them. Returns its timeline row,
-    from the first engine's start to the scores."""
+    `updates`), merged and scored: its rows and sample files as evaluate.py writes them (seconds: the engines'
+    sampling, the first start to the last end). Returns its timeline row: that span and the scoring's own seconds,
+    not the time between them (per phase the engines generate the stage's shards before it is scored)."""
     common.wait_visible([benchmarks.part_path(parts, r) for r in range(all_engines)])     # the other nodes' too
-    (samples,), start, _ = benchmarks.merge_parts(parts, all_engines)
+    (samples,), start, end = benchmarks.merge_parts(parts, all_engines)
+    t0 = time.time()
     benchmarks.update_results(results, benchmarks.policy_rows(
-        samples, ev, stage=t, updates=updates, policy=label, seconds=time.time() - start, engines=all_engines,
+        samples, ev, stage=t, updates=updates, policy=label, seconds=end - start, engines=all_engines,
         run_start=run_start, sample_dir=benchmarks.stage_samples_dir(results, t), say=f"stage {t} "))
-    return {"phase": "eval", "name": f"eval_{t}", "stage": t, "start": start, "end": time.time()}
+    return {"phase": "eval", "name": f"eval_{t}", "stage": t, "start": start, "end": end + time.time() - t0}
 
 
 class ResidentEngine:

@@ -98,6 +98,21 @@ def test_generate_pys_evaluations_write_evaluate_pys_rows_and_samples_byte_for_b
     assert capsys.readouterr().out.splitlines() == [f"stage 3 {line}" for line in alone]
 
 
+def test_an_evaluation_scored_after_the_stages_shards_is_timed_by_its_sampling(files, monkeypatch):
+    # per phase the engines sample the evaluation (10-14 s on engine 0, 11-13 s on engine 1), generate their shards,
+    # and only then (at 100 s) is it scored: the row's seconds and the timeline row are the sampling, not the shards
+    tmp_path, policy = files
+    generate = import_script(monkeypatch, "generate", f"--run_dir={tmp_path / 'run'}", "--eval_every=1",
+                             "--eval_benchmarks=a,b", f"--eval_data_dir={tmp_path / 'bench'}", "--eval_k=2",
+                             "--engines=2", f"--results={tmp_path / 'run' / 'results.jsonl'}", *PROMPTS)
+    monkeypatch.setattr(generate, "time", types.SimpleNamespace(time=lambda: 100.0))
+    benchmarks.write_part(tmp_path / "parts", 0, [SAMPLES[:3]], 10.0, 14.0)
+    benchmarks.write_part(tmp_path / "parts", 1, [SAMPLES[3:]], 11.0, 13.0)
+    row = generate.score_evaluation(generate.evaluation(), 0, str(policy), 12, tmp_path / "parts")
+    assert (row["start"], row["end"]) == (10.0, 14.0)
+    assert [r["seconds"] for r in common.read_jsonl(generate.results)] == [4.0, 4.0]
+
+
 @pytest.mark.parametrize("every,due", [(1, [-1, 0, 1, 2, 3]), (2, [-1, 1, 3]), (3, [-1, 2, 3]), (0, [])])
 def test_one_rule_says_which_policies_are_evaluated(monkeypatch, tmp_path, every, due):
     # a 4-stage run: the initial policy (−1), every every-th stage's, and the last (3) whatever every is; none at 0
