@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 
 DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+# Llama 3's chat template writes "Today Date: <today>" (transformers' strftime_now) unless given date_string: the same
+# problem would be another prompt tomorrow, and a resumed run's prompts not the ones it started with. Pinned to the
+# template's own fallback date; other templates ignore it
+CHAT_TEMPLATE_KWARGS = {"date_string": "26 Jul 2024"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +218,7 @@ def build_prompt_ids(tokenizer, problem, template=DEFAULT_PROMPT_TEMPLATE, chat_
     text = template.format(problem=problem)
     if chat_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+                                            tokenize=True, **CHAT_TEMPLATE_KWARGS)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     ids = tokenizer.encode(text, add_special_tokens=False)
     if tokenizer.bos_token_id is not None:

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import common
+import models
 import processes
 import records
 
@@ -102,7 +103,7 @@ def anything(name, v):
 SETTINGS = {
     "PRESET": (one_of("paper", "toy", "lab", "lab-fork"),), "LOSS": (anything,), "LOSS_ARGS": (anything,),
     "RUN": (anything,), "MODEL": (anything,), "TRAIN_DATA": (anything,), "EVAL_DATA_DIR": (anything,),
-    "BENCHMARKS": (anything,), "TEMPLATE": (one_of("default", "plain"),),
+    "BENCHMARKS": (anything,), "TEMPLATE": (one_of(*models.TEMPLATES),),
     # the stages
     "STAGES": (whole(1),), "UPDATES_PER_STAGE": (whole(1),), "PROMPTS_PER_UPDATE": (whole(1),),
     "GROUP_SIZE": (whole(2),), "STAGE_END": (one_of("fixed", "drift"),), "TOTAL_UPDATES": (whole(1),),
@@ -191,7 +192,8 @@ def derived(k):
             "RUN_UPDATES": str(plan.run_updates),
             "LOGS": k["RUN"] + ("/logs" if node0 else f"/logs/node{k['NODE_RANK']}"),
             "LOCK": k["RUN"] + ("/.lock" if node0 else f"/.lock.node{k['NODE_RANK']}"),
-            "SETTINGS": "".join(f"{n}={k[n]}\n" for n, (_, *node) in SETTINGS.items() if not node)}
+            "SETTINGS": "".join(f"{n}={k[n]}\n" for n, (_, *node) in SETTINGS.items() if not node),
+            "TEMPLATE_FLAG": " ".join(template_args(k["TEMPLATE"]))}
 
 
 def assignments(values):
@@ -328,6 +330,10 @@ def prepared(env):
         refuse(f"TRAIN_DATA={env['TRAIN_DATA']} is not a prepared problem file (see data/prepare.py): {e}")
     if not rows:
         refuse(f"TRAIN_DATA={env['TRAIN_DATA']} has no problems (see data/prepare.py)")
+    if env["TEMPLATE"] in ("chat", "chat-system") or models.known(env["MODEL"]):   # the prompt its model card shows
+        from transformers import AutoTokenizer      # (2-3 s: not for the toy and lab tasks' plain prompts)
+        if (problem := models.check_prompt(AutoTokenizer.from_pretrained(model), env["MODEL"], env["TEMPLATE"])):
+            refuse(problem)
     share = env["RESIDENT_GPU_MEMORY"]
     if env["RESIDENT"] == "true" and int(env["GPUS"]) > 0:   # the engines' share must leave the trainer its memory
         import handoff
@@ -378,8 +384,9 @@ def handoff_command():
 
 
 def template_args(template):
-    """The prompt template flag of generate.py, evaluate.py and preflight.py: plain, the problem alone."""
-    return ["--prompt_template={problem}"] if template == "plain" else []
+    """The prompt template flag of generate.py, evaluate.py and preflight.py: plain and chat-system, the problem alone
+    (models.py TEMPLATES)."""
+    return ["--prompt_template={problem}"] if models.prompt_template(template) == "{problem}" else []
 
 
 def collective_command():

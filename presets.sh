@@ -3,7 +3,9 @@
 # box, toy otherwise).
 case "$PRESET" in
   paper)
-    : "${MODEL:=Qwen/Qwen2.5-Math-7B}" "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
+    : "${MODEL:=Qwen/Qwen2.5-Math-7B}"
+    out=$($PY models.py) || exit 2; eval "$out"   # the model's own settings (models.py: the paper's five), unless given
+    : "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
     : "${BENCHMARKS:=amc23,amc24,aime24,aime25,math500}" "${STAGES:=4}" "${UPDATES_PER_STAGE:=1024}"
     : "${PROMPTS_PER_UPDATE:=64}" "${GROUP_SIZE:=8}" "${LR:=1e-6}" "${MAX_PROMPT:=1536}" "${MAX_RESPONSE:=2560}"
     : "${TEMPERATURE:=1.0}" "${EVAL_K:=4}" "${EVAL_TEMPERATURE:=1.0}" "${EVAL_TOP_P:=0.7}" "${GPUS:=$VISIBLE_GPUS}"

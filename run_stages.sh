@@ -83,7 +83,7 @@ loss_args "$LOSS" || exit 2
 out=$($PY launch.py --command=settings) || exit 2; eval "$out"
 set +a
 export -n MASTER_ADDR MASTER_PORT    # this script's own: torchrun sets its ranks' from its flags
-TEMPLATE_ARG=(); [[ "$TEMPLATE" == plain ]] && TEMPLATE_ARG=("--prompt_template={problem}")  # plain: the problem alone
+TEMPLATE_ARG=($TEMPLATE_FLAG)    # the prompt's text: the problem alone for TEMPLATE plain and chat-system (models.py)
 mkdir -p "$LOGS" "$RUN/.done"
 exec 9>"$LOCK"; $PY launch.py --command=lock || exit 1  # one run_stages.sh per RUN (and node), held on fd 9 till it ends
 # several nodes: each node's watch (node 0's serves the store) beats every second and stops this script within seconds

@@ -72,7 +72,7 @@ def test_settings_are_every_knob_but_a_nodes_own():
     ({"DRIFT_GROWTH": "0"}, "DRIFT_GROWTH must be a positive number, got '0'"),
     ({"RESIDENT_GPU_MEMORY": "1.5"}, "RESIDENT_GPU_MEMORY must be auto or a fraction in (0, 1], got '1.5'"),
     ({"RESIDENT_GPU_MEMORY": "0"}, "RESIDENT_GPU_MEMORY must be auto or a fraction in (0, 1], got '0'"),
-    ({"TEMPLATE": "chat"}, "TEMPLATE must be default or plain, got 'chat'"),
+    ({"TEMPLATE": "chatml"}, "TEMPLATE must be default, chat, chat-system or plain, got 'chatml'"),
     ({"GPUS": "2", "ENGINES": "3"}, "ENGINES=3 is more than GPUS=2"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be in 0..1 (NNODES=2), got 2"),
     ({"NNODES": "2", "RESIDENT": "true"}, "RESIDENT=true runs on one node"),
