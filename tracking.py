@@ -171,6 +171,8 @@ def rows(run, files=None):
         if step is None:
             continue
         totals[r["phase"]] = totals.get(r["phase"], 0.0) + r["seconds"]
+        if r.get("process") == "generate":   # its engines' evaluation, inside a generate phase (written before the
+            totals["generate"] = totals.get("generate", 0.0) - r["seconds"]    # phase's row): evaluation's time
         out.append((f"time/{r['name']}/{r.get('process', '')}", step, r["end"], {
             f"time/{r['phase']}_seconds": r["seconds"], f"time/{r['phase']}_hours_total": totals[r["phase"]] / 3600}))
     return out

@@ -127,6 +127,21 @@ def test_every_record_reaches_both_trackers_once_at_its_recorded_update(tmp_path
     assert runs[0][2]["run_stages"] == {"LOSS": "mu-grpo", "STAGES": "2"}
 
 
+def test_an_evaluation_inside_a_generate_phase_counts_as_evaluation_time(tmp_path):
+    # stage 1's engines evaluate stage 0's policy first (4 s of its 10 s generate phase): the totals count those 4 s
+    # once, as evaluation, as records.phase_summary does
+    run = tmp_path / "run"
+    write_records(run, 2)
+    rows = common.read_jsonl(run / "timeline.jsonl")
+    rows.insert(2, {"phase": "eval", "name": "eval_0", "stage": 0, "start": 1020.0, "end": 1024.0, "seconds": 4.0,
+                    "process": "generate"})
+    common.atomic_write_lines(run / "timeline.jsonl", rows)
+    totals = {k: v for *_, values in tracking.rows(run) for k, v in values.items() if k.endswith("_hours_total")}
+    assert totals == {"time/generate_hours_total": pytest.approx(16 / 3600),
+                      "time/optimize_hours_total": pytest.approx(20 / 3600),
+                      "time/eval_hours_total": pytest.approx(4 / 3600)}
+
+
 def test_with_no_tracker_nothing_is_written_or_imported(tmp_path):
     run = tmp_path / "run"
     write_records(run, 1)
