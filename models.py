@@ -23,6 +23,8 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 EXAMPLE = "What is $1+1$?"     # the problem the checks render
 
 # Per model: its settings, and the prompt of EXAMPLE its model card and tokenizer_config.json's chat template give.
+# The evaluation protocol is the paper preset's for every model (avg@4 at temperature 1.0, top_p 0.7: docs/design.md
+# §5), so each model's rows compare across methods (R1-distill's card samples its own evaluations at 0.6 / 0.95).
 # Lengths: MAX_PROMPT + MAX_RESPONSE within the model's positions (config.json max_position_embeddings; common.
 # check_lengths refuses more). Memory: the paper preset's micro-batch of 16,384 tokens with gradient checkpointing, sized
 # for the 7–8B models on 4×H200 (an estimate, not measured here: no GPU was lent); the smaller ones fit in it too.
@@ -51,8 +53,11 @@ MODELS = {
     "DeepSeek-R1-Distill-Qwen-7B": {
         # model card: no system prompt, the instruction in the user prompt, the answer opened with "<think>\n" (the
         # chat template writes it since the card's update; an older tokenizer without it is refused below);
-        # 131,072 positions
-        "settings": {"TEMPLATE": "chat", "MAX_PROMPT": "1536", "MAX_RESPONSE": "2560"},
+        # 131,072 positions. Its responses think at length (the card evaluates with up to 32,768 tokens): 2,560 would
+        # cut most of them. The paper does not give its length; its T_rollout for this model is 3.0× Qwen2.5-Math-7B's
+        # at the same size and μ (26.0 h against 8.8 h, GRPO μ = 4), as responses about 3× longer would make it:
+        # 8,192, an inference from the paper's hours, not its stated setting
+        "settings": {"TEMPLATE": "chat", "MAX_PROMPT": "1536", "MAX_RESPONSE": "8192"},
         "prompt": f"<｜begin▁of▁sentence｜><｜User｜>{EXAMPLE}\n{INSTRUCTION}<｜Assistant｜><think>\n"},
 }
 

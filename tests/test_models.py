@@ -142,3 +142,13 @@ def test_run_stages_start_up_refuses_a_wrong_template_before_any_compute(tmp_pat
     assert err.count("\n") == 1 and "where DeepSeek-R1-Distill-Qwen-7B's model card gives" in err
     tokenizer(R1_DISTILL, "r1").save_pretrained(model)       # the updated tokenizer passes
     assert launch.prepared(env)["MODEL"] == str(model)
+
+
+def test_each_models_lengths_fit_its_positions():
+    # config.json max_position_embeddings (model cards): Qwen2.5-Math-7B's 4,096 is the one the paper's lengths fill
+    positions = {"Llama-3.2-3B-Instruct": 131072, "Qwen2.5-Math-7B": 4096, "Qwen3-1.7B-Base": 32768,
+                 "Qwen3-8B-Base": 32768, "DeepSeek-R1-Distill-Qwen-7B": 131072}
+    for name, entry in models.MODELS.items():
+        s = entry["settings"]
+        assert int(s["MAX_PROMPT"]) + int(s["MAX_RESPONSE"]) <= positions[name]
+    assert sum(int(v) for k, v in models.MODELS["Qwen2.5-Math-7B"]["settings"].items() if k.startswith("MAX")) == 4096
