@@ -62,10 +62,14 @@ MODELS = {
 }
 
 
+def short_name(model):
+    """A hub name's or directory's last part: Qwen/Qwen2.5-Math-7B → Qwen2.5-Math-7B."""
+    return str(model).rstrip("/").rsplit("/", 1)[-1]
+
+
 def known(model):
-    """The model's entry name: its last path part, compared without case; None for another model."""
-    name = str(model).rstrip("/").rsplit("/", 1)[-1].lower()
-    return next((k for k in MODELS if k.lower() == name), None)
+    """The model's entry name: its short name, compared without case; None for another model."""
+    return next((k for k in MODELS if k.lower() == short_name(model).lower()), None)
 
 
 def defaults_command():

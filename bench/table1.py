@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import frontier  # noqa: E402  (bench/: the standard error of a mean over benchmarks)
+from models import short_name  # noqa: E402  (a model's name under runs_dir and in the paper's numbers)
 import records  # noqa: E402
 import sweep  # noqa: E402  (bench/: a LOSS preset's flags, from losses.sh)
 
@@ -50,12 +51,6 @@ def refuse(message):
     sys.exit(2)
 
 
-def model_slug(model):
-    """A model's directory name under runs_dir: the last part of its hub name or path (Qwen/Qwen2.5-Math-7B →
-    Qwen2.5-Math-7B)."""
-    return model.rstrip("/").rsplit("/", 1)[-1]
-
-
 def parse_method(method):
     """'loss:μ' → (loss, μ), the LOSS a preset of losses.sh and μ dividing total_updates, or one line refusing it."""
     loss, _, mu = method.partition(":")
@@ -80,7 +75,7 @@ def plan():
         base = {"PRESET": model} if model in CPU_PRESETS else {"PRESET": preset, "MODEL": model}
         for method in methods.split():
             loss, mu = parse_method(method)
-            run = f"{runs_dir}/{model_slug(model)}/{loss}-mu{mu}"
+            run = f"{runs_dir}/{short_name(model)}/{loss}-mu{mu}"
             runs.append((run, {**base, "RUN": run, "LOSS": loss, "STAGES": str(total_updates // mu),
                                "UPDATES_PER_STAGE": str(mu), "RESIDENT": str(mu <= resident_max_mu).lower(),
                                "EVAL_EVERY": str(eval_updates // mu if eval_updates > mu else 1),
@@ -154,7 +149,7 @@ def table(plan_rows, paper_numbers):
 def paper_row(paper_numbers, model, method, plan_rows):
     """The paper's numbers for a model's method (accuracies as fractions, as ours), its speed-ups against the paper's
     row of the model's first method; None where the paper has none."""
-    numbers = paper_numbers.get("models", {}).get(model_slug(model), {})
+    numbers = paper_numbers.get("models", {}).get(short_name(model), {})
     if method not in numbers:
         return None
     row = {k: v / 100 if k in paper_numbers["benchmarks"] or k == "mean" else v for k, v in numbers[method].items()}
@@ -201,7 +196,7 @@ def markdown(rows, paper_numbers):
             state = {"finished": "ours", "unfinished": f"ours, unfinished ({o.get('updates')} updates)",
                      "running": "ours, running (no trained policy evaluated yet)", "not started": "ours, not started"}
             b = o.get("benchmarks", {})
-            lines.append(f"| {model_slug(model)} | {method_name(r['method'])} | {state[o['state']]} | "
+            lines.append(f"| {short_name(model)} | {method_name(r['method'])} | {state[o['state']]} | "
                          + " | ".join(pct(b[n]["avg"], b[n]["stderr"]) if n in b else "—" for n in benchmarks)
                          + f" | {pct(o.get('mean'), o.get('mean_stderr'))} | {hours(o.get('t_rollout_h'))} | "
                          f"{hours(o.get('t_total_h'))} | {speed(o.get('speedup_rollout'))} | "
