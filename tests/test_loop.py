@@ -616,9 +616,14 @@ def resident_run(toy, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def resident_files_run(toy, tmp_path_factory):
-    """resident_run with each policy handed over as files (HANDOFF=files) instead of vLLM's weight-transfer API."""
-    return built_once(tmp_path_factory, "resident_files", lambda out: run_loop(
-        {**loop_env(toy, out / "run"), **BOX, "RESIDENT": "true", "HANDOFF": "files"})) / "run"
+    """resident_run with each policy handed over as files (HANDOFF=files) instead of vLLM's weight-transfer API,
+    SIGKILLed while the trainer trains stage 1 (its rollouts written, the engines asleep), then run to its end."""
+    def build(out):
+        run_dir = out / "run"
+        env = {**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "HANDOFF": "files"}
+        assert kill_when(["bash", "run_stages.sh"], lambda: (run_dir / "stage_1" / "metrics.jsonl").exists(), env=env)
+        run_loop(env)
+    return built_once(tmp_path_factory, "resident_files", build) / "run"
 
 
 def _rows_without_run_dir(path, run_dir):
@@ -686,7 +691,8 @@ def test_resident_run_equals_the_process_per_phase_run(toy, box_run, resident_ru
 @needs_vllm
 def test_the_transfer_hand_off_gives_the_run_of_the_file_hand_off(resident_files_run, resident_run):
     # at the box's shape: the same rollouts, weights, metrics and evaluations whether each policy reaches the two
-    # engines through vLLM's weight-transfer API (our shared-memory transport: two ranks' buffers) or as files
+    # engines through vLLM's weight-transfer API (our shared-memory transport: two ranks' buffers) or as files (a run
+    # killed while training stage 1 and resumed: it ends where the unbroken run does)
     assert_same_stages(resident_run, resident_files_run)
     logs = (resident_files_run / "logs" / "engine.log").read_text()
     assert "as it handed it over" not in logs and "as it handed it over" in (resident_run / "logs" / "engine.log").read_text()
@@ -713,20 +719,16 @@ def assert_no_training_beside_an_awake_engine(run_dir):
 
 @pytest.mark.slow
 @needs_vllm
-def test_a_resident_run_with_files_killed_while_training_resumes_with_its_engines_asleep(toy, resident_files_run,
-                                                                                       tmp_path):
-    # SIGKILL while the trainer trains stage 1 (its rollouts written, the engines asleep): the rerun's trainer trains
-    # stage 1 again before the engines' first stage (2, the final evaluation), so with HANDOFF=files the engines start
-    # only once its policy is there; the run ends where an unbroken one did. (With the transfer, which starts the
-    # engines at once: test_resident_run_killed_anywhere_resumes_to_the_same_weights)
-    run_dir = tmp_path / "run"
-    env = {**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "HANDOFF": "files"}
-    assert kill_when(["bash", "run_stages.sh"], lambda: (run_dir / "stage_1" / "metrics.jsonl").exists(), env=env)
-    run_loop(env)
-    assert_same_stages(resident_files_run, run_dir, stages=(1,))
-    assert_no_training_beside_an_awake_engine(run_dir)
-    assert [t["name"] for t in read_lines(run_dir / "timeline.jsonl") if t["phase"] == "optimize"] == \
+def test_a_resident_run_with_files_killed_while_training_resumes_with_its_engines_asleep(resident_files_run):
+    # resident_files_run, killed while its trainer trained stage 1: the rerun's trainer trains stage 1 again before the
+    # engines' first stage (2, the final evaluation), so with HANDOFF=files the engines start only once its policy is
+    # there (test_the_transfer_hand_off_gives_the_run_of_the_file_hand_off: it ends where an unbroken run does; with
+    # the transfer, which starts the engines at once: test_resident_run_killed_anywhere_resumes_to_the_same_weights)
+    assert_no_training_beside_an_awake_engine(resident_files_run)
+    rows = read_lines(resident_files_run / "timeline.jsonl")
+    assert [t["name"] for t in rows if t["phase"] == "optimize"] == \
         ["optimize_0", "optimize_1"]          # the killed attempt's stage 1 wrote no row; the rerun trained it again
+    assert [r["ended"] for r in rows if r["name"] == "resident"] == ["killed", "completed"]
 
 
 @pytest.mark.slow
