@@ -137,12 +137,15 @@ def score(samples, ev, labels, sample_dir=None):
     return rows
 
 
-def policy_rows(samples, ev, *, stage, updates, policy, seconds, engines, run_start, sample_dir=None, say=""):
-    """One policy's results rows (score), labelled as results.jsonl has them: the stage it was trained on, the
-    trainer's updates behind it, the hours since run_start (0: 0.0), the policy, the seconds its evaluation took and
-    the engines that sampled it. Each row is printed in one line, after `say`."""
-    labels = {"stage": stage, "updates": updates, "hours": (time.time() - run_start) / 3600 if run_start else 0.0,
-              "policy": str(policy), "seconds": seconds, "engines": engines}
+def hours_since(run_start):
+    """A results row's hours: since the run's start (time.time()), 0.0 without one."""
+    return (time.time() - run_start) / 3600 if run_start else 0.0
+
+
+def policy_rows(samples, ev, labels, sample_dir=None, say=""):
+    """One policy's results rows (score), labelled as results.jsonl has them (`labels`, in this order: the stage it
+    was trained on, the trainer's updates behind it, hours_since the run's start, the policy, the seconds its
+    evaluation took and the engines that sampled it). Each row is printed in one line, after `say`."""
     rows = score(samples, ev, labels, sample_dir)
     for r in rows:
         print(f"{say}{r['benchmark']}: avg@{r['k']} {r['avg_at_k']:.4f}  pass@{r['k']} {r['pass_at_k']:.4f}  "

@@ -110,9 +110,9 @@ def score_policies(ev, policies, parts, seconds, engines):
     one; returns the rows."""
     out_rows = []
     for path, samples in zip(policies, parts):
-        out_rows += B.policy_rows(samples, ev, stage=stage, updates=common.policy_record(path).get("run_updates", 0),
-                                  policy=path, seconds=seconds, engines=engines, run_start=run_start,
-                                  sample_dir=sample_dir_of(path, len(policies)),
+        labels = {"stage": stage, "updates": common.policy_record(path).get("run_updates", 0),
+                  "hours": B.hours_since(run_start), "policy": str(path), "seconds": seconds, "engines": engines}
+        out_rows += B.policy_rows(samples, ev, labels, sample_dir=sample_dir_of(path, len(policies)),
                                   say=f"{path} " if len(policies) > 1 else "")
     if results:       # rows are keyed on (stage, benchmark, policy): a rerun on a subset keeps the others
         B.update_results(results, out_rows)

@@ -579,9 +579,10 @@ def score_evaluation(ev, t, label, updates, parts):
     common.wait_visible([benchmarks.part_path(parts, r) for r in range(all_engines)])     # the other nodes' too
     (samples,), start, end = benchmarks.merge_parts(parts, all_engines)
     t0 = time.time()
+    labels = {"stage": t, "updates": updates, "hours": benchmarks.hours_since(run_start), "policy": label,
+              "seconds": end - start, "engines": all_engines}
     benchmarks.update_results(results, benchmarks.policy_rows(
-        samples, ev, stage=t, updates=updates, policy=label, seconds=end - start, engines=all_engines,
-        run_start=run_start, sample_dir=benchmarks.stage_samples_dir(results, t), say=f"stage {t} "))
+        samples, ev, labels, sample_dir=benchmarks.stage_samples_dir(results, t), say=f"stage {t} "))
     return {"phase": "eval", "name": f"eval_{t}", "stage": t, "start": start, "end": end + time.time() - t0}
 
 

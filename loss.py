@@ -323,9 +323,12 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, *, clip_
     # aggregation
     kept_loss = token_loss * keepf
     loss = aggregate(kept_loss, norm, agg, num_tokens, num_seqs, norm_len)
-    stats = _stats(loss, kept_loss, ratio.detach(), log_ratio.detach(), advantages.detach(), mask, keep,
-                   nav_keep, m2po_keep, clip_low, clip_high, dual_clip, nav_delta, m2po_tau, kl, kl_coef,
-                   logprobs.detach().float() - behavior_logprobs.float())
+    engine_log_ratio = logprobs.detach().float() - behavior_logprobs.float()
+    stats = _stats(loss, kept_loss, advantages.detach(),
+                   terms=(ratio.detach(), log_ratio.detach(), engine_log_ratio, kl),
+                   masks=(mask, keep, nav_keep, m2po_keep),
+                   settings=dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, nav_delta=nav_delta,
+                                 m2po_tau=m2po_tau, kl_coef=kl_coef))
     return loss, stats
 
 
@@ -355,9 +358,14 @@ def aggregate(kept_loss, norm, agg="token-mean", num_tokens=None, num_seqs=None,
 
 
 @torch.no_grad()
-def _stats(loss, kept_loss, ratio, log_ratio, advantages, mask, keep, nav_keep, m2po_keep, clip_low, clip_high,
-           dual_clip, nav_delta, m2po_tau, kl, kl_coef, engine_log_ratio):
-    """Sums over this call's tokens (names ending in _min/_max: extremes), as 0-d float32 tensors."""
+def _stats(loss, kept_loss, advantages, terms, masks, settings):
+    """Sums over this call's tokens (names ending in _min/_max: extremes), as 0-d float32 tensors. terms: the
+    per-token ρ, log ρ, the trainer − engine log ratio and the KL estimate (or None) [B, T]; masks: the response,
+    kept, NAV-kept and M2PO-kept tokens [B, T]; settings: policy_loss's clip_low, clip_high, dual_clip, nav_delta,
+    m2po_tau, kl_coef."""
+    ratio, log_ratio, engine_log_ratio, kl = terms
+    mask, keep, nav_keep, m2po_keep = masks
+    clip_low, clip_high, dual_clip = settings["clip_low"], settings["clip_high"], settings["dual_clip"]
     adv = advantages.float()[:, None].expand_as(ratio)
     neg, pos = mask & (adv < 0), mask & (adv > 0)
     first = mask & (mask.long().cumsum(1) == 1)                         # each response's first token [B, T]
@@ -386,15 +394,16 @@ def _stats(loss, kept_loss, ratio, log_ratio, advantages, mask, keep, nav_keep, 
     }
     if dual_clip is not None:
         s["clip_dual"] = count(neg & (ratio > dual_clip))              # where the −c·A cap binds
-    if nav_delta is not None:
-        trig, _ = nav_triggers(ratio, advantages, mask, nav_delta)
+    if settings["nav_delta"] is not None:
+        trig, _ = nav_triggers(ratio, advantages, mask, settings["nav_delta"])
         s.update({"nav_trig": count(trig), "nav_vetoed": count(mask & ~nav_keep),
                   "nav_trig_seqs": count(trig.any(1))})
-    if m2po_tau is not None:
+    if settings["m2po_tau"] is not None:
         s["m2po_masked"] = count(mask & ~m2po_keep)
     if kl is not None:
         s["kl_ref_sum"] = kl.detach().sum()
-        s["kl_in_loss"] = torch.tensor(float(bool(kl_coef)), device=ratio.device)   # > 0 after merging: in the loss
+        # > 0 after merging: in the loss
+        s["kl_in_loss"] = torch.tensor(float(bool(settings["kl_coef"])), device=ratio.device)
     return {k: v.float() for k, v in s.items()}
 
 

@@ -150,7 +150,6 @@ common.check_choice("attn_implementation", attn_implementation, M.ATTENTION)
 betas = tuple(float(b) for b in adam_betas.split(","))
 if updates_per_stage < 0 or prompts_per_update < 1 or micro_batch_tokens < 1:
     sys.exit("--updates_per_stage must be >= 0, --prompts_per_update and --micro_batch_tokens >= 1")
-deferred_norm = agg == "token-mean" and token_normalizer == "kept"   # divide by the kept count at the end
 
 # distributed is an if: torchrun sets WORLD_SIZE
 distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -299,17 +298,17 @@ def describe_stage(stage, updates_per_stage):
     return temp
 
 
-def metrics_row(stage, u, groups, counts, lr_now, m, seconds, extra):
-    """Update u's line of metrics.jsonl: its place (in the stage: its staleness; in the run; in AdamW's life), its
-    minibatch, loss.metrics' values (the engine/trainer mismatch at update 0 only), timing."""
+def metrics_row(stage, groups, place, m, seconds, extra):
+    """An update's line of metrics.jsonl: its place (`place`: update u, in the stage, and its staleness; in the run; in
+    AdamW's life; its lr), its minibatch (`groups`), loss.metrics' values `m` (the engine/trainer mismatch at update 0
+    only), `extra`, timing."""
     batch = stage.groups[groups].ravel()
     tokens = int((stage.prompt_len[batch] + stage.response_len[batch]).sum())
-    row = {"update": u, "run_update": counts["run_updates"], "optimizer_update": counts["optimizer_updates"],
-           "stage": stage.index, "staleness": u, "lr": lr_now, "reward/mean": float(stage.reward[batch].mean()),
+    row = {**place, "reward/mean": float(stage.reward[batch].mean()),
            "minibatch/zero_variance_frac": float(stage.zero_variance[groups].mean()),
            "groups": [stage.group_keys[i] for i in groups],     # which prompts (stage positions)
            **extra, "time": time.time(), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-    row.update({k: v for k, v in m.items() if u == 0 or not k.startswith("mismatch/")})
+    row.update({k: v for k, v in m.items() if place["update"] == 0 or not k.startswith("mismatch/")})
     return {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
 
 
@@ -319,7 +318,8 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     and policy. `columns`: the stored per-stage passes computed so far (KL's reference); start_policy: its
     tokenizer files go with every saved policy. Returns its timing."""
     updates_per_stage, start = progress.updates_per_stage, progress.start
-    temp, loss_kw = describe_stage(stage, updates_per_stage), loss_options(stage)
+    temp = describe_stage(stage, updates_per_stage)
+    recipe = update.Recipe(loss_options(stage), micro_batch_tokens, grad_clip)
     schedule = minibatch_schedule(stage, updates_per_stage)
     columns, timing, neg_ratios, first_row = before_first_update(model, stage, progress, columns, temp, schedule)
 
@@ -348,9 +348,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         for group in optimizer.param_groups:
             group["lr"] = lr_now
         batch = stage.groups[schedule[u]].ravel()           # whole groups: response indices
-        m, stepped = update.run_update(model, optimizer, stage, batch, temp, loss_kw, columns,
-                                       micro_batch_tokens=micro_batch_tokens, deferred_norm=deferred_norm,
-                                       grad_clip=grad_clip, measure_memory=u == start)
+        m, stepped = update.run_update(model, optimizer, stage, batch, temp, columns, recipe, measure_memory=u == start)
         nonfinite_in_row = 0 if stepped else nonfinite_in_row + 1
         skipped_total += not stepped
         if nonfinite_in_row >= max_nonfinite:
@@ -358,9 +356,10 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
                              f"lower --lr or check the rollouts")
         seconds = time.perf_counter() - t0
         train_seconds += seconds
-        row = metrics_row(stage, u, schedule[u], counts, lr_now, m, seconds,
-                          {"skipped_nonfinite": skipped_total, "update_skipped": not stepped,
-                           **(first_row if u == start else {})})
+        place = {"update": u, "run_update": counts["run_updates"], "optimizer_update": counts["optimizer_updates"],
+                 "stage": stage.index, "staleness": u, "lr": lr_now}
+        row = metrics_row(stage, schedule[u], place, m, seconds, {
+            "skipped_nonfinite": skipped_total, "update_skipped": not stepped, **(first_row if u == start else {})})
         neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
             common.append_jsonl(progress.metrics_path, row)

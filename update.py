@@ -9,6 +9,7 @@ Placement (rank, world size, device) is read from torch (model.placement()); the
 loss's options, the gradient clip) are arguments. This module reads no script's globals: optimize.py holds the
 hyperparameters and the stage loop.
 """
+import dataclasses
 import json
 import math
 import os
@@ -313,13 +314,27 @@ def empty_stats(loss_kw, columns, cutoff):
     return stats
 
 
-def run_update(model, optimizer, stage, batch, temp, loss_kw, columns, *, micro_batch_tokens, deferred_norm, grad_clip,
-               measure_memory=False):
-    """One AdamW update on the minibatch `batch` (response indices). loss_kw: loss.policy_loss's options; columns:
-    the stored per-stage passes ("old": TIS's, "ref": KL's); deferred_norm: the loss is a token mean over the kept
-    tokens, whose count is known only once every micro-batch has run, so the micro-batches' losses are sums and the
-    gradient is divided by the count at the end; grad_clip: the max global grad norm. Returns (metrics, stepped)."""
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How an update makes its step from a minibatch: loss.policy_loss's options, the tokens packed into one
+    micro-batch, and the max global grad norm."""
+    loss: dict
+    micro_batch_tokens: int
+    grad_clip: float
+
+    @property
+    def deferred_norm(self):
+        """The loss is a token mean over the kept tokens (policy_loss's defaults), whose count is known only once
+        every micro-batch has run: the micro-batches' losses are sums and the gradient is divided at the end."""
+        options = {"agg": "token-mean", "token_normalizer": "kept", **self.loss}
+        return options["agg"] == "token-mean" and options["token_normalizer"] == "kept"
+
+
+def run_update(model, optimizer, stage, batch, temp, columns, recipe, measure_memory=False):
+    """One AdamW update on the minibatch `batch` (response indices) with its log-probs at temperature `temp`, as
+    `recipe` says. columns: the stored per-stage passes ("old": TIS's, "ref": KL's). Returns (metrics, stepped)."""
     rank, world, device = M.placement()
+    loss_kw, micro_batch_tokens, deferred_norm = recipe.loss, recipe.micro_batch_tokens, recipe.deferred_norm
     tis_cap, m2po_tau = loss_kw.get("tis_cap"), loss_kw.get("m2po_tau")
     lengths = stage.prompt_len[batch] + stage.response_len[batch]
     mine = batch[np.argsort(-lengths, kind="stable")][rank::world]       # this rank's responses, balanced by length
@@ -355,7 +370,7 @@ def run_update(model, optimizer, stage, batch, temp, loss_kw, columns, *, micro_
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in trainable if p.grad is not None]
         torch._foreach_mul_(grads, scale)
         stats["loss"] = stats["loss"] * scale
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, recipe.grad_clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     extra = {"grad_norm": grad_norm, "entropy": stats["entropy_sum"] / stats["tokens"].clamp(min=1.0),
              "memory/saved_activations_gib": stats["saved_activations_gib_max"]}

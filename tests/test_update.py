@@ -142,9 +142,8 @@ def test_the_packed_update_is_the_plain_one(tiny, name, micro_batch_tokens):
     ref_loss, ref_stats, ref_grads = reference_update(policy, stage, batch, loss_kw)
     model = trainer(policy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)             # steps nothing: the gradients stay to read
-    m, stepped = update.run_update(model, optimizer, stage, batch, 1.0, loss_kw, {},
-                                   micro_batch_tokens=micro_batch_tokens, grad_clip=1e9,
-                                   deferred_norm=loss_kw.get("agg", "token-mean") == "token-mean")
+    m, stepped = update.run_update(model, optimizer, stage, batch, 1.0, {},
+                                   update.Recipe(loss_kw, micro_batch_tokens=micro_batch_tokens, grad_clip=1e9))
     assert stepped and m["loss/tokens"] == int(stage.response_len[batch].sum()) == 31   # 6+3+1+5 + 8+5+1+2
     assert m["loss/kept_tokens"] == ref_stats["kept"].item()
     if name in ("mu-grpo", "grpo-m2po"):              # the masks take tokens out, so the kept count matters
@@ -169,9 +168,8 @@ def test_the_first_update_of_mu_grpo_is_its_equation_by_hand(tiny):
             rho = torch.exp(alone(model, p, r) - torch.from_numpy(np.array(b)))
             adv = float(stage.advantage[i])
             total += -torch.minimum(rho * adv, rho.clamp(0.0, 5.0) * adv).sum().item()
-    m, _ = update.run_update(model, torch.optim.SGD(model.parameters(), lr=0.0), stage, batch, 1.0,
-                             dict(clip_low=0.0, clip_high=5.0), {}, micro_batch_tokens=12, deferred_norm=True,
-                             grad_clip=1.0)
+    m, _ = update.run_update(model, torch.optim.SGD(model.parameters(), lr=0.0), stage, batch, 1.0, {},
+                             update.Recipe(dict(clip_low=0.0, clip_high=5.0), micro_batch_tokens=12, grad_clip=1.0))
     assert m["loss/policy"] == pytest.approx(total / 31, rel=1e-5)
 
 
