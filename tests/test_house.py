@@ -1,0 +1,39 @@
+"""The house's own bars (issue 55): what a reader of the code meets, checked on the source, not on a run."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_REQUIRED_PARAMETERS = 7
+
+
+def sources():
+    """The project's Python files outside tests (no venv, no hidden directory)."""
+    return [f for f in sorted(ROOT.rglob("*.py")) if not any(p.startswith(".") or p == "tests"
+                                                             for p in f.relative_to(ROOT).parts)]
+
+
+def required_parameters(function):
+    """A def's parameters a caller must give: positional ones without a default and keyword-only ones without one
+    (self and cls not counted)."""
+    a = function.args
+    positional = a.posonlyargs + a.args
+    required = len(positional) - len(a.defaults) + sum(d is None for d in a.kw_defaults)
+    bound = positional and positional[0].arg in ("self", "cls") and len(a.defaults) < len(positional)
+    return required - bool(bound)
+
+
+def test_required_parameters_are_counted_as_a_caller_sees_them():
+    def count(text):
+        return required_parameters(ast.parse(text).body[0])
+    assert count("def f(a, b, c=1, *, d, e=2): pass") == 3                         # a, b, d
+    assert count("def f(self, a, /, b, *args, c, **kw): pass") == 3                # a, b, c
+    assert count("def f(cls=None): pass") == 0
+
+
+def test_no_function_takes_more_than_seven_required_parameters():
+    # a long list of required parameters is settings read one by one or state that belongs in one object
+    functions = [(f, n) for f in sources() for n in ast.walk(ast.parse(f.read_text()))
+                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    long = [f"{f.relative_to(ROOT)}:{n.lineno} {n.name} ({required_parameters(n)})" for f, n in functions
+            if required_parameters(n) > MAX_REQUIRED_PARAMETERS]
+    assert len(functions) > 100 and not long, "\n".join(long)
