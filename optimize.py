@@ -143,6 +143,7 @@ common.check_choice("policy_handoff", policy_handoff, ("transfer", "files"))
 stage_plan = records.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
                                 total_updates=total_updates, drift_growth=drift_growth,
                                 drift_max_updates=drift_max_updates)
+ending = records.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
 common.check_choice("agg", agg, L.AGG_MODES)
 common.check_choice("token_normalizer", token_normalizer, L.TOKEN_NORMALIZERS)
 common.check_choice("kl_estimator", kl_estimator, L.KL_ESTIMATORS)
@@ -222,49 +223,6 @@ def open_stage(directory):
         raise SystemExit(str(e)) from None
 
 
-def minibatch_schedule(stage, updates_per_stage):
-    """[updates_per_stage, prompts_per_update] group indices: the stage's groups in one seeded order, cut into
-    consecutive minibatches, so update u sees groups it alone sees, u updates stale. A stage with too few
-    groups wraps into a new seeded order (said loudly: responses are then reused)."""
-    candidates = np.arange(len(stage.groups))
-    if skip_zero_variance:
-        candidates = candidates[~stage.zero_variance]
-        log(f"skip_zero_variance: leaving out {int(stage.zero_variance.sum())} of {len(stage.groups)} groups "
-            f"with zero reward variance")
-    need = updates_per_stage * prompts_per_update
-    if need == 0:
-        return np.zeros((0, prompts_per_update), dtype=np.int64)
-    if len(candidates) < prompts_per_update:
-        raise SystemExit(f"{stage.directory}: {len(candidates)} usable groups, fewer than --prompts_per_update="
-                         f"{prompts_per_update}")
-    if need > len(candidates):
-        log(f"WARNING: {updates_per_stage} updates × {prompts_per_update} prompts need {need} groups but the stage "
-            f"has {len(candidates)} usable: the schedule wraps into {need / len(candidates):.2f} passes, so responses "
-            f"are reused and update u is no longer exactly u updates stale")
-    elif need < len(candidates):
-        log(f"note: {len(candidates) - need} of the stage's {len(candidates)} groups are left unused "
-            f"({updates_per_stage} updates × {prompts_per_update} prompts)")
-    order = common.shuffled_window(candidates.tolist(), 0, need, seed)
-    return np.asarray(order, dtype=np.int64).reshape(updates_per_stage, prompts_per_update)
-
-
-def drift_warning(neg_ratios):
-    """The drift warning after these updates (their E[ρ | A<0], None or NaN for a minibatch without an A<0 token):
-    (the moving average of 1 − E[ρ | A<0] over the last drift_window updates that had one, or None before there are
-    that many; whether it exceeds drift_threshold)."""
-    seen = [v for v in neg_ratios if v is not None and math.isfinite(v)][-drift_window:]
-    if drift_window < 1 or len(seen) < drift_window:
-        return None, False
-    average = sum(1.0 - v for v in seen) / len(seen)
-    return average, average > drift_threshold
-
-
-def stage_ends_before(u, neg_ratios):
-    """Whether the stage ends before update u: with stage_end=drift, at u ≥ drift_min_updates when the warning over
-    updates 0..u−1 is on. Decided from the metrics lines, so a resumed stage ends where the unbroken one did."""
-    return stage_end == "drift" and u >= drift_min_updates and drift_warning(neg_ratios)[1]
-
-
 # ----------------------------------------------------------------------------- one stage
 
 
@@ -320,7 +278,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     updates_per_stage, start = progress.updates_per_stage, progress.start
     temp = describe_stage(stage, updates_per_stage)
     recipe = update.Recipe(loss_options(stage), micro_batch_tokens, grad_clip)
-    schedule = minibatch_schedule(stage, updates_per_stage)
+    schedule = update.minibatch_schedule(stage, updates_per_stage, prompts_per_update, seed, skip_zero_variance)
     columns, timing, neg_ratios, first_row = before_first_update(model, stage, progress, columns, temp, schedule)
 
     def save_policy(directory, done):
@@ -339,7 +297,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
                initial=start, total=updates_per_stage)
     done = updates_per_stage
     for u in bar:
-        if stage_ends_before(u, neg_ratios):
+        if ending.ends_before(u, neg_ratios):
             done = u
             break
         t0 = time.perf_counter()
@@ -453,23 +411,16 @@ def check_engines(model, stage, temp):
 
 
 def record_stage_end(stage, schedule, done, neg_ratios, progress):
-    """stage_end.json beside metrics.jsonl: where the stage ended and why, the drift signal there, and the groups
-    (prompts) generated for it but never trained on; the next stage's size is planned from it
-    (records.StagePlan)."""
-    average, warned = drift_warning(neg_ratios)
-    unused = schedule[done:].ravel().tolist()
+    """stage_end.json beside metrics.jsonl (records.StageEnd.record, the run's counts): the next stage's size is
+    planned from it (records.StagePlan)."""
+    row = ending.record(stage.index, done, progress.updates_per_stage, neg_ratios,
+                        [stage.group_keys[g] for g in schedule[done:].ravel().tolist()])
     if done < progress.updates_per_stage:
         log(f"stage {stage.index} ends on drift after {done} of {progress.updates_per_stage} updates: the average "
-            f"1 − E[ρ | A<0] of the last {drift_window} updates is {average:.4f} > {drift_threshold}; "
-            f"{len(unused)} prompts unused")
+            f"1 − E[ρ | A<0] of the last {drift_window} updates is {row['drift_signal']:.4f} > {drift_threshold}; "
+            f"{row['unused_prompts']} prompts unused")
     if is_main:
-        common.atomic_write_json(progress.work_dir / records.STAGE_END, {
-            "stage": stage.index, "reason": "drift" if done < progress.updates_per_stage else "all minibatches",
-            "updates": done, "generated_updates": progress.updates_per_stage, "stage_end": stage_end,
-            "drift_signal": average, "drift_warning": warned, "drift_window": drift_window,
-            "drift_threshold": drift_threshold, "drift_min_updates": drift_min_updates,
-            "unused_prompts": len(unused), "unused_groups": [stage.group_keys[g] for g in unused],
-            **progress.counts(done)})
+        common.atomic_write_json(progress.work_dir / records.STAGE_END, {**row, **progress.counts(done)})
 
 
 # ----------------------------------------------------------------------------- main
@@ -525,23 +476,6 @@ def write_timing(progress, timing):
         log(f"next policy written to {progress.out_dir} ({seconds})")
 
 
-def check_vocabulary(stage, start_policy):
-    if stage.max_token_id() >= (vocab := M.vocab_size(start_policy)):
-        raise SystemExit(f"{stage.directory}: token id {stage.max_token_id()} ≥ the policy's vocabulary size {vocab}: "
-                         f"rollouts made with another tokenizer?")
-
-
-def check_lengths(stage, start_policy):
-    """Refuse in one line rollouts longer than the policy holds (common.model_max_len, as vLLM derives it): they
-    were made with another model or longer length flags, and the trainer would run past its positions silently."""
-    limit, key = common.model_max_len(start_policy)
-    longest = int((stage.prompt_len + stage.response_len).max(initial=0))
-    if limit is not None and longest > limit:
-        raise SystemExit(f"{stage.directory}: a prompt and response of {longest} tokens, more than the policy "
-                         f"{start_policy} holds ({key} = {limit}): rollouts made with another model, or with "
-                         f"--max_prompt_tokens + --max_response_tokens above its limit?")
-
-
 def build_trainer(start_policy, attention, weights):
     """The policy as the trainer holds it and its AdamW."""
     model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
@@ -571,8 +505,7 @@ def main():
     t_start = time.perf_counter()
     stage = open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
-    check_vocabulary(stage, start_policy)
-    check_lengths(stage, start_policy)
+    update.check_fits(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
         + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
@@ -730,8 +663,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     waited = partner.wait_for_rollouts(s)
     t0 = time.time()
     stage = open_stage(run_stage_dir(s))
-    check_vocabulary(stage, trainer.start_policy)
-    check_lengths(stage, trainer.start_policy)
+    update.check_fits(stage, trainer.start_policy)
     record_settings(progress, stage, trainer.start_policy, trainer.reference, trainer.attention, resident=True)
     saves = progress.save_state or check_all
     check_disk(stage, trainer.start_policy, progress, passes=(trainer.ref_model is not None) + (tis_cap is not None),

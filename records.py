@@ -110,6 +110,41 @@ class StagePlan:
         return run_updates_before + updates_per_stage >= self.total_updates
 
 
+@dataclasses.dataclass(frozen=True)
+class StageEnd:
+    """Where training on a stage ends (docs/design.md §4): after all its minibatches (fixed), or (drift) before the
+    first update u ≥ min_updates at which the drift warning is on: the moving average of 1 − E[ρ | A<0] over the
+    last `window` updates that had an A<0 token, above `threshold`. Decided from the metrics rows' E[ρ | A<0], so a
+    resumed stage ends where the unbroken one did; its record (STAGE_END) is what StagePlan sizes the next stage by."""
+    rule: str = "fixed"                 # fixed | drift
+    window: int = 16
+    threshold: float = 0.01
+    min_updates: int = 16
+
+    def warning(self, neg_ratios):
+        """The warning after these updates (their E[ρ | A<0], None or NaN for a minibatch without an A<0 token):
+        (the moving average, or None before there are `window` of them; whether it exceeds the threshold)."""
+        seen = [v for v in neg_ratios if v is not None and math.isfinite(v)][-self.window:]
+        if self.window < 1 or len(seen) < self.window:
+            return None, False
+        average = sum(1.0 - v for v in seen) / len(seen)
+        return average, average > self.threshold
+
+    def ends_before(self, u, neg_ratios):
+        """Whether the stage ends before update u, given updates 0..u−1's E[ρ | A<0]."""
+        return self.rule == "drift" and u >= self.min_updates and self.warning(neg_ratios)[1]
+
+    def record(self, stage, done, generated, neg_ratios, unused_groups):
+        """The stage's STAGE_END row, less the run's counts: where it ended (`done` of its `generated` updates) and
+        why, the drift signal there, and the groups generated for it but never trained on."""
+        average, warned = self.warning(neg_ratios)
+        return {"stage": stage, "reason": "drift" if done < generated else "all minibatches", "updates": done,
+                "generated_updates": generated, "stage_end": self.rule, "drift_signal": average,
+                "drift_warning": warned, "drift_window": self.window, "drift_threshold": self.threshold,
+                "drift_min_updates": self.min_updates, "unused_prompts": len(unused_groups),
+                "unused_groups": unused_groups}
+
+
 # ----------------------------------------------------------------------------- writing
 
 def append(run_dir, row, **more):

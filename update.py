@@ -32,6 +32,51 @@ def log(*args):
         print(*args, flush=True)
 
 
+# ----------------------------------------------------------------------------- the stage's minibatches
+
+
+def check_fits(stage, policy):
+    """Refuse in one line rollouts the policy cannot take: a token id past its vocabulary (another tokenizer), or a
+    prompt and response longer than it holds (common.model_max_len, as vLLM derives it: another model or longer
+    length flags), which the trainer would run past its positions silently."""
+    if stage.max_token_id() >= (vocab := M.vocab_size(policy)):
+        raise SystemExit(f"{stage.directory}: token id {stage.max_token_id()} ≥ the policy's vocabulary size {vocab}: "
+                         f"rollouts made with another tokenizer?")
+    limit, key = common.model_max_len(policy)
+    longest = int((stage.prompt_len + stage.response_len).max(initial=0))
+    if limit is not None and longest > limit:
+        raise SystemExit(f"{stage.directory}: a prompt and response of {longest} tokens, more than the policy "
+                         f"{policy} holds ({key} = {limit}): rollouts made with another model, or with "
+                         f"--max_prompt_tokens + --max_response_tokens above its limit?")
+
+
+def minibatch_schedule(stage, updates_per_stage, prompts_per_update, seed, skip_zero_variance=False):
+    """[updates_per_stage, prompts_per_update] group indices: the stage's groups in one seeded order, cut into
+    consecutive minibatches, so update u sees groups it alone sees, u updates stale. A stage with too few
+    groups wraps into a new seeded order (said loudly: responses are then reused). skip_zero_variance: only the
+    groups whose rewards differ."""
+    candidates = np.arange(len(stage.groups))
+    if skip_zero_variance:
+        candidates = candidates[~stage.zero_variance]
+        log(f"skip_zero_variance: leaving out {int(stage.zero_variance.sum())} of {len(stage.groups)} groups "
+            f"with zero reward variance")
+    need = updates_per_stage * prompts_per_update
+    if need == 0:
+        return np.zeros((0, prompts_per_update), dtype=np.int64)
+    if len(candidates) < prompts_per_update:
+        raise SystemExit(f"{stage.directory}: {len(candidates)} usable groups, fewer than --prompts_per_update="
+                         f"{prompts_per_update}")
+    if need > len(candidates):
+        log(f"WARNING: {updates_per_stage} updates × {prompts_per_update} prompts need {need} groups but the stage "
+            f"has {len(candidates)} usable: the schedule wraps into {need / len(candidates):.2f} passes, so responses "
+            f"are reused and update u is no longer exactly u updates stale")
+    elif need < len(candidates):
+        log(f"note: {len(candidates) - need} of the stage's {len(candidates)} groups are left unused "
+            f"({updates_per_stage} updates × {prompts_per_update} prompts)")
+    order = common.shuffled_window(candidates.tolist(), 0, need, seed)
+    return np.asarray(order, dtype=np.int64).reshape(updates_per_stage, prompts_per_update)
+
+
 # ----------------------------------------------------------------------------- packed micro-batches
 
 

@@ -19,19 +19,26 @@ def import_script(monkeypatch, name, *argv):
 
 
 def test_the_drift_warning_is_the_moving_average_of_one_minus_e_rho_given_a_negative(monkeypatch):
-    opt = import_script(monkeypatch, "optimize", "--stage_end=drift", "--drift_window=4", "--drift_threshold=0.1",
-                        "--drift_min_updates=5")
+    end = records.StageEnd("drift", window=4, threshold=0.1, min_updates=5)
     # the last 4 updates with an A<0 token (None: a minibatch without one; NaN likewise): 1.0, 0.9, 0.8, 0.7 →
     # mean of 1 − E[ρ | A<0] = (0 + 0.1 + 0.2 + 0.3) / 4 = 0.15 > 0.1
     history = [0.5, 1.0, 0.9, None, 0.8, math.nan, 0.7]
-    average, warned = opt.drift_warning(history)
+    average, warned = end.warning(history)
     assert average == pytest.approx(0.15) and warned
-    assert opt.drift_warning([1.0, 0.9, None, 0.8]) == (None, False)          # 3 values: no full window yet
-    assert opt.drift_warning([1.0, 1.0, 0.95, 0.99])[1] is False              # (0 + 0 + 0.05 + 0.01) / 4 = 0.015
+    assert end.warning([1.0, 0.9, None, 0.8]) == (None, False)          # 3 values: no full window yet
+    assert end.warning([1.0, 1.0, 0.95, 0.99])[1] is False              # (0 + 0 + 0.05 + 0.01) / 4 = 0.015
     # the stage ends before update u only from drift_min_updates on, and never with stage_end=fixed
-    assert not opt.stage_ends_before(4, history) and opt.stage_ends_before(5, history)
-    monkeypatch.setattr(opt, "stage_end", "fixed")
-    assert not opt.stage_ends_before(7, history)
+    assert not end.ends_before(4, history) and end.ends_before(5, history)
+    assert not records.StageEnd("fixed", window=4, threshold=0.1, min_updates=5).ends_before(7, history)
+    # the record: ended on drift after 5 of 8 generated updates, the 3 minibatches left unused
+    assert end.record(2, 5, 8, history, ["g5", "g6", "g7"]) == {
+        "stage": 2, "reason": "drift", "updates": 5, "generated_updates": 8, "stage_end": "drift",
+        "drift_signal": pytest.approx(0.15), "drift_warning": True, "drift_window": 4, "drift_threshold": 0.1,
+        "drift_min_updates": 5, "unused_prompts": 3, "unused_groups": ["g5", "g6", "g7"]}
+    # optimize.py's flags are the rule it applies
+    opt = import_script(monkeypatch, "optimize", "--stage_end=drift", "--drift_window=4", "--drift_threshold=0.1",
+                        "--drift_min_updates=5")
+    assert opt.ending == end
 
 
 def write_end(run_dir, s, reason, updates, generated, run_updates, min_updates=16):
