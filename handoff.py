@@ -110,6 +110,66 @@ def reset(run_dir):
     state_dir(run_dir).mkdir(parents=True)
 
 
+class PolicyHandover:
+    """The trainer's side of handing each policy to the engines (rank 0 writes; every rank sends), for the two ways a
+    resident run does it: files (policy_<s>/ in the fast directory, fast_dir, for the engines to load) or transfer
+    (vLLM's weight-transfer API: `sender`, a transfer.Sender). With processes per phase nothing is handed over: the
+    next generate process loads the policy saved into the stage directory. `plan` (records.StagePlan) and
+    prompts_per_update size the stage each policy generates."""
+
+    def __init__(self, partner, plan, prompts_per_update, is_main, sender=None):
+        self.partner, self.plan, self.prompts_per_update, self.is_main = partner, plan, prompts_per_update, is_main
+        self.sender = sender
+        self.fast = None        # files: the directory, chosen once the trainer knows the policy's size (use_files)
+
+    @property
+    def kind(self):
+        return "files" if self.sender is None else "transfer"
+
+    def use_files(self, where):
+        self.fast = Path(where)
+
+    def policy_dirs(self, stage_policy, s, due):
+        """Where train_stage saves the policy trained on stage s: the fast directory's policy_<s> (files), and the
+        run directory's stage_policy when a save is `due` there."""
+        return (*([self.fast / f"policy_{s}"] if self.sender is None else []), *([stage_policy] if due else []))
+
+    def before_stage(self, s):
+        """Before stage s's policy is written: two policies coexist in the fast directory, s − 1 and s."""
+        if self.is_main and self.sender is None:
+            shutil.rmtree(self.fast / f"policy_{s - 2}", ignore_errors=True)
+
+    def publish_saved(self, s, directory):
+        """Hand over the policy trained on stage s, saved at `directory`, with its recorded counts and the size of the
+        stage it generates (0: the run is over)."""
+        if self.is_main:
+            record = common.policy_record(directory)
+            self.partner.publish_policy(s, directory, records.stage_dir(self.partner.run_dir, s) / records.POLICY,
+                                        record["fingerprint"], run_updates=record["run_updates"],
+                                        next_stage_prompts=self.next_stage_prompts(s))
+
+    def hand_over(self, s, model, dtype, run_updates):
+        """Hand over the policy trained on stage s (train_stage has saved it where policy_dirs said); returns its
+        timing: the transfer's seconds and (rank 0) GB/s."""
+        if self.sender is None:
+            self.publish_saved(s, self.fast / f"policy_{s}")
+            return {}
+        record, fingerprint, seconds, sent = self.sender.send(model, dtype)
+        if not self.is_main:
+            return {"handoff_seconds": seconds}
+        self.partner.publish_policy(s, None, records.stage_dir(self.partner.run_dir, s) / records.POLICY, fingerprint,
+                                    run_updates=run_updates, next_stage_prompts=self.next_stage_prompts(s),
+                                    engine_weights=record)
+        return {"handoff_seconds": seconds, "handoff_gb_per_s": sent / 1e9 / seconds}
+
+    def next_stage_prompts(self, s):
+        return self.plan.prompts_at(self.partner.run_dir, s + 1, self.prompts_per_update)
+
+    def close(self):
+        if self.sender is not None:
+            self.sender.close()
+
+
 # The trainer's memory that stays on each GPU while the engine is awake, beyond its resident state: the CUDA
 # context and NCCL's buffers (~1 GiB, which torch.cuda.memory_reserved does not count) and what the caching
 # allocator cannot hand back (fragmentation, ~1 GiB). Estimates: no GPU has run resident mode.

@@ -144,6 +144,7 @@ stage_plan = records.StagePlan(updates_per_stage=updates_per_stage, stages=stage
                                 total_updates=total_updates, drift_growth=drift_growth,
                                 drift_max_updates=drift_max_updates)
 ending = records.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
+gate = update.AgreementGate(engine_mismatch_bound, agreement_growth, collapse_entropy_ratio, agreement_responses)
 common.check_choice("agg", agg, L.AGG_MODES)
 common.check_choice("token_normalizer", token_normalizer, L.TOKEN_NORMALIZERS)
 common.check_choice("kl_estimator", kl_estimator, L.KL_ESTIMATORS)
@@ -351,7 +352,7 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     """What a stage needs before its first update (of this run: a resumed stage's, progress.start): TIS's stored
     pass of the stage policy, added to `columns`; the metrics lines of the updates already done, and their drift
     signal (lines after the resumed update are dropped, so the file matches an unbroken run); at update 0 the
-    engines' agreement (check_engines); with check_packing the packing check. Returns (columns, timing, the drift
+    engines' agreement (update.check_engines); with check_packing the packing check. Returns (columns, timing, the drift
     signal so far, the checks' values for the first update's metrics line)."""
     start, updates_per_stage, timing = progress.start, progress.updates_per_stage, {}
     if tis_cap is not None:
@@ -369,45 +370,12 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     resampled = temperature and temperature != stage.temperature        # log-probs at another temperature than b's
     first_row = {}
     if start == 0 and updates_per_stage and engine_mismatch_bound != 0 and not resampled:
-        first_row = check_engines(model, stage, temp)
+        first_row = update.check_engines(model, stage, temp, gate, micro_batch_tokens)
     if check_packing and start < updates_per_stage:
         first = stage.groups[schedule[start]].ravel()
         first_row.update(update.packing_check(model, stage, temp, update.micro_batches(
             stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world], micro_batch_tokens)[0]))
     return columns, timing, neg_ratios, first_row
-
-
-def check_engines(model, stage, temp):
-    """The engines' agreement before the stage's first update, gated (update.agreement_gate): the run stops naming
-    the engine, or the stage is recorded as collapsed. Returns the first metrics row's agreement/collapsed (the
-    measured means are logged, not recorded: which responses each engine generated is the mode's, and rows are
-    compared across modes; the row's mismatch/* and entropy measure the same on the first minibatch)."""
-    means, entropy = update.engine_agreement(model, stage, temp, agreement_responses, micro_batch_tokens)
-    bound = update.agreement_bound() if engine_mismatch_bound < 0 else engine_mismatch_bound
-    # read from the filesystem: rank 0 decides, so every rank reaches the same verdict
-    reference = M.broadcast(update.agreement_reference(stage) if is_main else None) if stage.index > 0 else None
-    verdict, applied = update.agreement_gate(means, entropy, reference and reference[:2], bound, agreement_growth,
-                                             collapse_entropy_ratio)
-    row = {"agreement/collapsed": verdict == "collapsed"}
-    against = (f"bound max({bound:g}, {agreement_growth:g} × {reference[0]:.3g} of {reference[2]})" if reference else
-               f"bound {bound:g}" + (", absolute: no stage 0 or preflight record to calibrate it" if stage.index else ""))
-    each = ", ".join(f"engine {e} {v:.2e}" for e, v in means.items())
-    log(f"engine agreement before update 0: mean |log ratio| {each}, entropy {entropy:.3g} ({against})")
-    if verdict == "pass":
-        return row
-    engine, worst = max(means.items(), key=lambda kv: kv[1])
-    if verdict == "collapsed":
-        log(f"stage {stage.index}: the policy has collapsed (entropy {entropy:.3g} against {reference[1]:.3g} at the "
-            f"reference; engine {engine} differs by {worst:.3g} nats per token, above {applied:.3g}): recorded "
-            f"(agreement/collapsed), training goes on; the weight hashes guard the engines' weights")
-        return row
-    why = (f"the policy's entropy ({entropy:.3g}) is within {collapse_entropy_ratio:g}× of the reference's "
-           f"({reference[1]:.3g}), so it has not collapsed: the engine holds the trainer's weights (their hashes) but "
-           f"computes or samples otherwise (temperature, top_p/top_k, a cache kept across a weight load)" if reference
-           else "the engine did not serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k)")
-    raise SystemExit(f"stage {stage.index}, engine {engine}: before any update the trainer's log-probs differ from the "
-                     f"engine's by {worst:.3g} nats per token on average ({against}): {why}; stopping before training "
-                     f"on its rollouts")
 
 
 def record_stage_end(stage, schedule, done, neg_ratios, progress):
@@ -454,18 +422,6 @@ def check_disk(stage, start_policy, progress, passes, saves_state, saves_policy=
                              f"({policy_bytes / 1e9:.1f} GB) and {passes} log-prob pass(es) ({pass_bytes / 1e9:.1f} GB)")
 
 
-def write_settings(progress, resolved):
-    """optimize_config.json beside metrics.jsonl: the hyperparameters as resolved, what was derived at run
-    time, the versions of the code and libraries, and the command line."""
-    if is_main:
-        progress.work_dir.mkdir(parents=True, exist_ok=True)
-        common.atomic_write_json(progress.work_dir / "optimize_config.json", {
-            # the stage plan's defaults as resolved (total_updates, drift_max_updates)
-            "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
-            "resolved": resolved, "world": world,
-            "device": str(device), "versions": common.versions(), "argv": sys.argv})
-
-
 def write_timing(progress, timing):
     """optimize_timing.json (rank 0), with every rank's peak RSS."""
     peak_rss = M.gather_values(torch.tensor([common.peak_rss_gib()], device=device))
@@ -496,9 +452,16 @@ def kl_reference(start_policy):
 
 
 def record_settings(progress, stage, start_policy, reference, attention, **more):
-    """optimize_config.json with what this stage resolved at run time."""
-    write_settings(progress, {"policy": start_policy, "ref_policy": reference, "temperature": logprob_temperature(stage),
-                              "attention": attention, "norm_len": loss_options(stage)["norm_len"], **more})
+    """optimize_config.json beside metrics.jsonl: the hyperparameters as resolved (with the stage plan's defaults:
+    total_updates, drift_max_updates), what this stage resolved at run time, the versions of the code and libraries,
+    and the command line."""
+    if is_main:
+        progress.work_dir.mkdir(parents=True, exist_ok=True)
+        resolved = {"policy": start_policy, "ref_policy": reference, "temperature": logprob_temperature(stage),
+                    "attention": attention, "norm_len": loss_options(stage)["norm_len"], **more}
+        common.atomic_write_json(progress.work_dir / "optimize_config.json", {
+            "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
+            "resolved": resolved, "world": world, "device": str(device), "versions": common.versions(), "argv": sys.argv})
 
 
 def main():
@@ -538,15 +501,14 @@ def main():
 @dataclasses.dataclass
 class Resident:
     """What the resident trainer keeps for the whole run: the policy and AdamW, KL's reference model, and how the
-    policies are handed over."""
+    policies are handed over (handoff.PolicyHandover)."""
     model: object
     optimizer: object
     start_policy: Path
     attention: str
     reference: str
     ref_model: object
-    fast: Path = None           # policy_handoff=files: the directory the policies are written to for the engines
-    sender: object = None       # policy_handoff=transfer: this rank's transfer.Sender
+    handover: handoff.PolicyHandover
 
     @property
     def dtype(self):
@@ -560,9 +522,9 @@ def run_stage_dir(s):
 def resident_main():
     """Resident mode: the model, AdamW (and KL's reference model) built once and kept for the stages from the first
     untrained one until the run is over (stage_plan); each stage's rollouts are waited for, trained on
-    (train_stage, as a one-stage run would), and the policy handed to the engine process through the fast hand-off
-    directory. A resumed run starts from the newest train state in the run directory and trains again the stages
-    after it (their rollouts are on disk), which gives the same weights as an unbroken run."""
+    (train_stage, as a one-stage run would), and the policy handed to the engine processes (handoff.PolicyHandover).
+    A resumed run starts from the newest train state in the run directory and trains again the stages after it
+    (their rollouts are on disk), which gives the same weights as an unbroken run."""
     partner = handoff.Partner(run_dir, "trainer")
     if is_main:
         partner.announce()
@@ -571,12 +533,13 @@ def resident_main():
         import transfer
         sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
                                  buffer_bytes=handoff_buffer_mb * 2**20)
+    handover = handoff.PolicyHandover(partner, stage_plan, prompts_per_update, is_main, sender)
     last, meta = M.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
     resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / records.POLICY)
     if meta is not None and meta["complete"] and not resave:
-        publish(partner, last, run_stage_dir(last) / records.POLICY)   # the engine resumes from it
+        handover.publish_saved(last, run_stage_dir(last) / records.POLICY)   # the engine resumes from it
     # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
     # that policy, holding none)
     if stage_plan.updates_per_stage_at(run_dir, first) and not resave:
@@ -587,7 +550,7 @@ def resident_main():
         partner.wait(lambda: partner.engines_asleep(engines))
     t_start = time.time()
     start_policy = common.local_dir(policy)
-    trainer = build_resident(start_policy, weights=meta is None, sender=sender)
+    trainer = build_resident(start_policy, weights=meta is None, handover=handover)
     start, before, start_weights, said = M.restore(
         trainer.model, trainer.optimizer, run_stage_dir(last) / records.TRAIN_STATE if meta else None,
         resume=meta is not None and not meta["complete"], start_weights=common.policy_fingerprint(start_policy),
@@ -601,14 +564,13 @@ def resident_main():
         # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
         # as every stage's hand-over does (release_gradients)
         M.release_memory()
-        publish(partner, last, run_stage_dir(last) / records.POLICY)
+        handover.publish_saved(last, run_stage_dir(last) / records.POLICY)
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     try:
         resident_stages(partner, trainer, first, start, before, start_weights)
     finally:
-        if trainer.sender is not None:
-            trainer.sender.close()
+        handover.close()
     del trainer
     M.end_process_group()
 
@@ -624,30 +586,30 @@ def resident_stages(partner, trainer, first, start, before, start_weights):
         progress = Progress(out_dir=run_stage_dir(s) / records.POLICY, updates_per_stage=updates_per_stage,
                             start=start if s == first else 0, before=before,
                             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
-                            policy_dirs=(*([trainer.fast / f"policy_{s}"] if trainer.fast else []),
-                                         *([run_stage_dir(s) / records.POLICY] if due else [])))
+                            policy_dirs=trainer.handover.policy_dirs(run_stage_dir(s) / records.POLICY, s, due))
         resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
         s += 1
 
 
-def build_resident(start_policy, weights, sender):
+def build_resident(start_policy, weights, handover):
     """The resident trainer's model and AdamW (empty when a train state will fill them), KL's reference model, and
-    the hand-off: `sender` (transfer.Sender), or the directory policies are written to (files; chosen on rank 0, which
-    sees the same /dev/shm as the engines, and broadcast, since a rank that chose otherwise would save alone into a
-    collective). The choice is logged."""
+    the hand-over: through vLLM's weight-transfer API, or through files in the directory rank 0 chooses (it sees the
+    same /dev/shm as the engines; broadcast, since a rank that chose otherwise would save alone into a collective).
+    The choice is logged."""
     attention = M.choose_attention(attn_implementation, device)
     reference = kl_reference(start_policy)
     torch.manual_seed(seed)
     ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks()) if reference else None
     model, optimizer = build_trainer(start_policy, attention, weights=weights)
-    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model, sender=sender)
-    if sender is not None:
-        log(f"policies are handed over through vLLM's weight-transfer API ({sender.backend}, {engines} engine(s))")
+    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model, handover)
+    if handover.kind == "transfer":
+        log(f"policies are handed over through vLLM's weight-transfer API ({handover.sender.backend}, {engines} engine(s))")
     else:
         policy_bytes = M.parameter_count(start_policy) * trainer.dtype.itemsize
-        trainer.fast, why = M.broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
-        log(f"policies are handed over through {trainer.fast}: {why}")
+        fast, why = M.broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
+        handover.use_files(fast)
+        log(f"policies are handed over through {fast}: {why}")
     gc.freeze()       # what lives for the run (the model, the libraries' modules: vLLM's with the transfer) is out of
     # every later gc.collect (model.release_memory's, every stage): on a CPU a collect takes 0.1 s with torch and
     # transformers imported, 0.3 s with vLLM too, a few ms once they are frozen
@@ -668,8 +630,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     saves = progress.save_state or check_all
     check_disk(stage, trainer.start_policy, progress, passes=(trainer.ref_model is not None) + (tis_cap is not None),
                saves_state=saves, saves_policy=saves)
-    if is_main and trainer.fast:           # two policies coexist in the hand-off directory: s − 1 and this one
-        shutil.rmtree(trainer.fast / f"policy_{s - 2}", ignore_errors=True)
+    trainer.handover.before_stage(s)
     columns, timing = {}, {}
     if trainer.ref_model is not None:
         columns["ref"], timing["ref_pass_seconds"] = update.logprob_pass(
@@ -679,16 +640,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
                               trainer.dtype))
     # this process keeps only its resident state (fp32 weights, AdamW), not the gradients (4 bytes per parameter)
     timing["gradient_bytes_kept"] = M.release_gradients(trainer.optimizer)
-    if trainer.sender is None:
-        publish(partner, s, trainer.fast / f"policy_{s}")
-    else:
-        record, fingerprint, timing["handoff_seconds"], sent = trainer.sender.send(trainer.model, trainer.dtype)
-        if is_main:
-            partner.publish_policy(s, None, run_stage_dir(s) / records.POLICY, fingerprint,
-                                   run_updates=progress.after["run_updates"],
-                                   next_stage_prompts=stage_plan.prompts_at(run_dir, s + 1, prompts_per_update),
-                                   engine_weights=record)
-            timing["handoff_gb_per_s"] = sent / 1e9 / timing["handoff_seconds"]
+    timing.update(trainer.handover.hand_over(s, trainer.model, trainer.dtype, progress.after["run_updates"]))
     # what each rank's allocator holds while the engines are awake (the preflight gates it against their share)
     held = M.reserved_gib()
     reserved = M.gather_values(torch.tensor([math.nan if held is None else held], device=device)).tolist()
@@ -702,16 +654,6 @@ def resident_stage(partner, trainer, s, progress, check_all):
                           "reserved_gib_per_rank": [common.finite_or_none(x) for x in reserved],
                           "handoff": policy_handoff,
                           **{k: v for k, v in timing.items() if k.endswith(("seconds", "per_s"))}})
-
-
-def publish(partner, s, directory):
-    """Hand the policy trained on stage s (saved at `directory`) to the engine, with its recorded counts and the
-    size of the stage it generates (0: the run is over)."""
-    if is_main:
-        record = common.policy_record(directory)
-        partner.publish_policy(s, directory, run_stage_dir(s) / records.POLICY, record["fingerprint"],
-                               run_updates=record["run_updates"],
-                               next_stage_prompts=stage_plan.prompts_at(run_dir, s + 1, prompts_per_update))
 
 
 if __name__ == "__main__":

@@ -287,6 +287,50 @@ def agreement_reference(stage):
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class AgreementGate:
+    """The engines' agreement check before a stage's first update (optimize.py's engine_mismatch_bound,
+    agreement_growth, collapse_entropy_ratio, agreement_responses): agreement_gate's bound (< 0: the device's,
+    agreement_bound), growth and entropy ratio, and the responses per engine it measures."""
+    bound: float
+    growth: float
+    entropy_ratio: float
+    responses: int
+
+
+def check_engines(model, stage, temp, gate, micro_batch_tokens):
+    """The engines' agreement before the stage's first update, gated (agreement_gate with `gate`'s settings): the run
+    stops naming the engine, or the stage is recorded as collapsed. Returns the first metrics row's agreement/collapsed (the
+    measured means are logged, not recorded: which responses each engine generated is the mode's, and rows are
+    compared across modes; the row's mismatch/* and entropy measure the same on the first minibatch)."""
+    means, entropy = engine_agreement(model, stage, temp, gate.responses, micro_batch_tokens)
+    bound = agreement_bound() if gate.bound < 0 else gate.bound
+    # read from the filesystem: rank 0 decides, so every rank reaches the same verdict
+    reference = None if stage.index == 0 else M.broadcast(agreement_reference(stage) if M.placement()[0] == 0 else None)
+    verdict, applied = agreement_gate(means, entropy, reference and reference[:2], bound, gate.growth,
+                                      gate.entropy_ratio)
+    row = {"agreement/collapsed": verdict == "collapsed"}
+    against = (f"bound max({bound:g}, {gate.growth:g} × {reference[0]:.3g} of {reference[2]})" if reference else
+               f"bound {bound:g}" + (", absolute: no stage 0 or preflight record to calibrate it" if stage.index else ""))
+    each = ", ".join(f"engine {e} {v:.2e}" for e, v in means.items())
+    log(f"engine agreement before update 0: mean |log ratio| {each}, entropy {entropy:.3g} ({against})")
+    if verdict == "pass":
+        return row
+    engine, worst = max(means.items(), key=lambda kv: kv[1])
+    if verdict == "collapsed":
+        log(f"stage {stage.index}: the policy has collapsed (entropy {entropy:.3g} against {reference[1]:.3g} at the "
+            f"reference; engine {engine} differs by {worst:.3g} nats per token, above {applied:.3g}): recorded "
+            f"(agreement/collapsed), training goes on; the weight hashes guard the engines' weights")
+        return row
+    why = (f"the policy's entropy ({entropy:.3g}) is within {gate.entropy_ratio:g}× of the reference's "
+           f"({reference[1]:.3g}), so it has not collapsed: the engine holds the trainer's weights (their hashes) but "
+           f"computes or samples otherwise (temperature, top_p/top_k, a cache kept across a weight load)" if reference
+           else "the engine did not serve the policy the trainer holds, or sampled otherwise (temperature, top_p/top_k)")
+    raise SystemExit(f"stage {stage.index}, engine {engine}: before any update the trainer's log-probs differ from the "
+                     f"engine's by {worst:.3g} nats per token on average ({against}): {why}; stopping before training "
+                     f"on its rollouts")
+
+
 def packing_check(model, stage, temp, mb):
     """Whether the packed attention keeps sequences apart, measured two ways on micro-batch `mb` (every rank's):
     - differential (check/packed_*): the same sequences packed in the order given and in reverse. Both rows have

@@ -72,6 +72,29 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
     assert not any(d.exists() for d in handoff.policy_locations(tmp_path / "run"))
 
 
+def test_the_file_hand_over_saves_where_the_engines_load_and_publishes_the_next_stages_size(tmp_path):
+    # a drift-free fixed run of 3 stages × μ = 4, 8 prompts per update: the policy trained on stage 0 generates stage 1
+    # (4 × 8 = 32 prompts), the one trained on stage 2 none (the run is over)
+    import records
+    run, fast = tmp_path / "run", tmp_path / "fast"
+    handover = handoff.PolicyHandover(handoff.Partner(run, "trainer"), records.StagePlan(4, stages=3), 8, is_main=True)
+    handover.use_files(fast)
+    assert handover.kind == "files"
+    assert handover.policy_dirs(run / "stage_1" / "policy", 1, due=False) == (fast / "policy_1",)
+    assert handover.policy_dirs(run / "stage_2" / "policy", 2, due=True) == (fast / "policy_2", run / "stage_2" / "policy")
+    for s, updates in [(0, 4), (2, 12)]:
+        (fast / f"policy_{s}").mkdir(parents=True)
+        (fast / f"policy_{s}" / common.POLICY_ID_FILE).write_text(json.dumps({"fingerprint": f"fp{s}", "run_updates": updates}))
+    assert handover.hand_over(0, model=None, dtype=None, run_updates=4) == {}          # files: nothing timed here
+    assert handover.hand_over(2, model=None, dtype=None, run_updates=12) == {}
+    engine = handoff.Partner(run, "engine")
+    assert engine.trained(0) == {"stage": 0, "path": str(fast / "policy_0"), "policy": str(run / "stage_0" / "policy"),
+                                 "fingerprint": "fp0", "run_updates": 4, "next_stage_prompts": 32}
+    assert engine.trained(2)["next_stage_prompts"] == 0 and engine.trained(2)["fingerprint"] == "fp2"
+    handover.before_stage(2)                      # policy_0 goes before policy_2 is written; policy_1 stays (s − 1)
+    assert not (fast / "policy_0").exists() and (fast / "policy_2").exists()
+
+
 def test_clearing_policies_at_the_end_keeps_the_flags_and_the_run_directory(tmp_path, monkeypatch):
     # run_stages.sh after a resident run ends or fails: up to two policies per location would stay in /dev/shm
     monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path / "shm"))

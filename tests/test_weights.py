@@ -189,15 +189,16 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
     assert update.response_engines(stage).tolist() == [0] * 4 + [1] * 4
     net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
+    check = lambda: update.check_engines(net, stage, 1.0, optimize.gate, optimize.micro_batch_tokens)  # noqa: E731
     seen, entropy = update.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
     assert set(seen) == {0, 1} and entropy > 0
     if not stops:
         assert max(seen.values()) < 1e-5                     # float32 noise and the 1e-6 rounding of the stored values
-        assert optimize.check_engines(net, stage, 1.0)["agreement/collapsed"] is False
+        assert check()["agreement/collapsed"] is False
         return
     assert abs(seen[1] - 2e-3) < 1e-5
     with pytest.raises(SystemExit) as e:
-        optimize.check_engines(net, stage, 1.0)             # optimize.py's defaults: the device's bound, 16 responses
+        check()             # optimize.py's defaults: the device's bound, 16 responses
     assert "\n" not in str(e.value) and str(e.value).startswith(
         "stage 3, engine 1: before any update the trainer's log-probs differ from the engine's by 0.002 nats per "
         "token on average (bound 0.001, absolute: no stage 0 or preflight record to calibrate it)")
@@ -235,6 +236,7 @@ def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_poli
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", 2e-3)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
     net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
+    check = lambda: update.check_engines(net, stage, 1.0, optimize.gate, optimize.micro_batch_tokens)  # noqa: E731
     _, entropy = update.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
     stage_0 = tmp_path / "stage_0"
     stage_0.mkdir()
@@ -244,15 +246,15 @@ def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_poli
         assert update.agreement_reference(stage)[:2] == (1e-4, reference_entropy)
         if stops:
             with pytest.raises(SystemExit) as e:
-                optimize.check_engines(net, stage, 1.0)
+                check()
             assert f"(bound max(0.001, 10 × 0.0001 of {stage_0 / 'metrics.jsonl'}))" in str(e.value)
             assert "has not collapsed" in str(e.value)
         else:
-            assert optimize.check_engines(net, stage, 1.0) == {"agreement/collapsed": True}
+            assert check() == {"agreement/collapsed": True}
     # stage 0 at 3e-4: the bound is max(1e-3, 10 × 3e-4) = 3e-3, and the 2e-3 shift passes
     common.atomic_write_lines(stage_0 / "metrics.jsonl", [{"update": 0, "mismatch/mean_abs_log_ratio": 3e-4,
                                                            "entropy": entropy}])
-    assert optimize.check_engines(net, stage, 1.0) == {"agreement/collapsed": False}
+    assert check() == {"agreement/collapsed": False}
 
 
 # ----------------------------------------------------------------------------- a stale engine stops the run
