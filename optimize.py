@@ -184,36 +184,6 @@ def log(*args):
 barrier = M.barrier
 
 
-@dataclasses.dataclass
-class Progress:
-    """Where a stage's training starts and where its outputs go."""
-    out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go next to it
-    updates_per_stage: int      # μ: the stage's minibatches (its updates unless it ends on drift)
-    start: int = 0              # the first update to run (a resumed stage: its state's)
-    before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (model.py's records)
-    start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
-    save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
-    policy_dirs: tuple = None   # where the final policy goes (None: out_dir; (): nowhere, a resident transfer's stage
-                                # without a save due)
-    after: dict = None          # the counts this stage ends at, set by train_stage (a resident run's next `before`)
-
-    def counts(self, done):
-        """The run's and AdamW's update counts after `done` updates of this stage."""
-        return {k: self.before[k] + done for k in M.COUNTS}
-
-    @property
-    def work_dir(self):
-        return self.out_dir.parent
-
-    @property
-    def state_dir(self):
-        return self.work_dir / records.TRAIN_STATE
-
-    @property
-    def metrics_path(self):
-        return self.work_dir / records.METRICS
-
-
 # ----------------------------------------------------------------------------- the stage's rollouts
 
 
@@ -472,8 +442,8 @@ def main():
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
         + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
-    progress = Progress(out_dir=Path(out) if out else Path(stage_dir) / records.POLICY, updates_per_stage=updates_per_stage,
-                        save_state=save_train_state)
+    progress = records.StageProgress(out_dir=Path(out) if out else Path(stage_dir) / records.POLICY,
+                                     updates_per_stage=updates_per_stage, save_state=save_train_state)
     reference = kl_reference(start_policy)
     check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
                saves_state=save_train_state or bool(checkpoint_every))
@@ -583,10 +553,11 @@ def resident_stages(partner, trainer, first, start, before, start_weights):
         # the run's updates unless it ends on drift)
         due = stage_plan.may_end_run(s, before["run_updates"], updates_per_stage) or bool(
             save_every and (s + 1) % save_every == 0)
-        progress = Progress(out_dir=run_stage_dir(s) / records.POLICY, updates_per_stage=updates_per_stage,
-                            start=start if s == first else 0, before=before,
-                            start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
-                            policy_dirs=trainer.handover.policy_dirs(run_stage_dir(s) / records.POLICY, s, due))
+        stage_policy = run_stage_dir(s) / records.POLICY
+        progress = records.StageProgress(
+            out_dir=stage_policy, updates_per_stage=updates_per_stage, start=start if s == first else 0, before=before,
+            start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
+            policy_dirs=trainer.handover.policy_dirs(stage_policy, s, due))
         resident_stage(partner, trainer, s, progress, check_all=s == first)
         before = progress.after                  # the next stage continues the counts this one recorded
         s += 1

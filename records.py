@@ -8,7 +8,8 @@ by run_stages.sh (launch.py --command=row: each phase; --command=attempt: an att
 launch.py (a resident attempt's top row, attempt_row), by the resident processes (handoff.Partner.timeline) and by
 generate.py (the evaluation its engines make before a stage): rows that carry "process", parts of a top row (their
 attempt's, their generate phase's). It is also the home of the run directory's names (a stage's
-rollouts/ files: rollouts.py) and of the stage plan (StagePlan: each stage's μ, read from the records).
+rollouts/ files: rollouts.py), of the stage plan (StagePlan: each stage's μ, read from the records), of where training
+on a stage ends (StageEnd: its stage_end.json) and of where a stage's training starts and writes (StageProgress).
 """
 import dataclasses
 import json
@@ -143,6 +144,36 @@ class StageEnd:
                 "drift_warning": warned, "drift_window": self.window, "drift_threshold": self.threshold,
                 "drift_min_updates": self.min_updates, "unused_prompts": len(unused_groups),
                 "unused_groups": unused_groups}
+
+
+@dataclasses.dataclass
+class StageProgress:
+    """Where training on a stage starts and where its outputs go (optimize.py's train_stage)."""
+    out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go next to it
+    updates_per_stage: int      # μ: the stage's minibatches (its updates unless it ends on drift)
+    start: int = 0              # the first update to run (a resumed stage: its state's)
+    before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (model.py's records)
+    start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
+    save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
+    policy_dirs: tuple = None   # where the final policy goes (None: out_dir; (): nowhere, a resident transfer's stage
+                                # without a save due)
+    after: dict = None          # the counts this stage ends at, set by train_stage (a resident run's next `before`)
+
+    def counts(self, done):
+        """The run's and AdamW's update counts after `done` updates of this stage."""
+        return {k: n + done for k, n in self.before.items()}
+
+    @property
+    def work_dir(self):
+        return self.out_dir.parent
+
+    @property
+    def state_dir(self):
+        return self.work_dir / TRAIN_STATE
+
+    @property
+    def metrics_path(self):
+        return self.work_dir / METRICS
 
 
 # ----------------------------------------------------------------------------- writing
