@@ -33,7 +33,6 @@ import math
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import benchmarks
@@ -280,17 +279,9 @@ def grade_and_write(s, k, shard, policy, tokenizer):
             "prompt": row["problem"], "response": text, "answer": row["answer"], "source": row.get("source"),
             "reward_info": {"reason": info["reason"], "extracted": info.get("extracted")},
         })
-    lengths = [len(x["response_token_ids"]) for x in lines]
-    groups = [rewards[j:j + group_size] for j in range(0, len(rewards), group_size)]
-    stats = {"shard": k, "prompts": len(kept), "skipped_long_prompts": shard["skipped"], "responses": len(lines),
-             "reward_sum": sum(rewards), "groups_all_correct": sum(min(g) == 1.0 for g in groups),
-             "groups_all_wrong": sum(max(g) == 0.0 for g in groups),
-             "groups_zero_variance": int(sum(bool(z) for z in zero_var)),
-             "response_tokens": sum(lengths), "max_response_tokens": max(lengths, default=0),
-             "truncated": sum(x["finish_reason"] == "length" for x in lines),
-             "reasons": dict(Counter(x["reward_info"]["reason"] for x in lines)),
-             "generation_seconds": shard["seconds"], "started_at": shard["started_at"], "engine": engine_index(),
-             "max_num_seqs": shard["max_num_seqs"]}
+    stats = {"shard": k, "prompts": len(kept), "skipped_long_prompts": shard["skipped"],
+             **rollouts.shard_counts(lines, group_size), "generation_seconds": shard["seconds"],
+             "started_at": shard["started_at"], "engine": engine_index(), "max_num_seqs": shard["max_num_seqs"]}
     rollouts.write_shard(rollouts.shard_path(rollouts_dir(s), k), lines)          # JSONL and its columns
     stats["finished_at"] = time.time()
     common.atomic_write_json(rollouts.stats_path(rollouts_dir(s), k), stats)      # a shard counts once its stats exist too
@@ -418,49 +409,18 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     if sum(st["responses"] for st in stats) == 0:
         sys.exit(f"stage {s}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
                  f"(after the template); raise it or shorten --prompt_template")
-    total = lambda key: sum(st[key] for st in stats)  # noqa: E731
     plan = json.loads((rollouts_dir(s) / rollouts.PLAN).read_text())
-    responses, groups = total("responses"), total("prompts")
-    wall = max(st.get("finished_at", 0.0) for st in stats) - min(st.get("started_at", 0.0) for st in stats)
-    reasons, engine_seconds = Counter(), Counter()
-    for st in stats:
-        reasons.update(st["reasons"])
-        engine_seconds[st.get("engine", 0)] += st["generation_seconds"]
     manifest = {
         "complete": True, "stage": s, "policy": label, "policy_id": policy_id or common.policy_fingerprint(label),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "max_tokens": max_response_tokens, "seed": seed, "per_request_seed": per_request_seed,
                      "logprobs_mode": "processed_logprobs"},
         "plan": plan, "shards": [rollouts.shard_path(rollouts_dir(s), st["shard"]).name for st in stats],
-        "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
-        "mean_reward": total("reward_sum") / max(1, responses),
-        "frac_groups_all_correct": total("groups_all_correct") / max(1, groups),
-        "frac_groups_all_wrong": total("groups_all_wrong") / max(1, groups),
-        "frac_groups_zero_variance": total("groups_zero_variance") / max(1, groups),
-        "mean_response_tokens": total("response_tokens") / max(1, responses),
-        "max_response_tokens": max((st["max_response_tokens"] for st in stats), default=0),
-        "truncation_rate": total("truncated") / max(1, responses),
-        "grader_reasons": dict(reasons),
-        # the engines that generated this stage's shards ran side by side: the stage took its slowest
-        # engine's time; tokens/s per engine is what a run with another engine count scales
-        "engines_ran": len(engine_seconds),
-        "generation_seconds": max(engine_seconds.values(), default=0.0),
-        "generated_tokens_per_s": total("response_tokens") / max(1e-9, max(engine_seconds.values(), default=0.0)),
-        "tokens_per_s_per_engine": total("response_tokens") / max(1e-9, total("generation_seconds")),
-        # how full an engine's batch could get: sequences it had at once (two shards queued) over its largest
-        # batch; an engine far below 1 runs slower per token than a full one
-        "batch_saturation": min(1.0, min(responses / max(1, len(engine_seconds)),
-                                         2 * math.ceil(plan["prompts_per_stage"] / plan["shards"]) * group_size)
-                                / max(1, max((st.get("max_num_seqs") or 1 for st in stats), default=1))),
-        # first request to last shard written (grading and writing included, engine start-up not;
-        # on a resumed stage it spans the pause too)
-        "wall_seconds": wall,
-        "wall_tokens_per_s": total("response_tokens") / max(1e-9, wall),
-    }
+        **rollouts.stage_summary(stats, plan)}
     common.atomic_write_json(rollouts_dir(s) / rollouts.MANIFEST, manifest)
-    print(f"stage {s} rollouts: {responses} responses, mean reward {manifest['mean_reward']:.3f}, all-correct groups "
-          f"{manifest['frac_groups_all_correct']:.2f}, all-wrong {manifest['frac_groups_all_wrong']:.2f}, mean length "
-          f"{manifest['mean_response_tokens']:.0f} (max {manifest['max_response_tokens']}), truncated "
+    print(f"stage {s} rollouts: {manifest['responses']} responses, mean reward {manifest['mean_reward']:.3f}, "
+          f"all-correct groups {manifest['frac_groups_all_correct']:.2f}, all-wrong "
+          f"{manifest['frac_groups_all_wrong']:.2f}, mean length {manifest['mean_response_tokens']:.0f} (max {manifest['max_response_tokens']}), truncated "
           f"{manifest['truncation_rate']:.3f}, skipped prompts {manifest['skipped_long_prompts']}, "
           f"{manifest['generated_tokens_per_s']:.0f} tokens/s → {rollouts_dir(s)}", flush=True)
     return manifest

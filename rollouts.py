@@ -166,6 +166,61 @@ def shard_done(directory, k):
     return shard_path(directory, k).exists() and stats_path(directory, k).exists()
 
 
+def shard_counts(lines, group_size):
+    """A shard's counts for its stats file, from its lines (whole groups of group_size, in group order)."""
+    rewards, lengths = [x["reward"] for x in lines], [len(x["response_token_ids"]) for x in lines]
+    groups = [rewards[j:j + group_size] for j in range(0, len(rewards), group_size)]
+    reasons = {}
+    for x in lines:
+        reasons[x["reward_info"]["reason"]] = reasons.get(x["reward_info"]["reason"], 0) + 1
+    return {"responses": len(lines), "reward_sum": sum(rewards),
+            "groups_all_correct": sum(min(g) == 1.0 for g in groups),
+            "groups_all_wrong": sum(max(g) == 0.0 for g in groups),
+            "groups_zero_variance": sum(bool(x["zero_variance"]) for x in lines[::group_size]),
+            "response_tokens": sum(lengths), "max_response_tokens": max(lengths, default=0),
+            "truncated": sum(x["finish_reason"] == "length" for x in lines), "reasons": reasons}
+
+
+def stage_summary(stats, plan):
+    """The manifest's summary of a stage's shards (their stats files' `stats`, started with `plan`): counts and
+    fractions, the graders' reasons, and the engines' time and throughput."""
+    total = lambda key: sum(st[key] for st in stats)  # noqa: E731
+    responses, groups = total("responses"), total("prompts")
+    wall = max(st.get("finished_at", 0.0) for st in stats) - min(st.get("started_at", 0.0) for st in stats)
+    reasons, engine_seconds = {}, {}
+    for st in stats:
+        for reason, n in st["reasons"].items():
+            reasons[reason] = reasons.get(reason, 0) + n
+        engine_seconds[st.get("engine", 0)] = engine_seconds.get(st.get("engine", 0), 0) + st["generation_seconds"]
+    slowest = max(engine_seconds.values(), default=0.0)
+    return {
+        "prompts": groups, "responses": responses, "skipped_long_prompts": total("skipped_long_prompts"),
+        "mean_reward": total("reward_sum") / max(1, responses),
+        "frac_groups_all_correct": total("groups_all_correct") / max(1, groups),
+        "frac_groups_all_wrong": total("groups_all_wrong") / max(1, groups),
+        "frac_groups_zero_variance": total("groups_zero_variance") / max(1, groups),
+        "mean_response_tokens": total("response_tokens") / max(1, responses),
+        "max_response_tokens": max((st["max_response_tokens"] for st in stats), default=0),
+        "truncation_rate": total("truncated") / max(1, responses),
+        "grader_reasons": reasons,
+        # the engines that generated this stage's shards ran side by side: the stage took its slowest
+        # engine's time; tokens/s per engine is what a run with another engine count scales
+        "engines_ran": len(engine_seconds),
+        "generation_seconds": slowest,
+        "generated_tokens_per_s": total("response_tokens") / max(1e-9, slowest),
+        "tokens_per_s_per_engine": total("response_tokens") / max(1e-9, total("generation_seconds")),
+        # how full an engine's batch could get: sequences it had at once (two shards queued) over its largest
+        # batch; an engine far below 1 runs slower per token than a full one
+        "batch_saturation": min(1.0, min(responses / max(1, len(engine_seconds)),
+                                         2 * math.ceil(plan["prompts_per_stage"] / plan["shards"]) * plan["group_size"])
+                                / max(1, max((st.get("max_num_seqs") or 1 for st in stats), default=1))),
+        # first request to last shard written (grading and writing included, engine start-up not;
+        # on a resumed stage it spans the pause too)
+        "wall_seconds": wall,
+        "wall_tokens_per_s": total("response_tokens") / max(1e-9, wall),
+    }
+
+
 def remove_temporaries(directory):
     """Delete what a killed writer left half-written in a rollouts directory: common.atomic_write's
     `.<name>.tmp<pid>` beside the shards, ColumnWriter's `.shard_k.tmp<pid>/` (and a replaced `.shard_k.old<pid>/`)

@@ -105,3 +105,33 @@ def test_a_stage_without_its_manifest_is_refused_as_incomplete(tmp_path):
     assert json.loads(rollouts.stats_path(tmp_path, 0).read_text()) == {"shard": 0}
     assert np.fromfile(rollouts.columns_dir(rollouts.shard_path(tmp_path, 0)) / "response_ids.bin", "<i4").tolist() \
         == [5, 6, 7, 8, 9, 10, 11]
+
+
+def test_a_shards_counts_and_the_stages_summary_by_hand():
+    # two groups of G = 2: rewards (1, 1): all correct, zero variance; (0, 1): mixed
+    line = lambda reward, length, finish, reason, zero: {  # noqa: E731
+        "reward": reward, "response_token_ids": [7] * length, "finish_reason": finish,
+        "reward_info": {"reason": reason}, "zero_variance": zero}
+    lines = [line(1.0, 3, "length", "correct", True), line(1.0, 2, "stop", "correct", True),
+             line(0.0, 4, "stop", "wrong", False), line(1.0, 1, "length", "correct", False)]
+    assert rollouts.shard_counts(lines, group_size=2) == {
+        "responses": 4, "reward_sum": 3.0, "groups_all_correct": 1, "groups_all_wrong": 0, "groups_zero_variance": 1,
+        "response_tokens": 10, "max_response_tokens": 4, "truncated": 2, "reasons": {"correct": 3, "wrong": 1}}
+    # that shard from engine 0 (2 s, from t = 100 to 103) and another from engine 1 (1 s, 101 to 105)
+    first = {"shard": 0, "prompts": 2, "skipped_long_prompts": 1, **rollouts.shard_counts(lines, 2),
+             "generation_seconds": 2.0, "started_at": 100.0, "finished_at": 103.0, "engine": 0, "max_num_seqs": 8}
+    second = {"shard": 1, "prompts": 2, "skipped_long_prompts": 0, "responses": 4, "reward_sum": 1.0,
+              "groups_all_correct": 0, "groups_all_wrong": 1, "groups_zero_variance": 1, "response_tokens": 6,
+              "max_response_tokens": 2, "truncated": 0, "reasons": {"wrong": 3, "correct": 1},
+              "generation_seconds": 1.0, "started_at": 101.0, "finished_at": 105.0, "engine": 1, "max_num_seqs": 8}
+    summary = rollouts.stage_summary([first, second], {"prompts_per_stage": 4, "shards": 2, "group_size": 2})
+    assert summary == {
+        "prompts": 4, "responses": 8, "skipped_long_prompts": 1, "mean_reward": 0.5,          # 4 / 8
+        "frac_groups_all_correct": 0.25, "frac_groups_all_wrong": 0.25, "frac_groups_zero_variance": 0.5,
+        "mean_response_tokens": 2.0, "max_response_tokens": 4, "truncation_rate": 0.25,      # 16 / 8, 2 / 8
+        "grader_reasons": {"correct": 4, "wrong": 4}, "engines_ran": 2,
+        "generation_seconds": 2.0, "generated_tokens_per_s": 8.0,                            # the slower engine's
+        "tokens_per_s_per_engine": pytest.approx(16 / 3),
+        # 8 responses on 2 engines: 4 at once each, of the 2 shards × 2 prompts × G = 8 they could hold, / 8 seqs
+        "batch_saturation": 0.5,
+        "wall_seconds": 5.0, "wall_tokens_per_s": 3.2}                                       # 100 to 105
