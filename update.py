@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 import torch.distributed as dist
 
 import common
@@ -182,7 +183,6 @@ def logprob_pass(model, stage, temp, name, key, work_dir, micro_batch_tokens, re
     mine = np.arange(rank, stage.n, world)
     todo = mine[missing[mine]]
     log(f"{name} log-probs: one pass over {stage.n} responses ({len(todo)} still to do on rank 0) → {path}")
-    from tqdm import tqdm
     written, indices, values = [], [], []
     with torch.no_grad():
         batches = micro_batches(stage, todo, micro_batch_tokens)
