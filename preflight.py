@@ -19,9 +19,12 @@ Exit status 1 after a FAIL (0 with --force=true).
 """
 import contextlib
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -29,7 +32,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 import common
+import handoff
+import model as M
 import processes
 import records
 import reward
@@ -286,11 +294,8 @@ def round_trip_checks(results, initial, saved, state_dir):
     """The saved policy is the trained one: it differs from the initial checkpoint in most elements (a save of
     stale weights does not), and equals the trainer's fp32 state cast to its dtype, bit for bit, on a sample of
     tensors (the first and the last layer's 2-D weights)."""
-    import torch
     import torch.distributed.checkpoint as dcp
-    from safetensors import safe_open
 
-    import model as M
     saved_index, initial_index = M.safetensors_index(saved), M.safetensors_index(initial)
     layers = sorted({int(k.split(".")[2]) for k in saved_index if k.startswith("model.layers.")})
     names = [k for k in sorted(saved_index) if k.endswith(".weight") and k in initial_index
@@ -345,7 +350,6 @@ def run_resident(run_dir, model, how):
     """generate.py --resident and optimize.py --resident side by side for two stages of one update each, at the run's
     engines and ranks, the policy handed over by `how` (transfer or files); their logs go to logs/resident_engine.log
     and logs/resident_trainer.log."""
-    import handoff
     shutil.rmtree(run_dir, ignore_errors=True)
     handoff.reset(run_dir)
     prompts_per_stage = max(1, prompts // max(1, updates))
@@ -373,7 +377,6 @@ def resident_checks(results, figures, run_dir, how):
     loads it in place and generates its shards of stage 1 with it, the trainer trains on that. Every engine's own
     timeline row says it reloaded (and, on a GPU, what its sleep freed); a figure missing from a row is a FAIL. The
     transfer's seconds and rate per engine (the slowest's) are measured here (INFO, and in figures["handoff"])."""
-    import handoff
     flag = handoff.Partner(run_dir, "engine").trained(0)
     manifest = json.loads((records.stage_dir(run_dir, 1) / records.ROLLOUTS / rollouts.MANIFEST).read_text())
     rows = records.read(run_dir)
@@ -438,8 +441,6 @@ def disk_check(results, rows, model):
     ends at μ_min, the first included: 1 + (total − min(first, μ_min)) / μ_min stages, whose rollouts are at most the
     first's, μ_min per later stage and twice the updates trained, since a stage plans at most max(μ_min, 2 × the
     updates of the one before)) is printed for information."""
-    import handoff
-    import model as M
     stage_dir = records.stage_dir(work, 0) / records.ROLLOUTS
     response_bytes = sum(f.stat().st_size for f in stage_dir.rglob("*") if f.is_file()) / max(1, len(rows))
     n = M.parameter_count(model)
@@ -494,8 +495,6 @@ def code_version(root=ROOT):
 def libraries_version():
     """A hash of Python's version and every installed distribution's name and version (torch, vLLM, transformers,
     the CUDA wheels, ...): the kernels a pass was measured with."""
-    import importlib.metadata
-    import platform
     installed = sorted({f"{d.metadata['Name']}=={d.version}".lower() for d in importlib.metadata.distributions()})
     return hashlib.sha256("\n".join([platform.python_version(), *installed]).encode()).hexdigest()[:16]
 
@@ -504,7 +503,6 @@ def gpu_gib():
     """The first GPU's memory in GiB; None on a CPU."""
     if not on_gpu:
         return None
-    import torch
     return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
@@ -512,7 +510,6 @@ def gpu_names():
     """The model of each GPU the run uses (torch's names, CUDA_VISIBLE_DEVICES honoured); [] on a CPU."""
     if not on_gpu:
         return []
-    import torch
     return [torch.cuda.get_device_name(i) for i in range(n_gpus)]
 
 
@@ -520,7 +517,6 @@ def cache_key(model):
     """What a cached pass was earned for: the model's weights, the code and requirements files, the installed
     libraries, whether flash-attn is installed (model.choose_attention then packs attention with its kernel, which
     the packing check exists for), the GPUs' count and model, and every preflight setting."""
-    import importlib.util
     return {"model": common.policy_fingerprint(model), "code": code_version(), "libraries": libraries_version(),
             "flash_attn": importlib.util.find_spec("flash_attn") is not None, "gpus": n_gpus, "gpu_names": gpu_names(),
             "settings": settings}
@@ -529,7 +525,6 @@ def cache_key(model):
 def clean_up():
     """Delete the miniature's weights (its train state alone is 12 bytes per parameter: 91 GB for 7B) and stored
     passes; keep its logs, rollouts and metrics."""
-    import handoff
     handoff.clear_policies(work / "resident")
     for d in [*work.glob(f"stage_*/{records.POLICY}*"), *work.glob(f"stage_*/{records.TRAIN_STATE}*"),
               *work.glob("stage_*/logprobs"), *work.glob(f"ckpt_*/{records.POLICY}*"),
@@ -597,12 +592,10 @@ def miniature(results, figures, model):
 
 def throughput(results, figures, model, metrics, manifest, rows, saved):
     """Headroom (GPU memory, MFU) and the throughputs behind the hours-per-stage estimate."""
-    import model as M
     steady = metrics[1:] or metrics
     train_tps = sum(m["tokens"] for m in steady) / sum(m["seconds"] for m in steady)
     peak = max((m.get("memory/peak_gib") or 0.0) for m in metrics)
     if on_gpu:
-        import torch
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
         check(results, "headroom: peak GPU memory per rank at the run's micro-batch", peak <= 0.9 * total,
               round(peak, 2), round(0.9 * total, 1), "GiB")
