@@ -288,6 +288,11 @@ def sample_seed(seed, *key):
 POLICY_ID_FILE = "policy_id.json"
 
 
+def run_key(run_dir):
+    """12 hex digits naming the run directory where its own path cannot go (/dev/shm, sockets, a link's name)."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+
+
 def policy_record(policy_dir):
     """A policy's policy_id.json, written by optimize.py (model.save_policy): its fingerprint, stage and update
     counts (model.py's records); {} for a checkpoint this code did not write, such as the initial model."""

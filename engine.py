@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import common
-import handoff
 import processes
 
 # ----------------------------------------------------------------------------------------------
@@ -72,7 +71,7 @@ def engine_model_path(policy, run_dir=None):
     directory (evaluate.py alone), or for a hub name, the policy's own path."""
     if not run_dir or not Path(policy).is_dir():
         return str(policy)
-    link = Path(tempfile.gettempdir()) / f"mu-grpo-engine-{os.getuid()}-{handoff.run_key(run_dir)}" / "policy"
+    link = Path(tempfile.gettempdir()) / f"mu-grpo-engine-{os.getuid()}-{common.run_key(run_dir)}" / "policy"
     target = Path(policy).resolve()
     if not (link.is_symlink() and Path(os.readlink(link)) == target):     # engines of one phase set the same target
         link.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ seconds, not a hang. Resume needs no file of its own: the engine starts at the f
 the trainer at the last train state saved in the run directory, and every flag of an earlier attempt is
 cleared before either starts (`reset`).
 """
-import hashlib
 import json
 import math
 import os
@@ -45,13 +44,8 @@ def shm_root():
     return Path(os.environ.get("MU_GRPO_SHM", "/dev/shm"))
 
 
-def run_key(run_dir):
-    """12 hex digits naming the run directory where its own path cannot go (/dev/shm, sockets)."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
-
-
 def _shm_dir(run_dir):
-    return shm_root() / f"mu-grpo-{run_key(run_dir)}"
+    return shm_root() / f"mu-grpo-{common.run_key(run_dir)}"
 
 
 def fast_dir(run_dir, policy_bytes):
@@ -85,7 +79,7 @@ def transfer_socket(run_dir, engine):
     """Engine `engine`'s control socket of the weight transfer (transfer.py): in a directory of this user's only (mode
     0700) under the temporary directory, named after the run (a Unix socket's path must stay under 108 bytes, which a
     run directory's may not)."""
-    return Path(tempfile.gettempdir()) / f"mu-grpo-transfer-{os.getuid()}-{run_key(run_dir)}" / f"engine_{engine}.sock"
+    return Path(tempfile.gettempdir()) / f"mu-grpo-transfer-{os.getuid()}-{common.run_key(run_dir)}" / f"engine_{engine}.sock"
 
 
 def clear_policies(run_dir):
@@ -215,15 +209,11 @@ def auto_engine_share(bound):
     return round(bound - ENGINE_SHARE_MARGIN, 2)
 
 
-def check_engine_share(model, ranks, share, kl_coef):
-    """run_stages.sh, RESIDENT=true on GPUs, before any phase: RESIDENT_GPU_MEMORY resolved (auto: auto_engine_share
-    of the bound, said on stderr) and returned; a share above max_engine_share, or no share left, is refused in one
-    line."""
-    import torch
-
-    import model as M
-    parameters, ranks = M.parameter_count(model), int(ranks)
-    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+def check_engine_share(parameters, ranks, share, kl_coef, gpu_bytes):
+    """run_stages.sh, RESIDENT=true on GPUs, before any phase (launch.py): RESIDENT_GPU_MEMORY resolved (auto:
+    auto_engine_share of the bound, said on stderr) and returned, for a model of `parameters` trained on `ranks` GPUs
+    of gpu_bytes each; a share above max_engine_share, or no share left, is refused in one line."""
+    ranks = int(ranks)
     bound, trainer = max_engine_share(parameters, ranks, gpu_bytes, reference_model=float(kl_coef) > 0)
     keeps = (f"the resident trainer keeps ~{trainer / 2**30:.1f} GiB on each GPU ({parameters / 1e9:.2f} B parameters "
              f"over {ranks} rank(s)) of its {gpu_bytes / 2**30:.1f} GiB")

@@ -336,8 +336,12 @@ def prepared(env):
             refuse(problem)
     share = env["RESIDENT_GPU_MEMORY"]
     if env["RESIDENT"] == "true" and int(env["GPUS"]) > 0:   # the engines' share must leave the trainer its memory
+        import torch              # (2 s, and model.py's: only on a resident GPU run, not for every phase's row)
+
         import handoff
-        share = str(handoff.check_engine_share(model, env["TRAIN_RANKS"], share, env["KL_COEF"]))
+        import model as M
+        share = str(handoff.check_engine_share(M.parameter_count(model), env["TRAIN_RANKS"], share, env["KL_COEF"],
+                                               torch.cuda.get_device_properties(0).total_memory))
     elif share == "auto":
         share = "0.1"            # a CPU engine's own (engine.make_llm): there the share is unused
     return {"MODEL": model, "RESIDENT_GPU_MEMORY": share}

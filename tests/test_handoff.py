@@ -139,45 +139,31 @@ def test_the_engines_share_leaves_the_resident_trainer_its_memory():
     assert handoff.max_engine_share(7.62e9, 1, 79.2 * gib)[0] < 0
 
 
-def test_a_share_above_the_bound_is_refused_in_one_line(tmp_path, monkeypatch):
-    import types
-
-    import torch
-
-    import model as M
-    monkeypatch.setattr(M, "parameter_count", lambda path: 7_620_000_000)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=139.8 * 2**30))
-    handoff.check_engine_share("model", "4", "0.8", "0")       # at most 0.83: fine
+def test_a_share_above_the_bound_is_refused_in_one_line():
+    h200 = 139.8 * 2**30
+    handoff.check_engine_share(7_620_000_000, "4", "0.8", "0", h200)       # at most 0.83: fine
     with pytest.raises(SystemExit) as e:
-        handoff.check_engine_share("model", "4", "0.9", "0")
+        handoff.check_engine_share(7_620_000_000, "4", "0.9", "0", h200)
     message = str(e.value)
     assert "\n" not in message and message.startswith("RESIDENT_GPU_MEMORY=0.9 is too much")
     assert "~23.3 GiB on each GPU (7.62 B parameters over 4 rank(s)) of its 139.8 GiB" in message
     assert message.endswith("set RESIDENT_GPU_MEMORY=0.83 or less")
 
 
-def test_the_default_share_is_the_bound_less_a_stated_margin(monkeypatch, capsys):
+def test_the_default_share_is_the_bound_less_a_stated_margin(capsys):
     # RESIDENT_GPU_MEMORY=auto (the default; was a fixed 0.5, half the KV cache the bound allows for 7B on 4×H200):
     # 0.83 − 0.05 = 0.78, with KL's reference model 0.78 − 0.05 = 0.73; one rank of an H100 has none left
-    import types
-
-    import torch
-
-    import model as M
     assert handoff.ENGINE_SHARE_MARGIN == 0.05
     assert handoff.auto_engine_share(0.83) == 0.78 and handoff.auto_engine_share(0.78) == 0.73
-    monkeypatch.setattr(M, "parameter_count", lambda path: 7_620_000_000)
-    gpu = types.SimpleNamespace(total_memory=139.8 * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: gpu)
-    assert handoff.check_engine_share("model", "4", "auto", "0") == 0.78
+    h200, h100 = 139.8 * 2**30, 79.2 * 2**30
+    assert handoff.check_engine_share(7_620_000_000, "4", "auto", "0", h200) == 0.78
     said = capsys.readouterr().err
     assert said.startswith("RESIDENT_GPU_MEMORY=auto: 0.78 of each GPU per engine") and "estimates" in said
-    assert handoff.check_engine_share("model", "4", "auto", "0.04") == 0.73
-    assert handoff.check_engine_share("model", "4", "0.8", "0") == 0.8       # a number is kept, within the bound
-    gpu.total_memory = 79.2 * 2**30
+    assert handoff.check_engine_share(7_620_000_000, "4", "auto", "0.04", h200) == 0.73
+    assert handoff.check_engine_share(7_620_000_000, "4", "0.8", "0", h200) == 0.8   # a number is kept, within the bound
     with pytest.raises(SystemExit, match=r"^RESIDENT_GPU_MEMORY=auto: no share of the GPU is left for an engine: .*"
                                          r"use more TRAIN_RANKS, or RESIDENT=false$"):
-        handoff.check_engine_share("model", "1", "auto", "0")
+        handoff.check_engine_share(7_620_000_000, "1", "auto", "0", h100)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -287,3 +288,24 @@ def test_every_knob_run_stages_sh_sets_is_in_the_table():
     assert len(knobs) > 40
     assert knobs - {"NAV_DELTA"} <= set(launch.SETTINGS), knobs - set(launch.SETTINGS)   # NAV_DELTA: in LOSS_ARGS
     assert set(launch.SETTINGS) - knobs == {"LOSS_ARGS", "ENGINES", "TRAIN_RANKS"}    # losses.sh's, and two defaults
+
+
+def test_a_resident_gpu_run_sizes_the_engines_share_from_its_checkpoint_and_gpu(tmp_path, monkeypatch):
+    # the branch only a GPU box takes (RESIDENT=true, GPUS > 0), run here with the GPU's memory given: the trainer's
+    # parameters are read from the checkpoint's headers (100 × 10 + 10 = 1010), the share is the bound less its margin
+    import torch
+    from safetensors.torch import save_file
+
+    import handoff
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.zeros(100, 10), "b": torch.zeros(10)}, str(model / "model.safetensors"))
+    (tmp_path / "train.jsonl").write_text(json.dumps({"id": "1", "problem": "1+1", "answer": "2"}) + "\n")
+    h100 = types.SimpleNamespace(total_memory=79.2 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: h100)
+    env = {"MODEL": str(model), "MODEL_IS_DIR": "1", "TRAIN_DATA": str(tmp_path / "train.jsonl"), "TEMPLATE": "plain",
+           "RESIDENT": "true", "GPUS": "1", "TRAIN_RANKS": "1", "RESIDENT_GPU_MEMORY": "auto", "KL_COEF": "0"}
+    share = handoff.auto_engine_share(handoff.max_engine_share(1010, 1, h100.total_memory)[0])
+    assert 0 < share < 1 and launch.prepared(env) == {"MODEL": str(model), "RESIDENT_GPU_MEMORY": str(share)}
+    with pytest.raises(SystemExit, match="RESIDENT_GPU_MEMORY=1 is too much"):
+        launch.prepared({**env, "RESIDENT_GPU_MEMORY": "1"})
