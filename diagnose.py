@@ -23,7 +23,6 @@ import torch
 import common
 import loss as L
 import records
-import rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
 import lab  # noqa: E402  (the worked solutions)
@@ -144,7 +143,7 @@ def main():
     from transformers import AutoTokenizer
     root = Path(ablation_dir)
     stage_rollouts = records.stage_dir(root, 0) / records.ROLLOUTS
-    manifest = json.loads((stage_rollouts / rollouts.MANIFEST).read_text())
+    manifest = json.loads((stage_rollouts / records.MANIFEST).read_text())
     model = manifest["policy"]
     tokenizer = AutoTokenizer.from_pretrained(model)
     all_rows = [r for name in manifest["shards"] for r in common.read_jsonl(stage_rollouts / name)]

@@ -153,7 +153,7 @@ def prompt_offset(s):
     """Where stage s's prompts start in the seeded order of the training set: right after the previous stage's,
     as its plan records them (stages of different sizes stay disjoint); s · P when there is no such record (stage
     0, or a stage generated alone)."""
-    previous = rollouts_dir(s - 1) / rollouts.PLAN
+    previous = rollouts_dir(s - 1) / records.PLAN
     plan = json.loads(previous.read_text()) if s > 0 and previous.exists() else {}
     if "prompt_offset" in plan:
         return plan["prompt_offset"] + plan["prompts_per_stage"]
@@ -194,7 +194,7 @@ def prepare_stage(s, label, prompts):
     before any engine starts: remove_temporaries.)"""
     out = rollouts_dir(s)
     out.mkdir(parents=True, exist_ok=True)
-    plan_file, plan = out / rollouts.PLAN, plan_of(s, label, prompts)
+    plan_file, plan = out / records.PLAN, plan_of(s, label, prompts)
     if plan_file.exists():
         old = json.loads(plan_file.read_text())
         diff = {k: (old.get(k), v) for k, v in plan.items() if old.get(k) != v}
@@ -410,7 +410,7 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     if sum(st["responses"] for st in stats) == 0:
         sys.exit(f"stage {s}: every prompt was longer than --max_prompt_tokens={max_prompt_tokens} "
                  f"(after the template); raise it or shorten --prompt_template")
-    plan = json.loads((rollouts_dir(s) / rollouts.PLAN).read_text())
+    plan = json.loads((rollouts_dir(s) / records.PLAN).read_text())
     manifest = {
         "complete": True, "stage": s, "policy": label, "policy_id": policy_id or common.policy_fingerprint(label),
         "sampling": {"n": group_size, "temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -418,7 +418,7 @@ def write_manifest(s, label, shard_ids, policy_id=None):
                      "logprobs_mode": "processed_logprobs"},
         "plan": plan, "shards": [rollouts.shard_path(rollouts_dir(s), st["shard"]).name for st in stats],
         **rollouts.stage_summary(stats, plan)}
-    common.atomic_write_json(rollouts_dir(s) / rollouts.MANIFEST, manifest)
+    common.atomic_write_json(rollouts_dir(s) / records.MANIFEST, manifest)
     print(f"stage {s} rollouts: {manifest['responses']} responses, mean reward {manifest['mean_reward']:.3f}, "
           f"all-correct groups {manifest['frac_groups_all_correct']:.2f}, all-wrong "
           f"{manifest['frac_groups_all_wrong']:.2f}, mean length {manifest['mean_response_tokens']:.0f} (max {manifest['max_response_tokens']}), truncated "
@@ -444,7 +444,7 @@ def one_stage(problems, cluster):
     writes the plan, the evaluation and the manifest, the others wait for it at barriers)."""
     s, label = stage, str(policy)
     node0 = node_rank == 0
-    complete = cluster.share(f"generate_{s}/complete", (rollouts_dir(s) / rollouts.MANIFEST).exists()) == "True"
+    complete = cluster.share(f"generate_{s}/complete", (rollouts_dir(s) / records.MANIFEST).exists()) == "True"
     if complete:                 # (its evaluation was scored before the manifest was written)
         print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
         return
@@ -480,7 +480,7 @@ def one_stage(problems, cluster):
         common.wait_visible([rollouts.stats_path(rollouts_dir(s), k) for k in shards])   # the other nodes' too
         write_manifest(s, label, list(shards))
     cluster.barrier(f"generate_{s}/written")
-    common.wait_visible([rollouts_dir(s) / rollouts.MANIFEST])      # node 0's (on one node: there already)
+    common.wait_visible([rollouts_dir(s) / records.MANIFEST])      # node 0's (on one node: there already)
 
 
 def engine_worker():
@@ -505,7 +505,7 @@ def engine_work(mine, shards, ev, parts):
 
 def first_pending_stage():
     """The first stage from --stage on without a complete manifest."""
-    return next(s for s in itertools.count(stage) if not (rollouts_dir(s) / rollouts.MANIFEST).exists())
+    return next(s for s in itertools.count(stage) if not (rollouts_dir(s) / records.MANIFEST).exists())
 
 
 def eval_due(t, last):

@@ -30,7 +30,6 @@ from pathlib import Path
 import common
 import processes
 import records
-import rollouts
 
 START_GRACE_S = 600.0   # how long a process waits for its partner to announce itself (a cold vLLM or torch start)
 
@@ -327,7 +326,7 @@ class Partner:
     # the engine → the trainer
 
     def manifest(self, stage):
-        return records.stage_dir(self.run_dir, stage) / records.ROLLOUTS / rollouts.MANIFEST
+        return records.stage_dir(self.run_dir, stage) / records.ROLLOUTS / records.MANIFEST
 
     def wait_for_rollouts(self, stage):
         """Seconds waited until stage `stage`'s rollouts are complete (their manifest is written last, once every

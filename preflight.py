@@ -41,7 +41,6 @@ import model as M
 import processes
 import records
 import reward
-import rollouts
 from loss import AGREEMENT_MEAN, MISMATCH_LEVELS
 
 ROOT = Path(__file__).resolve().parent
@@ -378,7 +377,7 @@ def resident_checks(results, figures, run_dir, how):
     timeline row says it reloaded (and, on a GPU, what its sleep freed); a figure missing from a row is a FAIL. The
     transfer's seconds and rate per engine (the slowest's) are measured here (INFO, and in figures["handoff"])."""
     flag = handoff.Partner(run_dir, "engine").trained(0)
-    manifest = json.loads((records.stage_dir(run_dir, 1) / records.ROLLOUTS / rollouts.MANIFEST).read_text())
+    manifest = json.loads((records.stage_dir(run_dir, 1) / records.ROLLOUTS / records.MANIFEST).read_text())
     rows = records.read(run_dir)
     engine_rows = {s: {r["engine"]: r for r in rows if r["phase"] == "engine" and r["stage"] == s} for s in (0, 1)}
     reloads = [engine_rows[1].get(r, {}).get("reload_seconds") for r in range(n_engines)]
@@ -537,7 +536,7 @@ def miniature(results, figures, model):
     """The miniature run and its checks (raises PhaseError when a phase fails; a check that raises is its FAIL)."""
     stage0, stage1 = records.stage_dir(work, 0), records.stage_dir(work, 1)
     figures["generate_seconds"] = run("generate_0", generate_cmd(model, 0))
-    manifest = json.loads((stage0 / records.ROLLOUTS / rollouts.MANIFEST).read_text())
+    manifest = json.loads((stage0 / records.ROLLOUTS / records.MANIFEST).read_text())
     rows = [r for f in sorted((stage0 / records.ROLLOUTS).glob("shard_*.jsonl")) for r in common.read_jsonl(f)]
     with guarded(results, "stop tokens"):
         stop_token_check(results, rows, model)

@@ -30,6 +30,8 @@ import common
 # and the directories their owners name: resident/ (handoff.py), .nodes/ (nodes.py), tracking/ (tracking.py), logs/
 # and .done/ (run_stages.sh, whose loop, the part a researcher reads, spells stage_<s>/policy and train_state/ itself)
 ROLLOUTS = "rollouts"
+MANIFEST = "manifest.json"      # in rollouts/, written last: its presence means the stage is complete (rollouts.py)
+PLAN = "plan.json"              # in rollouts/: the settings the stage was started with (a rerun with others is refused)
 POLICY = "policy"
 TRAIN_STATE = "train_state"
 METRICS = "metrics.jsonl"
@@ -231,7 +233,6 @@ def _rows(path):
 
 def load_run(path):
     """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
-    import rollouts          # (numpy: the writer above stays light for run_stages.sh's row of every phase)
     path = Path(path)
     metrics, manifests, stage_ends = [], {}, {}
     for _, stage_dir in stage_dirs(path):
@@ -240,8 +241,8 @@ def load_run(path):
             metrics.append({**row, "stage": s})
         if (stage_dir / STAGE_END).exists():      # where training on the stage ended, and why
             stage_ends[s] = json.loads((stage_dir / STAGE_END).read_text())
-        if (stage_dir / ROLLOUTS / rollouts.MANIFEST).exists():
-            manifests[s] = json.loads((stage_dir / ROLLOUTS / rollouts.MANIFEST).read_text())
+        if (stage_dir / ROLLOUTS / MANIFEST).exists():
+            manifests[s] = json.loads((stage_dir / ROLLOUTS / MANIFEST).read_text())
     for row in _rows(path / METRICS):   # an ablation replay: optimize.py --out=<path>/policy
         metrics.append(row)
     return {"name": path.name, "results": _rows(path / RESULTS), "timeline": _rows(path / TIMELINE),

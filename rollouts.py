@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import common
+import records
 
 try:
     import orjson
@@ -147,9 +148,7 @@ class ColumnWriter:
 
 
 # ----------------------------------------------------------------------------- a stage's rollouts/ directory
-# (the run directory's other names, stage_<s>/ and what it holds beside rollouts/, and the stage plan: records.py)
-MANIFEST = "manifest.json"      # written last, its presence means the stage is complete
-PLAN = "plan.json"              # the settings the stage was started with (a rerun with others is refused)
+# (the run directory's names, rollouts/ and its manifest.json and plan.json among them, and the stage plan: records.py)
 
 
 def shard_path(directory, k):
@@ -412,7 +411,7 @@ def open_stage(directory, rank=0, world=1, barrier=None, workers=None, decide=No
     """
     directory = Path(directory)
     decide = decide or (lambda value: value)
-    manifest_file = directory / MANIFEST
+    manifest_file = directory / records.MANIFEST
     if not manifest_file.exists():
         shards = sorted(directory.glob("shard_*.jsonl"))
         raise RolloutError(f"{directory}: no manifest.json ({len(shards)} shards present): the stage's "

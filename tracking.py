@@ -41,7 +41,6 @@ from pathlib import Path
 
 import common
 import records
-import rollouts
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the command, the run and its trackers
@@ -151,7 +150,7 @@ def rows(run, files=None):
                         _numbers(r, "train/", skip=("update", "run_update", "stage", "time"))))
     for d in _stage_dirs(run):
         s = int(d.name[6:])
-        manifest = d / records.ROLLOUTS / rollouts.MANIFEST
+        manifest = d / records.ROLLOUTS / records.MANIFEST
         read = files.read(manifest, lambda p: (json.loads(Path(p).read_text()), os.stat(p).st_mtime))
         if read is not None and (step := _updates_after(run, s - 1, files)) is not None:
             m, written = read

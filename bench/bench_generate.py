@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import engine  # noqa: E402
 import records  # noqa: E402
-import rollouts  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 prompts = 64                 # prompts from the toy training set
@@ -87,7 +86,7 @@ def run_generate(policy, data, shard_prompts):
                     f"--shard_prompts={shard_prompts}", f"--max_response_tokens={max_response_tokens}",
                     "--max_prompt_tokens=64", "--prompt_template={problem}"], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    m = json.loads((records.stage_dir(run_dir, 0) / records.ROLLOUTS / rollouts.MANIFEST).read_text())
+    m = json.loads((records.stage_dir(run_dir, 0) / records.ROLLOUTS / records.MANIFEST).read_text())
     return m["mean_response_tokens"] * m["responses"], m["generation_seconds"], m["wall_seconds"]
 
 

@@ -51,7 +51,7 @@ def build(out):
             for g in range(4) for i in range(4)]
     (stage / records.ROLLOUTS).mkdir(parents=True, exist_ok=True)
     common.atomic_write_lines(rollouts.shard_path(stage / records.ROLLOUTS, 0), rows)
-    common.atomic_write_json(stage / records.ROLLOUTS / rollouts.MANIFEST, {
+    common.atomic_write_json(stage / records.ROLLOUTS / records.MANIFEST, {
         "complete": True, "stage": 0, "policy": str(model_dir), "shards": ["shard_00000.jsonl"],
         "sampling": {"n": 4, "temperature": 1.0, "top_p": 1.0, "max_tokens": 3}})
     return model_dir, stage

@@ -59,7 +59,7 @@ def write_stage(stage, vocab, groups, mean_prompt_tokens, mean_response_tokens, 
     out = Path(stage) / records.ROLLOUTS
     out.mkdir(parents=True, exist_ok=True)
     common.atomic_write_lines(rollouts.shard_path(out, 0), rows)
-    common.atomic_write_json(out / rollouts.MANIFEST, {
+    common.atomic_write_json(out / records.MANIFEST, {
         "complete": True, "stage": 0, "policy": "bench", "shards": ["shard_00000.jsonl"],
         "sampling": {"n": 8, "temperature": 1.0, "max_tokens": max_response_tokens}})
     return lengths

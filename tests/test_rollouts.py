@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import common
+import records
 import rollouts
 
 
@@ -28,7 +29,7 @@ def complete_stage(directory, shards):
     for k, rows in enumerate(shards):
         rollouts.write_shard(rollouts.shard_path(directory, k), rows)
         common.atomic_write_json(rollouts.stats_path(directory, k), {"shard": k})
-    common.atomic_write_json(directory / rollouts.MANIFEST, {
+    common.atomic_write_json(directory / records.MANIFEST, {
         "stage": 0, "shards": [rollouts.shard_path(directory, k).name for k in range(len(shards))],
         "sampling": {"n": 2, "temperature": 1.0, "max_tokens": 4}})
 
@@ -99,7 +100,7 @@ def test_a_bad_line_is_named_by_its_file_and_line(tmp_path, line, message):
 
 def test_a_stage_without_its_manifest_is_refused_as_incomplete(tmp_path):
     complete_stage(tmp_path, [ROWS])
-    (tmp_path / rollouts.MANIFEST).unlink()
+    (tmp_path / records.MANIFEST).unlink()
     with pytest.raises(rollouts.RolloutError, match="no manifest.json \\(1 shards present\\)"):
         rollouts.open_stage(tmp_path)
     assert json.loads(rollouts.stats_path(tmp_path, 0).read_text()) == {"shard": 0}

@@ -8,7 +8,6 @@ import sys
 import pytest
 
 import records
-import rollouts
 from conftest import built_once, kill_when, needs_vllm, read_lines, run_script
 
 
@@ -80,7 +79,7 @@ def test_a_stages_prompts_follow_the_previous_stages_as_its_plan_records_them(mo
     gen = import_script(monkeypatch, "generate", f"--run_dir={tmp_path}", "--prompts_per_stage=8")
     assert gen.prompt_offset(0) == 0 and gen.prompt_offset(3) == 24             # no records: s · P
     (tmp_path / "stage_0" / "rollouts").mkdir(parents=True)
-    (tmp_path / "stage_0" / "rollouts" / rollouts.PLAN).write_text(json.dumps({"prompt_offset": 0, "prompts_per_stage": 20}))
+    (tmp_path / "stage_0" / "rollouts" / records.PLAN).write_text(json.dumps({"prompt_offset": 0, "prompts_per_stage": 20}))
     assert gen.prompt_offset(1) == 20                     # after stage 0's 20 prompts, whatever this stage's P
 
 
@@ -141,7 +140,7 @@ def test_a_run_of_stages_that_end_on_drift_is_planned_from_its_records_and_resum
     assert [(e["generated_updates"], e["updates"], e["run_updates"], e["reason"]) for e in ends] == \
         [(4, 2, 2, "drift"), (3, 2, 4, "drift"), (1, 1, 5, "all minibatches")]
     assert not (whole / "stage_3").exists()
-    plans = [json.loads((whole / f"stage_{s}" / "rollouts" / rollouts.PLAN).read_text()) for s in range(3)]
+    plans = [json.loads((whole / f"stage_{s}" / "rollouts" / records.PLAN).read_text()) for s in range(3)]
     assert [(p["prompt_offset"], p["prompts_per_stage"]) for p in plans] == [(0, 16), (16, 12), (28, 4)]
     runs = [m["run_update"] for s in range(3) for m in read_lines(whole / f"stage_{s}" / "metrics.jsonl")]
     assert runs == list(range(5))
@@ -180,7 +179,7 @@ def test_resident_stages_that_end_on_drift_are_the_process_per_phase_ones_and_re
         rows = lambda run: "".join(p.read_text() for p in sorted((run / f"stage_{s}" / "rollouts").glob(  # noqa: E731
             "shard_*.jsonl"))).replace(str(run), "RUN")
         assert rows(resident) == rows(drift_run), s
-        plan = lambda run: json.loads((run / f"stage_{s}" / "rollouts" / rollouts.PLAN).read_text())  # noqa: E731
+        plan = lambda run: json.loads((run / f"stage_{s}" / "rollouts" / records.PLAN).read_text())  # noqa: E731
         assert {**plan(resident), "policy": 0, "shards": 0} == {**plan(drift_run), "policy": 0, "shards": 0}
         assert plan(resident)["shards"] == 2
         strip = lambda run: [{k: v for k, v in m.items() if k not in ("time", "seconds", "tokens_per_s")  # noqa: E731
