@@ -156,6 +156,47 @@ def wake_kv_cache(llm):
     llm.reset_prefix_cache()
 
 
+class PolicyReceiver:
+    """A resident engine's side of the policy hand-over (handoff.PolicyHandover is the trainer's): files (the policy
+    directory the trainer wrote, loaded in place) or transfer (vLLM's weight-transfer API: transfer.EngineServer
+    answers the trainer's calls while this engine waits for the policy's flag). `partner`: the engine process's
+    handoff.Partner; `llm`: this process's engine, engine `index` of the run (None: a coordinator whose engines are
+    worker processes, which only waits for the flags)."""
+
+    def __init__(self, kind, partner, llm, index, where):
+        self.partner, self.llm, self.server = partner, llm, None
+        if llm is not None and kind == "transfer":
+            import transfer         # vLLM's weight-transfer classes: only in an engine the weights come to
+            self.server = transfer.EngineServer(partner.run_dir, index, llm, where, check=partner.check_partner)
+
+    def wait(self, s, where):
+        """(the flag of the policy trained on stage s − 1, the seconds waited for it); with the transfer the trainer's
+        calls are answered meanwhile, as they come in between the checks (every 50 ms)."""
+        if self.server is None:
+            return self.partner.wait_for_policy(s - 1)
+        self.server.where = where
+        seconds, flag = self.partner.wait(lambda: self.partner.trained(s - 1),
+                                          watch=lambda: self.server.poll(timeout_s=0.05), poll_s=0.0)
+        return flag, seconds
+
+    def load(self, flag, where):
+        """The policy of `flag` in this engine, its weights verified, then its KV cache woken; returns its timing:
+        {reload_seconds} (a policy directory: HANDOFF=files, or the saved policy a resumed trainer starts from), or
+        {reload_seconds, handoff_bytes} of the weight transfer made while this engine waited."""
+        if flag["path"]:
+            timing = {"reload_seconds": load_policy(self.llm, flag["path"], kv_cache=False)}
+        else:
+            timing = {"reload_seconds": self.server.seconds, "handoff_bytes": self.server.received}
+        print(verify_weights(self.llm, flag["policy"] if not flag["path"] else flag["path"], where,
+                             record=flag.get("engine_weights")), flush=True)
+        wake_kv_cache(self.llm)                  # only once the weights are the trainer's
+        return timing
+
+    def close(self):
+        if self.server is not None:
+            self.server.close()
+
+
 class WeightHashes:
     """Mixed into every vLLM worker (LLM(worker_extension_cls=...): vllm/v1/worker/worker_base.py, where the class
     is resolved by name in the worker's process), so the engine calls it by name (LLM.collective_rpc with a

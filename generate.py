@@ -562,7 +562,7 @@ class ResidentEngine:
         self.procs, self.rank = procs, max(worker_rank, 0)
         self.writes_run_files, self.has_engine = not is_engine_worker, not procs
         self.partner = handoff.Partner(run_dir, "engine")
-        self.llm = self.server = self.ev = None
+        self.llm = self.receiver = self.ev = None
 
     def where(self, s):
         return f"engine {engine_index()}, stage {s}"
@@ -589,10 +589,7 @@ class ResidentEngine:
         t_start = time.time()                    # the start-up (after that wait: the trainer's time, the engine not up)
         if self.has_engine:
             self.llm = start_engine(flag["path"], first)
-        if self.has_engine and policy_handoff == "transfer":
-            import transfer
-            self.server = transfer.EngineServer(run_dir, engine_index(), self.llm, self.where(first),
-                                                check=partner.check_partner)
+        self.receiver = engine.PolicyReceiver(policy_handoff, partner, self.llm, engine_index(), self.where(first))
         # a resumed run with the transfer: the trainer trains before this engine's first stage, so the engine sleeps
         # at once (the trainer takes memory only once every engine has slept: optimize.py resident_main)
         sleeps_first = policy_handoff == "transfer" and first > stage
@@ -623,27 +620,15 @@ class ResidentEngine:
                     break
                 self.generate(s, flag, problems, prompts, row, mine)
         finally:
-            if self.server is not None:
-                self.server.close()
+            self.receiver.close()
 
     def receive(self, s, row, mine):
         """The policy trained on stage s − 1, waited for (row's wait_seconds), loaded in place and verified (mine's
         reload_seconds); returns its flag."""
-        if self.server is None:
-            flag, row["wait_seconds"] = self.partner.wait_for_policy(s - 1)
-        else:                 # its checks every 50 ms, the trainer's calls answered as they come in between
-            self.server.where = self.where(s)
-            row["wait_seconds"], flag = self.partner.wait(lambda: self.partner.trained(s - 1),
-                                                          watch=lambda: self.server.poll(timeout_s=0.05), poll_s=0.0)
+        flag, row["wait_seconds"] = self.receiver.wait(s, self.where(s))
         row["start"] = mine["start"] = time.time()
         if self.has_engine:
-            if flag["path"]:      # a policy directory: HANDOFF=files, or the saved policy a resumed trainer starts from
-                mine["reload_seconds"] = engine.load_policy(self.llm, flag["path"], kv_cache=False)
-            else:                 # it came over the weight-transfer API while this engine waited
-                mine["reload_seconds"], mine["handoff_bytes"] = self.server.seconds, self.server.received
-            print(engine.verify_weights(self.llm, flag["policy"] if not flag["path"] else flag["path"], self.where(s),
-                                        record=flag.get("engine_weights")), flush=True)
-            engine.wake_kv_cache(self.llm)         # only once the weights are the trainer's
+            mine.update(self.receiver.load(flag, self.where(s)))
         return flag
 
     def evaluate(self, t, flag):
