@@ -24,9 +24,7 @@ hands over says how many prompts the stage it generates has (0: it is the run's 
 generated exactly as a one-stage run would (the same shards, manifest and seeds), and its evaluations are made as
 that run's (and the last policy's too).
 """
-import concurrent.futures
 import contextlib
-import functools
 import itertools
 import json
 import math
@@ -35,17 +33,15 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 import benchmarks
 import common
 import engine
 import handoff
-import loss
 import processes
 import records
 import reward
 import rollouts
+import sampling
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the stage: its policy, prompts and outputs
@@ -216,94 +212,11 @@ def remove_temporaries(first):
         rollouts.remove_temporaries(rollouts_dir(s))
 
 
-def shard_requests(tokenizer, s, rows, positions):
-    """The engine requests for stage s's prompts at `positions`: [(position, row, prompt ids)] of the
-    prompts kept, their SamplingParams (G samples each, its own seed), and the number skipped as too long."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-    kept, skipped = [], 0
-    for pos, row in zip(positions, rows):
-        ids = common.build_prompt_ids(tokenizer, row["problem"], prompt_template, chat_template)
-        if len(ids) > max_prompt_tokens:
-            skipped += 1
-            continue
-        kept.append((pos, row, ids))
-    stops = common.stop_token_ids(tokenizer, chat_template)      # EOS and the chat turn's end
-    # detokenize=False: with log-probs on, vLLM decodes every sampled token to text a second time for its
-    # Logprob entries (vllm/v1/engine/logprobs.py, _update_sample_logprobs), which cost 40 % of the
-    # throughput here (bench/bench_generate.py); the responses are decoded once per shard in the grading
-    # thread instead (response_texts). FINAL_ONLY: one output per prompt, its G samples together
-    # (vllm/v1/engine/parallel_sampling.py, ParentRequest.get_outputs), as LLM.generate asks for.
-    params = [SamplingParams(n=group_size, temperature=temperature, top_p=top_p, top_k=top_k,
-                             max_tokens=max_response_tokens, logprobs=0, flat_logprobs=True,
-                             stop_token_ids=stops, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
-                             seed=common.sample_seed(seed, s, pos) if per_request_seed else None)
-              for pos, _, _ in kept]
-    return kept, params, skipped
-
-
-def response_texts(tokenizer, token_id_lists):
-    """The responses as text, as vLLM's incremental detokenizer would give them with
-    skip_special_tokens=True: special tokens dropped, and a trailing incomplete UTF-8 sequence (a
-    response cut off mid-character) left out rather than shown as U+FFFD."""
-    texts = tokenizer.batch_decode(token_id_lists, skip_special_tokens=True)
-    return [t.rstrip("\ufffd") for t in texts]
-
-
-def grade_and_write(s, k, shard, policy, tokenizer):
-    """Grade shard k of stage s, compute group advantages and write the shard (its stats last). shard:
-    generate_shards' record of it (its kept prompts and their outputs, the prompts skipped as too long, its generation
-    seconds, when it started, the engine's largest batch); policy: (label, fingerprint) of the policy that sampled it."""
-    label, policy_id = policy
-    kept = shard["kept"]
-    samples = []  # (position in stage, row, prompt ids, completion) in group order
-    for (pos, row, ids), out in zip(kept, shard["outputs"]):
-        completions = sorted(out.outputs, key=lambda c: c.index)
-        if len(completions) != group_size:
-            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {row['id']}, "
-                               f"expected {group_size}")
-        samples += [(pos, row, ids, c) for c in completions]
-    token_lists = [list(c.token_ids) for _, _, _, c in samples]
-    texts = response_texts(tokenizer, token_lists)
-    items = [(text, row["answer"], row.get("source")) for (_, row, _, _), text in zip(samples, texts)]
-    graded = reward.grade_batch(items, workers=graders, timeout_s=grader_timeout_s,
-                                reward_fn=functools.partial(reward.grade, format_bonus=format_bonus))
-    rewards = [r for r, _ in graded]
-    advantages, zero_var = (loss.group_advantages(rewards, group_size, normalize_std) if samples
-                            else ([], []))
-    lines = []
-    for i, ((pos, row, ids, c), token_ids, text, (r, info)) in enumerate(zip(samples, token_lists, texts, graded)):
-        logprobs = sampled_logprobs(c.logprobs, token_ids)
-        lines.append({
-            "prompt_id": row["id"], "group": pos, "sample_idx": c.index, "stage": s, "policy": label,
-            "policy_id": policy_id, "prompt_token_ids": ids, "response_token_ids": token_ids,
-            "behavior_logprobs": logprobs, "finish_reason": finish_reason(c),
-            "reward": r, "advantage": round(float(advantages[i]), 6), "zero_variance": bool(zero_var[i // group_size]),
-            "prompt": row["problem"], "response": text, "answer": row["answer"], "source": row.get("source"),
-            "reward_info": {"reason": info["reason"], "extracted": info.get("extracted")},
-        })
-    stats = {"shard": k, "prompts": len(kept), "skipped_long_prompts": shard["skipped"],
-             **rollouts.shard_counts(lines, group_size), "generation_seconds": shard["seconds"],
-             "started_at": shard["started_at"], "engine": engine_index(), "max_num_seqs": shard["max_num_seqs"]}
-    rollouts.write_shard(rollouts.shard_path(rollouts_dir(s), k), lines)          # JSONL and its columns
-    stats["finished_at"] = time.time()
-    common.atomic_write_json(rollouts.stats_path(rollouts_dir(s), k), stats)      # a shard counts once its stats exist too
-    return stats
-
-
-def sampled_logprobs(flat, token_ids):
-    """The sampled tokens' log-probs from vLLM's FlatLogprobs (logprobs=0: one entry per position,
-    the sampled token's; vllm/logprobs.py), rounded to 6 decimals."""
-    if flat.token_ids != token_ids:
-        raise RuntimeError(f"vLLM returned log-probs for tokens other than the sampled ones "
-                           f"({len(flat.token_ids)} entries for {len(token_ids)} tokens)")
-    return [round(x, 6) for x in flat.logprobs]
-
-
-def finish_reason(completion):
-    """stop | length | abort | error, as vLLM says (None: the request did not finish, an abort);
-    optimize.py refuses to train on abort and error."""
-    reason = completion.finish_reason or "abort"
-    return reason if reason in rollouts.FINISH_REASONS else "error"
+def shard_job(s, label, prompts):
+    """This engine's part of stage s (`prompts` prompts, sampled by the policy `label`) as sampling.py takes it: the
+    stage's plan, as prepare_stage records it."""
+    return sampling.Job(plan_of(s, label, prompts), rollouts_dir(s), engine_index(), graders, grader_timeout_s,
+                        progress_bar=not is_engine_worker)
 
 
 def start_engine(path, s):
@@ -321,82 +234,6 @@ def start_engine(path, s):
     llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=2, logprobs=0, flat_logprobs=True,
                                                              detokenize=False), use_tqdm=False)
     return llm
-
-
-def generate_shards(llm, s, label, policy_id, shard_ids, shards):
-    """Stage s's shards `shard_ids` with this process's engine.
-
-    The shards flow through the engine back to back: the next shard's requests wait in the engine's
-    queue and take the places of the current shard's finished responses, so the batch stays full until
-    the stage's last responses. (One LLM.generate call per shard returns only when its longest response
-    is done; the batch shrinks to a few sequences meanwhile, once per shard.) The engine is driven as
-    LLM.generate drives it (vllm/entrypoints/common/offline.py `_run_engine`: LLMEngine.add_request,
-    then step() until nothing is unfinished). A shard whose last response has arrived is graded and
-    written in a background thread (its graders are processes) while the engine goes on."""
-    if not shard_ids:
-        return
-    rollouts_dir(s).mkdir(parents=True, exist_ok=True)     # an engine may start before the main process prepared it
-    tokenizer = llm.get_tokenizer()
-    core = llm.llm_engine
-    max_num_seqs = core.vllm_config.scheduler_config.max_num_seqs   # the engine's largest batch
-    waiting = list(shard_ids)   # shards not yet given to the engine, in order
-    running = {}                # shard → its requests and the outputs received so far
-    last_finished = time.perf_counter()  # when the engine last finished a shard (or started)
-    progress = tqdm(total=sum(len(shards[k][0]) for k in shard_ids), desc=f"stage {s} prompts",
-                    disable=is_engine_worker)
-
-    def submit_next():
-        k = waiting.pop(0)
-        positions, rows = shards[k]
-        kept, params, skipped = shard_requests(tokenizer, s, rows, positions)
-        # rendered as LLM.generate renders them (vllm/entrypoints/common/offline.py `_preprocess_cmpl`);
-        # a raw prompt given to add_request takes the same path one by one, with a deprecation warning
-        # (vllm/v1/engine/input_processor.py `process_inputs`)
-        engine_inputs = llm.renderer.render_cmpl([{"prompt_token_ids": ids} for _, _, ids in kept]) if kept else []
-        for i, (engine_input, p) in enumerate(zip(engine_inputs, params)):
-            core.add_request(f"{s}/{k}/{i}", engine_input, p)
-        running[k] = {"kept": kept, "outputs": [None] * len(kept), "left": len(kept), "skipped": skipped,
-                      "submitted": time.perf_counter(), "started_at": time.time()}
-        progress.update(skipped)
-
-    def finish(k, grading):
-        """Shard k's responses are all in: grade and write it in the background. Its generation time is
-        the engine's time from the later of its submission and the previous shard's finish to its own
-        finish, so the shards' times add up to the engine's."""
-        nonlocal last_finished
-        r, now = running.pop(k), time.perf_counter()
-        seconds, last_finished = now - max(r["submitted"], last_finished), now
-        return grading.submit(grade_and_write, s, k, {**r, "seconds": seconds, "max_num_seqs": max_num_seqs},
-                              (label, policy_id), tokenizer)
-
-    def report(future):
-        st = future.result()
-        print(f"[engine {engine_index()}] stage {s} shard {st['shard']}: {st['responses']} responses, mean reward "
-              f"{st['reward_sum'] / max(1, st['responses']):.3f}, "
-              f"{st['response_tokens'] / max(st['generation_seconds'], 1e-9):.0f} tokens/s", flush=True)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as grading:
-        written = []
-        while waiting or running:
-            while waiting and len(running) < 2:      # the shard being generated and the next one
-                submit_next()
-            for k in [k for k, r in running.items() if r["left"] == 0]:  # every prompt too long
-                written.append(finish(k, grading))
-            if running and not core.has_unfinished_requests():
-                raise RuntimeError(f"the engine finished every request, yet shards {sorted(running)} lack responses")
-            for out in core.step() if running else []:
-                if out.finished:
-                    _, k, i = map(int, out.request_id.split("/"))
-                    r = running[k]
-                    r["outputs"][i], r["left"] = out, r["left"] - 1
-                    progress.update(1)
-                    if r["left"] == 0:
-                        written.append(finish(k, grading))
-            while written and written[0].done():
-                report(written.pop(0))
-        progress.close()
-        for future in written:
-            report(future)
 
 
 def write_manifest(s, label, shard_ids, policy_id=None):
@@ -419,11 +256,12 @@ def write_manifest(s, label, shard_ids, policy_id=None):
         "plan": plan, "shards": [rollouts.shard_path(rollouts_dir(s), st["shard"]).name for st in stats],
         **rollouts.stage_summary(stats, plan)}
     common.atomic_write_json(rollouts_dir(s) / records.MANIFEST, manifest)
-    print(f"stage {s} rollouts: {manifest['responses']} responses, mean reward {manifest['mean_reward']:.3f}, "
-          f"all-correct groups {manifest['frac_groups_all_correct']:.2f}, all-wrong "
-          f"{manifest['frac_groups_all_wrong']:.2f}, mean length {manifest['mean_response_tokens']:.0f} (max {manifest['max_response_tokens']}), truncated "
-          f"{manifest['truncation_rate']:.3f}, skipped prompts {manifest['skipped_long_prompts']}, "
-          f"{manifest['generated_tokens_per_s']:.0f} tokens/s → {rollouts_dir(s)}", flush=True)
+    m = manifest
+    print(f"stage {s} rollouts: {m['responses']} responses, mean reward {m['mean_reward']:.3f}, all-correct groups "
+          f"{m['frac_groups_all_correct']:.2f}, all-wrong {m['frac_groups_all_wrong']:.2f}, mean length "
+          f"{m['mean_response_tokens']:.0f} (max {m['max_response_tokens']}), truncated {m['truncation_rate']:.3f}, "
+          f"skipped prompts {m['skipped_long_prompts']}, {m['generated_tokens_per_s']:.0f} tokens/s → {rollouts_dir(s)}",
+          flush=True)
     return manifest
 
 
@@ -497,7 +335,8 @@ def engine_work(mine, shards, ev, parts):
     if ev is not None:
         sample_evaluation(llm, ev, parts)
     if mine:
-        generate_shards(llm, stage, str(policy), common.policy_fingerprint(policy), mine, shards)
+        sampling.generate_shards(llm, shard_job(stage, str(policy), prompts_per_stage),
+                                 common.policy_fingerprint(policy), mine, shards)
 
 
 # ----------------------------------------------------------------------------- resident mode
@@ -649,8 +488,8 @@ class ResidentEngine:
             prepare_stage(s, flag["policy"], prompts)
         shards = stage_shards(s, problems, prompts)
         if self.has_engine:
-            generate_shards(self.llm, s, flag["policy"], flag["fingerprint"], engine_shards(shards, self.rank, s),
-                            shards)
+            sampling.generate_shards(self.llm, shard_job(s, flag["policy"], prompts), flag["fingerprint"],
+                                     engine_shards(shards, self.rank, s), shards)
             mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(self.llm)
             self.partner.engine_asleep(self.rank)
             self.partner.engine_finished(s, self.rank, {**mine, "end": time.time()})

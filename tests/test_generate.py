@@ -172,12 +172,12 @@ def test_truncated_sampling_is_refused_for_training(toy, tmp_path):
     assert not (tmp_path / "stage_0").exists()
 
 
-def test_finish_reasons_stay_distinct(monkeypatch):
-    import sys
+def test_finish_reasons_stay_distinct():
     from types import SimpleNamespace
-    monkeypatch.setattr(sys, "argv", ["generate.py"])
-    import generate
-    reasons = [generate.finish_reason(SimpleNamespace(finish_reason=r)) for r in ("stop", "length", "abort", None, "odd")]
+
+    import sampling
+    reasons = [sampling.finish_reason(SimpleNamespace(finish_reason=r))
+               for r in ("stop", "length", "abort", None, "odd")]
     assert reasons == ["stop", "length", "abort", "abort", "error"]        # optimize.py refuses the last three
 
 
@@ -230,19 +230,18 @@ def test_a_signal_to_generate_stops_the_engine_processes(toy, tmp_path, signum):
                 p.kill()
 
 
-def test_response_texts_match_vllms_detokenizer(toy, monkeypatch):
-    # generate.py asks vLLM for no text (detokenize=False) and decodes each shard once; the texts must be
-    # what vLLM's incremental detokenizer gives: special tokens dropped, a trailing incomplete UTF-8
+def test_response_texts_match_vllms_detokenizer(toy):
+    # generate.py asks vLLM for no text (detokenize=False) and decodes each shard once (sampling.py); the texts must
+    # be what vLLM's incremental detokenizer gives: special tokens dropped, a trailing incomplete UTF-8
     # sequence (a response cut off inside a character) left out
-    import sys
     from transformers import AutoTokenizer
-    monkeypatch.setattr(sys, "argv", ["generate.py"])
-    import generate
+
+    import sampling
     tok = AutoTokenizer.from_pretrained(toy / "model")
     ids = tok.encode(" \\boxed{7}", add_special_tokens=False)
     euro = tok.encode("€", add_special_tokens=False)   # 3 bytes; the byte-level vocabulary has no merge for it
     assert len(euro) > 1
-    texts = generate.response_texts(tok, [ids + [tok.eos_token_id], ids + euro[:1], ids + euro])
+    texts = sampling.response_texts(tok, [ids + [tok.eos_token_id], ids + euro[:1], ids + euro])
     assert texts == [" \\boxed{7}", " \\boxed{7}", " \\boxed{7}€"]
 
 
@@ -281,19 +280,19 @@ def test_the_per_request_seed_is_a_knob_that_stays_on_by_default(monkeypatch):
     # engine, shard or resumed attempt generates it; --per_request_seed=false leaves sampling to the engine's seed
     # (vLLM's batched sampler: vllm/v1/sample/ops/topk_topp_sampler.py random_sample draws one row at a time for
     # seeded requests) and is recorded in the stage's plan, so a rerun with the other setting is refused
-    import types
-
     import common
+    import sampling
     monkeypatch.setattr(common, "build_prompt_ids", lambda tokenizer, problem, template, chat: [1, 2, 3])
-    monkeypatch.setattr(common, "stop_token_ids", lambda tokenizer, chat: [0])
+    monkeypatch.setattr(common, "stop_token_ids", lambda tokenizer, chat: [0])      # no tokenizer is needed (None)
     rows = [{"id": f"p{i}", "problem": str(i), "answer": str(i)} for i in range(3)]
     g = import_generate(monkeypatch, "--seed=7", "--run_dir=/nonexistent")
-    kept, params, skipped = g.shard_requests(types.SimpleNamespace(), 2, rows, [4, 5, 6])
+    # the engine's requests take the seed setting from the stage's plan, as generate.py hands it to sampling.py
+    kept, params, skipped = sampling.shard_requests(g.shard_job(2, "policy", 3), None, rows, [4, 5, 6])
     assert g.per_request_seed is True
     assert [p.seed for p in params] == [common.sample_seed(7, 2, pos) for pos in (4, 5, 6)]
     assert "per_request_seed" not in g.plan_of(2, "policy", 3)      # the default: plans of earlier runs still match
     g = import_generate(monkeypatch, "--seed=7", "--per_request_seed=false", "--run_dir=/nonexistent")
-    kept, params, skipped = g.shard_requests(types.SimpleNamespace(), 2, rows, [4, 5, 6])
+    kept, params, skipped = sampling.shard_requests(g.shard_job(2, "policy", 3), None, rows, [4, 5, 6])
     assert [p.seed for p in params] == [None, None, None] and len(kept) == 3 and skipped == 0
     assert g.plan_of(2, "policy", 3)["per_request_seed"] is False
 
