@@ -34,7 +34,6 @@ import handoff
 import loss as L
 import model as M
 import records
-import rollouts
 import tracking
 import update
 
@@ -142,8 +141,7 @@ common.check_choice("stage_end", stage_end, ("fixed", "drift"))
 common.check_choice("policy_handoff", policy_handoff, ("transfer", "files"))
 # μ of each stage (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
 stage_plan = records.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
-                                total_updates=total_updates, drift_growth=drift_growth,
-                                drift_max_updates=drift_max_updates)
+                                total_updates=total_updates, drift_growth=drift_growth, drift_max_updates=drift_max_updates)
 ending = records.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
 gate = update.AgreementGate(engine_mismatch_bound, agreement_growth, collapse_entropy_ratio, agreement_responses)
 common.check_choice("agg", agg, L.AGG_MODES)
@@ -182,19 +180,6 @@ def log(*args):
         print(*args, flush=True)
 
 
-barrier = M.barrier
-
-
-# ----------------------------------------------------------------------------- the stage's rollouts
-
-
-def open_stage(directory):
-    try:
-        return rollouts.open_stage(Path(directory) / records.ROLLOUTS, rank, world, barrier, decide=M.broadcast)
-    except rollouts.RolloutError as e:
-        raise SystemExit(str(e)) from None
-
-
 # ----------------------------------------------------------------------------- one stage
 
 
@@ -226,20 +211,6 @@ def describe_stage(stage, updates_per_stage):
     log(f"  loss: clip [{clip_low}, {clip_high}], dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, "
         f"M2PO τ={m2po_tau}, TIS cap {tis_cap}, KL β={kl_coef} ({kl_estimator}), {agg} over {token_normalizer} tokens")
     return temp
-
-
-def metrics_row(stage, groups, place, m, seconds, extra):
-    """An update's line of metrics.jsonl: its place (`place`: update u, in the stage, and its staleness; in the run; in
-    AdamW's life; its lr), its minibatch (`groups`), loss.metrics' values `m` (the engine/trainer mismatch at update 0
-    only), `extra`, timing."""
-    batch = stage.groups[groups].ravel()
-    tokens = int((stage.prompt_len[batch] + stage.response_len[batch]).sum())
-    row = {**place, "reward/mean": float(stage.reward[batch].mean()),
-           "minibatch/zero_variance_frac": float(stage.zero_variance[groups].mean()),
-           "groups": [stage.group_keys[i] for i in groups],     # which prompts (stage positions)
-           **extra, "time": time.time(), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-    row.update({k: v for k, v in m.items() if place["update"] == 0 or not k.startswith("mismatch/")})
-    return {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
 
 
 def train_stage(model, optimizer, stage, progress, columns, start_policy, save_dtype):
@@ -287,7 +258,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         train_seconds += seconds
         place = {"update": u, "run_update": counts["run_updates"], "optimizer_update": counts["optimizer_updates"],
                  "stage": stage.index, "staleness": u, "lr": lr_now}
-        row = metrics_row(stage, schedule[u], place, m, seconds, {
+        row = records.metrics_row(stage, schedule[u], place, m, seconds, {
             "skipped_nonfinite": skipped_total, "update_skipped": not stepped, **(first_row if u == start else {})})
         neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
@@ -312,7 +283,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             common.atomic_copytree(first, directory)
         if not progress.save_state:
             shutil.rmtree(progress.state_dir, ignore_errors=True)
-    barrier()
+    M.barrier()
     progress.after = progress.counts(done)
     return {**timing, "train_seconds": train_seconds, "save_seconds": time.perf_counter() - t_save,
             "updates_this_run": done - start}
@@ -436,7 +407,7 @@ def record_settings(progress, stage, start_policy, reference, attention, **more)
 
 def main():
     t_start = time.perf_counter()
-    stage = open_stage(stage_dir)
+    stage = update.open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
     update.check_fits(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
@@ -470,8 +441,8 @@ def main():
 
 @dataclasses.dataclass
 class Resident:
-    """What the resident trainer keeps for the whole run: the policy and AdamW, KL's reference model, and how the
-    policies are handed over (handoff.PolicyHandover)."""
+    """What the resident trainer keeps for the whole run: the policy and AdamW, KL's reference model, how the
+    policies are handed over (handoff.PolicyHandover), and the dtype every policy is saved in (the initial model's)."""
     model: object
     optimizer: object
     start_policy: Path
@@ -479,10 +450,7 @@ class Resident:
     reference: str
     ref_model: object
     handover: handoff.PolicyHandover
-
-    @property
-    def dtype(self):
-        return M.checkpoint_dtype(self.start_policy)
+    dtype: torch.dtype
 
 
 def run_stage_dir(s):
@@ -573,7 +541,8 @@ def build_resident(start_policy, weights, handover):
     torch.manual_seed(seed)
     ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks()) if reference else None
     model, optimizer = build_trainer(start_policy, attention, weights=weights)
-    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model, handover)
+    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model, handover,
+                       M.checkpoint_dtype(start_policy))
     if handover.kind == "transfer":
         log(f"policies are handed over through vLLM's weight-transfer API ({handover.sender.backend}, {engines} engine(s))")
     else:
@@ -595,7 +564,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
         log(tracking.where_line(run_dir, stage_plan.run_updates, s))
     waited = partner.wait_for_rollouts(s)
     t0 = time.time()
-    stage = open_stage(run_stage_dir(s))
+    stage = update.open_stage(run_stage_dir(s))
     update.check_fits(stage, trainer.start_policy)
     record_settings(progress, stage, trainer.start_policy, trainer.reference, trainer.attention, resident=True)
     saves = progress.save_state or check_all

@@ -14,6 +14,7 @@ on a stage ends (StageEnd: its stage_end.json) and of where a stage's training s
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import common
@@ -176,6 +177,20 @@ class StageProgress:
     @property
     def metrics_path(self):
         return self.work_dir / METRICS
+
+
+def metrics_row(stage, groups, place, m, seconds, extra):
+    """An update's row of METRICS (optimize.py's train_stage): its place (`place`: update u, in the stage, and its
+    staleness; in the run; in AdamW's life; its lr), its minibatch (`groups`, the stage's rollouts.Stage), loss.metrics'
+    values `m` (the engine/trainer mismatch at update 0 only), `extra`, timing."""
+    batch = stage.groups[groups].ravel()
+    tokens = int((stage.prompt_len[batch] + stage.response_len[batch]).sum())
+    row = {**place, "reward/mean": float(stage.reward[batch].mean()),
+           "minibatch/zero_variance_frac": float(stage.zero_variance[groups].mean()),
+           "groups": [stage.group_keys[i] for i in groups],     # which prompts (stage positions)
+           **extra, "time": time.time(), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    row.update({k: v for k, v in m.items() if place["update"] == 0 or not k.startswith("mismatch/")})
+    return {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
 
 
 # ----------------------------------------------------------------------------- writing

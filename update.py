@@ -36,6 +36,16 @@ def log(*args):
 # ----------------------------------------------------------------------------- the stage's minibatches
 
 
+def open_stage(directory):
+    """A stage directory's rollouts (rollouts.open_stage) on every rank (placement from torch; rank 0 decides what
+    the filesystem says); a file that cannot be trained on stops the run in one line naming its file and line."""
+    rank, world, _ = M.placement()
+    try:
+        return rollouts.open_stage(Path(directory) / records.ROLLOUTS, rank, world, M.barrier, decide=M.broadcast)
+    except rollouts.RolloutError as e:
+        raise SystemExit(str(e)) from None
+
+
 def check_fits(stage, policy):
     """Refuse in one line rollouts the policy cannot take: a token id past its vocabulary (another tokenizer), or a
     prompt and response longer than it holds (common.model_max_len, as vLLM derives it: another model or longer
