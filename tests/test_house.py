@@ -37,3 +37,12 @@ def test_no_function_takes_more_than_seven_required_parameters():
     long = [f"{f.relative_to(ROOT)}:{n.lineno} {n.name} ({required_parameters(n)})" for f, n in functions
             if required_parameters(n) > MAX_REQUIRED_PARAMETERS]
     assert len(functions) > 100 and not long, "\n".join(long)
+
+
+# the sizes the house agreed on (issue 55): a script read top to bottom stays readable in one sitting
+SIZE_BARS = {"generate.py": 600, "optimize.py": 600, "run_stages.sh": 230, "frontier.sh": 150}
+
+
+def test_the_scripts_stay_within_their_size_bars():
+    sizes = {name: len((ROOT / name).read_text().splitlines()) for name in SIZE_BARS}
+    assert {name: n for name, n in sizes.items() if n > SIZE_BARS[name]} == {}, sizes
