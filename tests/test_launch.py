@@ -156,7 +156,8 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
                                  "GRAD_CKPT": "true", "PREFLIGHT": "1", "PREFLIGHT_ARGS": "--prompts=8 --updates=2",
                                  "DRIFT_ARGS": "--drift_min_updates=4 --drift_min_updates=6"})
     assert problem is None
-    monkeypatch.setattr(os, "environ", {**k, **launch.derived(k), "KL": "--kl_coef=0"})
+    # (RESIDENT_GPU_MEMORY: the share launch.py --command=start gives for auto, exported before the preflight runs)
+    monkeypatch.setattr(os, "environ", {**k, **launch.derived(k), "KL": "--kl_coef=0", "RESIDENT_GPU_MEMORY": "0.1"})
     asked = []
     monkeypatch.setattr(subprocess, "run", lambda argv, **kw: asked.append(argv) or subprocess.CompletedProcess(argv, 0))
     with pytest.raises(SystemExit) as done:
@@ -171,6 +172,11 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
         "--policy_handoff": "transfer", "--max_response_tokens": "16", "--estimate_stage_prompts": "128",   # 8 · 16
         "--drift_min_updates": "6"}                                                  # the trainer's: the last given
     assert flags["--optimize_args"] == "--gradient_checkpointing=true --clip_low=0 --kl_coef=0"
+    # every flag one preflight.py takes, every value one it allows: its strict overrides and checks run on import
+    monkeypatch.setattr(sys, "argv", argv[1:])
+    monkeypatch.delitem(sys.modules, "preflight", raising=False)
+    import preflight
+    assert (preflight.n_engines, preflight.n_ranks, preflight.resident, preflight.prompts) == (2, 2, True, 8)
 
 
 def test_the_start_up_gives_its_assignments_on_descriptor_3_and_the_runs_start_once(tmp_path):

@@ -617,11 +617,14 @@ def resident_run(toy, tmp_path_factory):
 @pytest.fixture(scope="session")
 def resident_files_run(toy, tmp_path_factory):
     """resident_run with each policy handed over as files (HANDOFF=files) instead of vLLM's weight-transfer API,
-    SIGKILLed while the trainer trains stage 1 (its rollouts written, the engines asleep), then run to its end."""
+    SIGKILLed (run_stages.sh and everything under it) while the trainer trains stage 1 (its rollouts written, the
+    engines asleep), then run to its end; killed_at: when the kill was sent, before the rerun started."""
     def build(out):
         run_dir = out / "run"
         env = {**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "HANDOFF": "files"}
         assert kill_when(["bash", "run_stages.sh"], lambda: (run_dir / "stage_1" / "metrics.jsonl").exists(), env=env)
+        (out / "killed_at").write_text(repr(time.time()))
+        assert_none_left(run_dir)
         run_loop(env)
     return built_once(tmp_path_factory, "resident_files", build) / "run"
 
@@ -729,13 +732,17 @@ def test_a_resident_run_with_files_killed_while_training_resumes_with_its_engine
     assert [t["name"] for t in rows if t["phase"] == "optimize"] == \
         ["optimize_0", "optimize_1"]          # the killed attempt's stage 1 wrote no row; the rerun trained it again
     assert [r["ended"] for r in rows if r["name"] == "resident"] == ["killed", "completed"]
+    # the attempt killed outright is closed by the rerun at its own last row, before the kill: the wait is a pause
+    killed_at = float((resident_files_run.parent / "killed_at").read_text())
+    assert all(r["end"] <= killed_at for r in rows if r.get("ended") == "killed"), (rows, killed_at)
 
 
 @pytest.mark.slow
 @needs_vllm
 def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_run, tmp_path):
-    # SIGKILL to the engine process, then to the trainer, then to run_stages.sh and everything under it, each at a
-    # random moment; a partner's death stops the run within seconds; the last rerun ends where an unbroken one did
+    # SIGKILL to the engine process, then to the trainer, each at a random moment; a partner's death stops the run
+    # within seconds; the rerun ends where an unbroken one did (run_stages.sh and everything under it killed at once:
+    # resident_files_run)
     import random
     import handoff
     run_dir = tmp_path / "run"
@@ -744,10 +751,7 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
     rng = random.Random(seed)
     pid = lambda role: json.loads((run_dir / "resident" / f"{role}.json").read_text())["pid"]  # noqa: E731
     points = [("engine", lambda: (run_dir / "stage_0" / "rollouts" / "manifest.json").exists()),
-              ("trainer", lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()),
-              # a stage trained by this attempt (an earlier attempt may have saved stage 0 before it was killed)
-              ("run_stages.sh", lambda: any((run_dir / "resident").glob("trained_*.json")))]
-    kills = {}
+              ("trainer", lambda: (run_dir / "stage_0" / "metrics.jsonl").exists())]
     for target, ready in points:
         shutil.rmtree(run_dir / "resident", ignore_errors=True)     # the last attempt's pid files name dead processes
         proc = subprocess.Popen(["bash", "run_stages.sh"], cwd=ROOT, env=env, start_new_session=True,
@@ -762,22 +766,15 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
         if proc.poll() is not None:              # the run finished first: nothing was interrupted this time
             assert proc.returncode == 0, (target, seed)
             continue
-        killed_at = kills[target] = time.time()
-        if target == "run_stages.sh":
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            os.kill(pid(target), signal.SIGKILL)
+        killed_at = time.time()
+        os.kill(pid(target), signal.SIGKILL)
         proc.wait(timeout=120)
-        assert target == "run_stages.sh" or time.time() - killed_at < 30, (target, seed)   # within seconds
+        assert time.time() - killed_at < 30, (target, seed)     # within seconds
         assert_none_left(run_dir)            # no engine process outlives the run (engine: its workers end with it)
-        if target != "run_stages.sh":
-            assert proc.returncode != 0, (target, seed)
-            # the failed run leaves no handed-over policy behind (up to two, 15 GB each at 7B, in /dev/shm)
-            assert not any(d.exists() for d in handoff.policy_locations(run_dir)), (target, seed)
-            assert not handoff.transfer_buffers(run_dir), (target, seed)
+        assert proc.returncode != 0, (target, seed)
+        # the failed run leaves no handed-over policy behind (up to two, 15 GB each at 7B, in /dev/shm)
+        assert not any(d.exists() for d in handoff.policy_locations(run_dir)), (target, seed)
+        assert not handoff.transfer_buffers(run_dir), (target, seed)
     run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
     assert_same_stages(resident_run, run_dir, stages=(1,))
-    # the attempt killed outright is closed by the rerun at its own last row, before the kill: the wait is a pause
-    killed = [r for r in read_lines(run_dir / "timeline.jsonl") if r.get("ended") == "killed"]
-    assert all(r["end"] <= kills["run_stages.sh"] for r in killed), (killed, kills, seed)
     assert_no_training_beside_an_awake_engine(run_dir)

@@ -67,6 +67,9 @@ def test_preflight_passes_on_the_toy_model_with_its_table(passed):
             "resident hand-off: every engine generated a shard of a 4-prompt stage"} <= gated
     assert "| stop tokens" in proc.stdout and "ESTIMATE for a stage of 64 prompts" in proc.stdout
     assert report["figures"]["train_tokens_per_s"] > 0 and report["figures"]["grader_responses_per_s"] > 0
+    # what frontier.sh's estimate reads (bench/frontier.py estimate): a stage's hours of generation and training
+    hours = report["figures"]["estimated_hours_per_stage"]
+    assert hours["generate"] > 0 and hours["optimize"] > 0
     # both engines generated (a stage of 8 prompts, smaller than one shard: before, one engine did it all)
     assert report["figures"]["engines_ran"] == report["figures"]["engines"] == 2
     assert report["figures"]["train_ranks"] == 2 and 0 < report["figures"]["batch_saturation"] < 1
