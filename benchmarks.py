@@ -47,7 +47,7 @@ def benchmark_sets(names, data_dir, max_problems=0):
         path = Path(data_dir) / f"{name}.jsonl"
         if not path.exists():
             sys.path.insert(0, str(Path(__file__).parent / "data"))
-            import prepare
+            import prepare  # data/prepare.py, found once data/ is on the path (above)
             try:
                 prepare.prepare(name, str(path))
             except Exception as e:
@@ -95,7 +95,7 @@ def avg_at_k_stderr(correct):
 def sample_and_grade(llm, ev, rank=0, n=1):
     """Every benchmark's prompts at positions ≡ rank (mod n) (the share of one data-parallel engine), sampled in
     one generate call, then graded: [(benchmark, problem index, sample index, text, reward, info)]."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM: only in a process that runs an engine
     tokenizer = llm.get_tokenizer()
     stops = common.stop_token_ids(tokenizer, ev.chat_template)      # EOS and the chat turn's end
     requests = [(name, j, row, ids) for name, rows in ev.sets.items() for j, row in enumerate(rows)

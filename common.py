@@ -324,7 +324,7 @@ def tensor_hash(tensor, column_offset=0):
     moved within a row change it, as does a single element changed. A 1-D tensor (a norm, a bias: fused biases
     are concatenated along their only dimension) is hashed without positions. Integer arithmetic on the tensor's
     device, exact on every device (int64 products and sums wrap mod 2^64): no tolerance. Returns an int in [0, 2^64)."""
-    import torch
+    import torch  # torch (2 s): launch.py's steps import common and hash no tensors
     width = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}[tensor.dtype]
     columns = tensor.shape[-1] if tensor.dim() >= 2 else 0
     flat = tensor.detach().contiguous().view(-1).view(torch.int32 if width == 32 else torch.int16)
@@ -373,7 +373,7 @@ def local_dir(name):
     download is one line naming the model and the way around it."""
     if Path(name).is_dir():
         return str(name)
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # huggingface_hub: only for a hub name
     try:
         return snapshot_download(name)
     except Exception as e:          # offline, unknown repository, gated model, timeout: all end here
@@ -513,7 +513,7 @@ def terminal_view(source, sink):
 def gpu_count():
     """The GPUs this process can use: torch's count (CUDA_VISIBLE_DEVICES honoured); 0 without CUDA."""
     try:
-        import torch
+        import torch  # torch (2 s): only where the GPUs are counted
         return torch.cuda.device_count()
     except Exception:
         return 0

@@ -52,7 +52,7 @@ def first_wrong_token(tokenizer, response_ids, problem):
 
 def checkpoint_logprobs(path, rows):
     """Log-probs of every response's tokens under the checkpoint at `path` (fp32, temperature 1)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: only for a checkpoint's log-probs
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
@@ -140,7 +140,7 @@ def deltas(root, variant_seeds):
 
 
 def main():
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: only for the tokenizer
     root = Path(ablation_dir)
     stage_rollouts = records.stage_dir(root, 0) / records.ROLLOUTS
     manifest = json.loads((stage_rollouts / records.MANIFEST).read_text())

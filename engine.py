@@ -127,7 +127,7 @@ def eager_rank_count():
     lines 221 and 351): about 3.5 s of a CPU engine's first request, of about 25 s for a toy phase, for an integer
     count that is the same either way. torch.compile keeps the function it wraps as `_torchdynamo_orig_callable`
     (torch/_dynamo/eval_frame.py line 1237). The rollouts of a toy stage are byte-identical either way."""
-    from vllm.v1.sample import sampler
+    from vllm.v1.sample import sampler  # vLLM's sampler: in the engine's process
     compiled = sampler.batched_count_greater_than
     sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
@@ -211,9 +211,8 @@ class WeightHashes:
         QKV projection whose KV heads are copied onto several tensor-parallel ranks, linear.py
         `num_kv_head_replicas`: its shards' hashes do not add up to the checkpoint's), and the model's
         fused-module map (e.g. qkv_proj ← q_proj, k_proj, v_proj)."""
-        import torch
+        import torch  # run inside vLLM's worker (collective_rpc)
         from vllm.model_executor.layers.linear import RowParallelLinear
-
         import common as C
         model = self.model_runner.get_model()
         modules = dict(model.named_modules())
@@ -320,7 +319,7 @@ def _free_gib():
     """Free memory of this engine's (first) GPU, device-wide: the engine core runs in a process of its own, so it
     is read through NVML, as vLLM's platform code does (vllm/platforms/cuda.py, "should not initialize cuda
     context"); torch.cuda.mem_get_info would open a CUDA context (~0.5 GiB) in this process for good."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # vLLM's platform: in the engine's process
     from vllm.utils.import_utils import import_pynvml
     pynvml = import_pynvml()
     pynvml.nvmlInit()

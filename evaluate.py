@@ -25,6 +25,7 @@ from pathlib import Path
 import benchmarks as B     # (`benchmarks` is this script's flag)
 import common
 import engine
+import nodes
 import processes
 import reward
 import records
@@ -180,7 +181,6 @@ def evaluate(ev, policies):
     """Sample and grade every policy on this node's engines (on several nodes node 0 scores them all), write the
     rows and samples; returns the rows (node 0's; [] on the others)."""
     n, first, total = engines_here()
-    import nodes
     cluster = nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator))
     if nnodes > 1 and not results:
         sys.exit("--nnodes > 1 needs --results: the nodes' samples meet beside it")

@@ -37,6 +37,7 @@ import benchmarks
 import common
 import engine
 import handoff
+import nodes
 import processes
 import records
 import reward
@@ -224,7 +225,7 @@ def start_engine(path, s):
     (engine.verify_weights), its grading processes, and a two-token warm-up (on a GPU the first request with
     log-probs compiles vLLM's token-rank kernel, vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`;
     a CPU counts eagerly, engine.eager_rank_count), so start-up pays it, not the first shard's tokens/s."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM: only in a process that runs an engine
     reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
     llm = engine.make_llm(path, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
@@ -507,7 +508,6 @@ def main():
         return engine_worker()
     problems = common.load_problems(data)
     if not resident:
-        import nodes
         one_stage(problems, nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator)))
     elif not is_engine_worker and n_engines > 1:
         processes.exit_on_sigterm()      # a SIGTERM ends this process through the finally below, workers first

@@ -27,6 +27,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
 Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
 """
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -214,7 +215,7 @@ def settings_command():
     if problem:
         refuse(problem)
     if k["REPORT_TO"] != "none":
-        import tracking
+        import tracking  # the trackers' module: only the settings step reads it
         try:
             tracking.check(k["REPORT_TO"])
         except SystemExit as e:
@@ -226,7 +227,6 @@ def lock_command():
     """run_stages.sh's lock on its run directory, taken on the descriptor 9 it opened (flock locks the open file, which
     the script keeps after this process ends). Another holder, and a filesystem without locks (Lustre mounted without
     -o flock: "No locks available"), are told apart."""
-    import fcntl
     try:
         fcntl.flock(9, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -276,7 +276,7 @@ def build_command():
     if e["PRESET"] == "paper" and not Path(e["TRAIN_DATA"]).exists():
         run_or_exit([sys.executable, "data/prepare.py", "--name=deepscaler", f"--out={e['TRAIN_DATA']}"])
     if int(e["NNODES"]) > 1:
-        import benchmarks
+        import benchmarks  # only the build step fetches benchmarks
         benchmarks.benchmark_sets(e["BENCHMARKS"].split(","), e["EVAL_DATA_DIR"])
 
 
@@ -338,7 +338,7 @@ def prepared(env):
     if env["RESIDENT"] == "true" and int(env["GPUS"]) > 0:   # the engines' share must leave the trainer its memory
         import torch              # (2 s, and model.py's: only on a resident GPU run, not for every phase's row)
 
-        import handoff
+        import handoff  # handoff, model: only on a resident GPU run
         import model as M
         share = str(handoff.check_engine_share(M.parameter_count(model), env["TRAIN_RANKS"], share, env["KL_COEF"],
                                                torch.cuda.get_device_properties(0).total_memory))
@@ -440,7 +440,7 @@ def resident_command(argv):
     """The engine process and the trainer for every stage (RESIDENT=true): a failed one stops the other (and what it
     started); a rerun resumes (the engine at the first stage without a manifest, the trainer at the last train state
     saved). Timed into timeline.jsonl as one row per attempt (records.attempt_row)."""
-    import handoff
+    import handoff  # only the resident step reads the hand-off
     if "::" not in argv:
         raise SystemExit("--command=resident: ENGINE COMMAND :: TRAINER COMMAND")
     cut = argv.index("::")

@@ -12,6 +12,7 @@ import datetime
 import functools
 import gc
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 import common
+import records
 
 ATTENTION = ("auto", "flash_attention_2", "varlen_attn", "flex_attention", "varlen_sdpa", "sdpa", "eager")
 
@@ -156,6 +158,7 @@ def varlen_attn(module, query, key, value, attention_mask, dropout=0.0, scaling=
     """Attention over packed sequences in one kernel call per layer: torch's varlen attention
     (torch/nn/attention/varlen.py, FlashAttention-2 through aten._flash_attention_forward; CUDA only,
     causal as window_size=(-1, 0)). Same shapes as varlen_sdpa."""
+    # torch's varlen kernel (1 s): only on CUDA when asked for
     from torch.nn.attention.varlen import varlen_attn as kernel
     bounds = sequence_bounds(position_ids, query.shape[2])
     cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
@@ -173,7 +176,6 @@ def choose_attention(requested, device):
     after 135 s, while varlen_sdpa ran two updates in 18 s. Nor torch's varlen_attn, which is one kernel call
     per layer instead of one per sequence but has not been measured against varlen_sdpa (no GPU was lent
     since it was added): ask for it by name. sdpa builds a dense [N, N] block-diagonal mask: the fallback."""
-    import importlib.util
     if requested not in ATTENTION:
         raise SystemExit(f"--attn_implementation={requested!r}: allowed values are {', '.join(map(repr, ATTENTION))}")
     name = requested
@@ -183,7 +185,7 @@ def choose_attention(requested, device):
         raise SystemExit("--attn_implementation=varlen_attn runs on CUDA only (torch's FlashAttention kernel); "
                          "use varlen_sdpa on a CPU")
     if name in ("varlen_sdpa", "varlen_attn"):
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface  # transformers' attention registries: only for the varlen kernels
         from transformers.masking_utils import AttentionMaskInterface
         AttentionInterface.register(name, varlen_sdpa if name == "varlen_sdpa" else varlen_attn)
         AttentionMaskInterface.register(name, lambda *args, **kwargs: None)   # no mask to build
@@ -226,7 +228,7 @@ def parameter_count(path):
 
 
 def vocab_size(path):
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: only for its config
     return AutoConfig.from_pretrained(path).vocab_size
 
 
@@ -239,7 +241,7 @@ def hsdp_mesh(world, shard_ranks, device_type):
     every rank's count as plain FSDP2 is (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
     _get_gradient_divide_factors). Its groups get the default group's timeout: without options a mesh dimension's
     group has the backend's default, 10 minutes for NCCL (torch/distributed/device_mesh.py, _init_one_process_group)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh  # the mesh: only for HSDP
     if world % shard_ranks:
         raise SystemExit(f"HSDP: {world} ranks do not split into groups of {shard_ranks} (ranks per node)")
     def options():      # one object per mesh dimension: with the default group bound to a device (device_id),
@@ -256,7 +258,7 @@ def shard_start(param):
     """The first row of this rank's shard of an FSDP2 parameter (a DTensor): dim 0 is cut in chunks of
     ceil(n / shards) rows (torch.chunk) along the mesh dimension that shards it (the only one in plain FSDP2,
     HSDP's second), this rank's chunk at its coordinate there."""
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Shard  # DTensor's placements: only under FSDP2
     dim = next(i for i, p in enumerate(param.placements) if isinstance(p, Shard))
     return param.device_mesh.get_coordinate()[dim] * math.ceil(param.shape[0] / param.device_mesh.size(dim))
 
@@ -291,6 +293,7 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
     the meta device (accelerate's init_empty_weights: parameters on meta, buffers as usual, since the rotary
     frequencies are computed in __init__ and are in no checkpoint), sharded, then filled from `source`'s
     safetensors shard by shard (weights=False: left empty for a DCP state)."""
+    # transformers (1 s): only where a model is built (preflight.py, launch.py, transfer.py build none)
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     _, world, device = placement()
@@ -311,7 +314,7 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
     if gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP2: only with more than one rank
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                                   reduce_dtype=torch.float32)
         options = dict(mp_policy=mp, mesh=hsdp_mesh(world, shard_ranks, device.type) if shard_ranks else None)
@@ -332,7 +335,7 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
     if weights:
         load_weights(model, source)
     if lora_rank and trainable:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # peft (1 s): only for LoRA
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
                                                  lora_dropout=0.0, task_type="CAUSAL_LM"))
     model.train(trainable)  # transformers checkpoints a layer only when `self.training` (modeling_layers.py)
@@ -448,7 +451,7 @@ def policy_tensors(model, dtype):
     head = _tied_head(base)
     adapters = {}
     if hasattr(model, "get_base_model"):
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # peft: only for LoRA
         adapters = {f"{n}.weight": m for n, m in base.named_modules() if isinstance(m, LoraLayer) and "default" in m.lora_A}
     for name, t in base.state_dict().items():
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -465,7 +468,7 @@ def policy_tensors(model, dtype):
 def nonfinite_parameters(model):
     """The names of the parameters that hold a non-finite value on any rank: each rank checks its own shards (an
     FSDP2 parameter's local tensor), one all-reduce of the per-parameter counts; every rank gets the same list."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # DTensor: only under FSDP2
     names, bad = [], []
     for name, param in model.named_parameters():
         local = (param.to_local() if isinstance(param, DTensor) else param).detach()
@@ -544,7 +547,7 @@ def save_state(model, optimizer, state_dir, progress):
     """Resumable state (fp32 weights, AdamW moments; DCP, every rank its shards), atomically: written to
     train_state.tmp, then renamed over train_state. progress.json holds `progress`, a new state id and the
     CPU RNG state."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # DCP: only the trainer saves its state
     from torch.distributed.checkpoint.state_dict import get_state_dict
     rank, world, _ = placement()
     state_dir = Path(state_dir)
@@ -571,7 +574,7 @@ def save_state(model, optimizer, state_dir, progress):
 def load_state(model, optimizer, directory):
     """Load a train_state (DCP; written by any number of ranks) into the model and optimizer; returns its
     progress.json."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # DCP: only the trainer loads a state
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -606,7 +609,6 @@ COUNTS = ("run_updates", "optimizer_updates")
 def newest_state(run_dir):
     """(stage, progress.json) of the newest train state in a run directory's stage_<s>/ (a resident trainer's
     resume), or (None, None)."""
-    import records
     states = [(s, d / records.TRAIN_STATE / "progress.json") for s, d in records.stage_dirs(run_dir)
               if (d / records.TRAIN_STATE / "progress.json").exists()]
     if not states:

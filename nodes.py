@@ -82,7 +82,7 @@ class Nodes:
     """This node's connection to the run's store (node 0's watch process serves it)."""
 
     def __init__(self, nnodes, node_rank, coordinator, timeout_s=600.0, serve=False):
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # torch (2 s): only a node that meets others (OneNode never does)
         addr, port = coordinator.rsplit(":", 1)
         port = int(port)
         self.n, self.rank, self.where = nnodes, node_rank, coordinator
@@ -372,7 +372,7 @@ def collective():
     trainer will use (optimize.py's backend and device: NCCL on cuda:LOCAL_RANK, gloo on the CPU) and all-reduces
     one number, within collective_timeout_s. A blocked port or a wrong interface then fails in seconds with one line,
     not hours later in the first update, with every node alive and waiting."""
-    import torch
+    import torch  # torch: only the collective check's ranks
     import torch.distributed as dist
     rank, world, local_rank = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")    # as optimize.py

@@ -468,7 +468,7 @@ def resident_main():
         partner.announce()
     sender = None
     if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
-        import transfer
+        import transfer  # vLLM's transfer classes: only with the transfer hand-off
         sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
                                  buffer_bytes=handoff_buffer_mb * 2**20)
     handover = handoff.PolicyHandover(partner, stage_plan, prompts_per_update, is_main, sender)

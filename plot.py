@@ -29,9 +29,9 @@ def _rows(path):
 
 
 def figures(runs, out):
-    import matplotlib
+    import matplotlib  # matplotlib: only for figures (the notebook and bench/ also read its tables)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -241,9 +241,9 @@ def table_markdown(table, initial):
 def ablation_figures(ablation, out):
     """Fig. 2: accuracy vs updates of the clip variants and their clipped-token fraction; Fig. 3: accuracy
     vs updates per NAV veto scope and E[ρ | A<0]. Lines: mean over seeds; bands: min–max."""
-    import matplotlib
+    import matplotlib  # matplotlib: only for figures
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     reference = [v for v in ablation if v.startswith("onpolicy-")]
@@ -273,7 +273,7 @@ def ablation_figures(ablation, out):
         right.set(xlabel="update (= staleness of its minibatch)", ylabel=right_label,
                   title="per update: mean over seeds, 8-update moving average")
         if keys == ("ratio/mean_neg_adv",):      # a log axis with plain tick labels (0.1, 1, 5), not 1.4×10⁰
-            from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+            from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # only for a log axis
             right.set_yscale("log")
             right.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             right.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))

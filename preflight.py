@@ -247,7 +247,7 @@ def stop_token_check(results, rows, model):
     can be an invented next turn whose answer gets graded. Looked for in the decoded text, special tokens
     kept, so a turn opening written as ordinary tokens counts too. (Added tokens that are not special, such as
     R1-distill's <think>, may appear anywhere.)"""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: only for the stop-token check
     tok = AutoTokenizer.from_pretrained(model)
     markers = common.turn_markers(tok)
     texts = tok.batch_decode([r["response_token_ids"][:-1] for r in rows], skip_special_tokens=False)
@@ -293,7 +293,7 @@ def round_trip_checks(results, initial, saved, state_dir):
     """The saved policy is the trained one: it differs from the initial checkpoint in most elements (a save of
     stale weights does not), and equals the trainer's fp32 state cast to its dtype, bit for bit, on a sample of
     tensors (the first and the last layer's 2-D weights)."""
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # DCP: only the round-trip check reads a state
 
     saved_index, initial_index = M.safetensors_index(saved), M.safetensors_index(initial)
     layers = sorted({int(k.split(".")[2]) for k in saved_index if k.startswith("model.layers.")})

@@ -16,6 +16,7 @@ parent however the parent dies).
 Only the standard library; Linux (/proc, prctl).
 """
 import contextlib
+import ctypes
 import functools
 import os
 import signal
@@ -202,7 +203,6 @@ def terminate_with_parent(parent):
     parent that died before this call is caught by the getppid check). The child still runs the parent's Python
     signal handlers until exec: a parent's SIGTERM handler (exit_on_sigterm) would turn that SIGTERM into an
     exception here instead of the child's end, so the child ends by the default action."""
-    import ctypes
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -16,8 +16,10 @@ while a shard is parsed, so building them needs no more memory than one line; np
 with nothing beyond numpy (a notebook too: np.fromfile(path, dtype)); and a token's position in the
 stage is a plain offset, which the per-stage log-prob passes (TokenColumn) share.
 """
+import concurrent.futures
 import json
 import math
+import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -425,8 +427,6 @@ def open_stage(directory, rank=0, world=1, barrier=None, workers=None, decide=No
     todo = [p for k, p in enumerate(paths) if k % world == rank and not fresh[k]]
     workers = min(len(todo), workers or max(1, (os.cpu_count() or 1) // world))
     if workers > 1:
-        import concurrent.futures
-        import multiprocessing
         with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(build_columns, todo))
     else:

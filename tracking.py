@@ -193,7 +193,7 @@ class TensorBoard:
     """Event files in <run>/tensorboard, one file per follower process (TensorBoard reads them as one run)."""
 
     def __init__(self, run, config, first):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # tensorboard: only when reported to
         self.writer = SummaryWriter(log_dir=str(Path(run) / "tensorboard"))
         if first:
             self.config(config)
@@ -214,7 +214,7 @@ class WandB:
     run_update (W&B's own step counts log calls, and restarts in every offline process)."""
 
     def __init__(self, run, config, first):
-        import wandb
+        import wandb  # wandb: only when reported to
         id_file = Path(run) / "tracking" / "wandb_id"
         if not id_file.exists():
             id_file.parent.mkdir(parents=True, exist_ok=True)

@@ -196,6 +196,7 @@ class ShmEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.buffer = _map(init_info.buffers[engine % len(init_info.buffers)], init_info.buffer_bytes)
 
     def start_weight_update(self):
+        # vLLM's reload: in the engine's worker
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         initialize_layerwise_reload(self.model)
 
@@ -205,6 +206,7 @@ class ShmEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info):
+        # vLLM: in the engine's worker
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
         # cloned: the layerwise reload keeps a layer's tensors until the layer is complete, maybe past this chunk
         # (packed_tensor.py `packed_ipc_consumer` clones for the same reason), and the trainer refills the buffer
@@ -215,6 +217,7 @@ class ShmEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self.model.load_weights(weights)
 
     def finish_weight_update(self):
+        # vLLM's reload: in the engine's worker
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         finalize_layerwise_reload(self.model, self.model_config)
 
@@ -401,6 +404,7 @@ class Sender:
             self.source = PolicySource(model, dtype, record=self.rank == 0)
             size = self.buffer_size(model, dtype)
             if self.backend == "ipc":
+                # vLLM's IPC types: only a sender needs them
                 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
                 info = IPCTrainerInitInfo(rank=self.rank, packed=True, packed_buffer_size_bytes=size)
             else:

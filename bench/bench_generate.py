@@ -49,7 +49,7 @@ common.apply_overrides(globals(), sys.argv[1:])
 
 def build_policy(path, toy_dir):
     """A random-weight Llama with the toy tokenizer (head dimension 32, which vLLM's CPU backend supports)."""
-    import torch
+    import torch  # torch, transformers: only when the policy is built
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     tokenizer = AutoTokenizer.from_pretrained(toy_dir / "model")
     torch.manual_seed(0)
@@ -63,7 +63,7 @@ def build_policy(path, toy_dir):
 
 def bare(policy, data, logprobs):
     """One LLM.generate call on generate.py's stage-0 prompts in this process: (tokens, seconds)."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # vLLM: only for the bare-LLM row
     llm = engine.make_llm(policy, seed=0, max_model_len=64 + max_response_tokens)
     tokenizer = llm.get_tokenizer()
     rows = common.shuffled_window(common.load_problems(data), 0, prompts, 0)

@@ -33,10 +33,10 @@ common.apply_overrides(globals(), sys.argv[1:])
 
 
 def build(out):
-    import torch
+    import torch  # torch, transformers: only when the model is built
     from transformers import LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT / "data"))
-    import toy
+    import toy  # data/ is on the path only now
     model_dir, stage = out / "model", out / "stage"
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
@@ -60,7 +60,7 @@ def build(out):
 def peak_rss_per_rank(checkout, model_dir, stage, out):
     """Run the checkout's optimize.py under torchrun: peak RSS (GiB) of each rank while loading (until rank 0
     starts its first update: the "stage 0 updates:" bar) and over the whole run, and the seconds."""
-    import psutil
+    import psutil  # psutil: only the rank-memory rows read it
     subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(Path(checkout) / "optimize.py"), f"--stage_dir={stage}", f"--policy={model_dir}",

@@ -37,7 +37,7 @@ def _peak_rss_mb():
 
 
 def _run(variant, queue):
-    import torch
+    import torch  # in the child: its peak memory is this variant's alone
     import loss as L
     torch.manual_seed(0)
     dt = getattr(torch, dtype)

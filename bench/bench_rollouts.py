@@ -91,10 +91,10 @@ def measure(code_or_cmd):
 
 
 def tiny_model(path):
-    import torch
+    import torch  # torch, transformers: only when the model is built
     from transformers import LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT / "data"))
-    import toy
+    import toy  # data/ is on the path only now
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096)

@@ -81,7 +81,7 @@ def measure(run):
 def same_runs(one, two):
     """Two loops' outputs, compared: the final policy's tensors (torch.equal) and every stage's rollout shards
     (the same rows once each run's own directory is taken out of them). Returns (same weights, same rollouts)."""
-    import torch
+    import torch  # torch: only to compare the two runs' weights
     from safetensors.torch import load_file
     last = records.stage_dir("", stages - 1) / records.POLICY / "model.safetensors"
     w1, w2 = load_file(one / last), load_file(two / last)

@@ -277,7 +277,7 @@ def accuracy_figure(points, runs=None):
     (`runs`, (build, seed) pairs; default: every pair a point has; a point without all of them is left out, so no
     curve is an average over other builds than the next): a matplotlib Figure (made without pyplot: no backend is
     chosen, none is left open)."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: only for figures (the table and the estimate need none)
     runs = set(runs) if runs is not None else {k for rs in points.values() for k in rs}
     style = point_styles(points)
     fig = Figure(figsize=(12, 4.5))
@@ -301,7 +301,7 @@ def accuracy_figure(points, runs=None):
 def recost_figure(speed, baseline, costs):
     """Each point's speed-up over the baseline (label:μ) at equal updates, re-costed at each switching cost of costs
     (seconds per stage; speed from speedups at the same costs): a matplotlib Figure, as accuracy_figure's."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: only for figures
     style = point_styles(speed)
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()

@@ -28,10 +28,20 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import handoff  # noqa: E402
+import loss as L  # noqa: E402
+import model as M  # noqa: E402
 import records  # noqa: E402
+import rollouts  # noqa: E402
+import update  # noqa: E402
 from synthetic import build_model, model_flops, write_stage  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -54,7 +64,6 @@ common.apply_overrides(globals(), sys.argv[1:])
 def throughput(model_dir, stage, lengths, dims):
     """optimize.py on the stage (gradient checkpointing, packing); its metrics → the throughput rows. dims: the
     model's (parameters, layers, hidden size, vocabulary, tied embeddings), synthetic.build_model's."""
-    import handoff
     proc = subprocess.run([sys.executable, str(ROOT / "optimize.py"), f"--stage_dir={stage}", f"--policy={model_dir}",
                            f"--out={stage / 'policy'}", f"--updates_per_stage={updates}",
                            f"--prompts_per_update={prompts_per_update}", "--save_train_state=false",
@@ -80,13 +89,7 @@ def throughput(model_dir, stage, lengths, dims):
 
 def bf16_against_fp32(model_dir, stage):
     """One micro-batch's loss and gradients under bf16 autocast and in float32, the same weights."""
-    import numpy as np
-    import torch
 
-    import loss as L
-    import model as M
-    import rollouts
-    import update
     _, _, device = M.placement()
     net = M.build(model_dir, attention=M.choose_attention("auto", device), gradient_checkpointing=True)
     data = rollouts.open_stage(stage / records.ROLLOUTS, workers=1)
@@ -114,7 +117,6 @@ def bf16_against_fp32(model_dir, stage):
 
 def model_tensors(model_dir, device):
     """{name: tensor on `device`} of the saved model, in its dtype (bf16)."""
-    from safetensors.torch import load_file
     return {k: v.to(device) for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
@@ -128,7 +130,6 @@ def hash_on_device(model_dir, device):
 def receive(inbox, outbox):
     """The second process: the packed buffer (a CUDA IPC handle, rebuilt by torch.multiprocessing) and its layout;
     every tensor unpacked and hashed where it lies."""
-    import torch
     buffer, layout = inbox.get()
     hashes, offset = {}, 0
     for name, shape, dtype, size in layout:
@@ -140,8 +141,6 @@ def receive(inbox, outbox):
 
 
 def handoff_by_ipc(model_dir, device):
-    import torch
-    import torch.multiprocessing as mp
     tensors = model_tensors(model_dir, device)
     flat = {k: v.contiguous().view(-1).view(torch.uint8) for k, v in tensors.items()}
     buffer = torch.empty(sum(f.numel() for f in flat.values()), dtype=torch.uint8, device=device)
@@ -184,7 +183,6 @@ def show(rows):
 
 
 if __name__ == "__main__":
-    import torch
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(out_dir)
     model_dir, stage = out / f"model-{shape}", out / f"stage-{shape}"

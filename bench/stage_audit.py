@@ -71,7 +71,7 @@ def read_rows(rollouts_dir):
 @torch.no_grad()
 def recompute_logprobs(policy, rows, temperature):
     """Per response: the policy's log-probs of its sampled tokens at `temperature` (transformers, float32)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # transformers: only for the recomputed log-probs
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     out = []
     for r in rows:
@@ -105,7 +105,7 @@ def result_positions(offsets, text):
 @torch.no_grad()
 def probe_policy(policy, problems):
     """{fork_solution, step_correct_solution, step_correct_detour}: means over the problems (see the docstring)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: only for the probe
     tokenizer = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
     fork, steps = [], {"solution": [], "detour": []}
@@ -232,9 +232,9 @@ def audit_run(run):
 def composition_figure(audits, path):
     """One panel per run: its rollouts per stage as shares of correct answers, wrong ones on the solution's path
     (a slip), the detour (no box) and the rest."""
-    import matplotlib
+    import matplotlib  # matplotlib: only for the figure
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
     fig, axes = plt.subplots(1, len(audits), figsize=(3.2 * len(audits), 3.2), sharey=True, squeeze=False)
     kinds = [("correct", "tab:green"), ("wrong", "tab:red"), ("no_box", "tab:gray")]
     for ax, (name, audit) in zip(axes[0], audits.items()):

@@ -24,10 +24,10 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab, tied embeddi
 def build_model(path, shape, layers=0):
     """The shape's model (bf16, random weights, seed 0; `layers` > 0: that many layers) and a small local tokenizer,
     saved at `path`. Returns (parameters, layers, hidden, vocab, tied)."""
-    import torch
+    import torch  # torch, transformers: only when the model is built
     from transformers import Qwen2Config, Qwen2ForCausalLM
     sys.path.insert(0, str(ROOT / "data"))
-    import toy
+    import toy  # data/ is on the path only now
     hidden, n_layers, heads, kv, inter, vocab, tied = SHAPES[shape]
     cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers or n_layers, num_attention_heads=heads,
                       num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab, max_position_embeddings=4096,
@@ -66,7 +66,7 @@ def write_stage(stage, vocab, groups, mean_prompt_tokens, mean_response_tokens, 
 
 
 def count_parameters(model_dir):
-    from safetensors import safe_open
+    from safetensors import safe_open  # safetensors: only to count a saved model's parameters
     total = 0
     for f in Path(model_dir).glob("*.safetensors"):
         with safe_open(str(f), "pt") as sf:

@@ -96,7 +96,7 @@ def build(out_dir, *, train_problems=4096, test_per_length=50, heldout_per_lengt
           hidden_size=128, layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_detour=0.8,
           fork="start", detour="restate", p_slip=0.01):
     """Write the task's train/test/held-out sets and its warm-started policy (HF directory) under out_dir."""
-    import torch
+    import torch  # torch after toy.portable_kernels set ATEN_CPU_CAPABILITY (the builder's main)
     torch.set_num_threads(common.usable_cores())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ def to_row(raw, index, source):
 def read_local(path):
     p = Path(path)
     if p.suffix == ".parquet":
-        import pandas as pd
+        import pandas as pd  # pandas: only for a parquet file
         return pd.read_parquet(p).to_dict("records")
     if p.suffix == ".json":
         return json.loads(p.read_text())
@@ -87,7 +87,7 @@ def resolve_revision(hub, revision):
         return None
     if re.fullmatch(r"[0-9a-f]{40}", revision or ""):
         return revision
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # huggingface_hub: only for a hub dataset
     return HfApi().dataset_info(hub, revision=revision or None).sha
 
 
@@ -101,7 +101,7 @@ def prepare(name, out, input="", revision="", sources=SOURCES):
     else:
         if name not in sources:
             raise ValueError(f"unknown dataset {name!r}: hub sources are {', '.join(sources)} (or pass --input)")
-        from datasets import load_dataset
+        from datasets import load_dataset  # datasets: only for a hub dataset
         hub, config, split = sources[name]
         if not revision and record_path.exists():
             revision = json.loads(record_path.read_text()).get("revision") or ""

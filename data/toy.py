@@ -12,6 +12,7 @@ the training problems removes them on the held-out test problems too: test accur
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def demonstration(row, rng, p_correct, p_give_up):
 
 
 def build_tokenizer(texts, vocab_size):
+    # tokenizers, transformers: only the build needs them (the task's functions do not)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
@@ -74,7 +76,7 @@ def build_tokenizer(texts, vocab_size):
 
 
 def build_model(tokenizer, hidden_size, layers, seed):
-    import torch
+    import torch  # torch only after portable_kernels (ATEN_CPU_CAPABILITY is read at torch's import)
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
@@ -88,7 +90,7 @@ def build_model(tokenizer, hidden_size, layers, seed):
 def warm_start(model, tokenizer, examples, steps, batch, lr, seed):
     """Supervised training on noisy demonstrations: examples(rng, batch) → [(problem text, response
     text)]; the loss is on the response tokens only."""
-    import torch
+    import torch  # torch only after portable_kernels
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
@@ -139,7 +141,7 @@ def write_jsonl(path, rows):
 def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=128, layers=4, vocab_size=400,
           sft_steps=500, sft_batch=64, sft_lr=3e-3, p_correct=0.5, p_give_up=0.25):
     """Write the toy train/test sets and a warm-started policy (HF directory) under out_dir."""
-    import torch
+    import torch  # torch only after portable_kernels
     torch.set_num_threads(common.usable_cores())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +168,7 @@ def portable_kernels():
     torch reads ATEN_CPU_CAPABILITY when it starts, so this runs before torch is imported (a lab builder's main);
     the cost of the build is the same within the noise. Returns the capability torch then uses."""
     os.environ["ATEN_CPU_CAPABILITY"] = "default"
-    import torch
+    import torch  # after ATEN_CPU_CAPABILITY is set: torch reads it at import
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "DEFAULT":
         raise SystemExit(f"torch was imported before portable_kernels() and uses its {capability} kernels: the "
@@ -176,9 +178,7 @@ def portable_kernels():
 
 def save_model(model, tokenizer, final):
     """The policy as an HF directory (sampling defaults: temperature 1, untruncated), written whole or not at all."""
-    import shutil
-
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # transformers: only the build needs it
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id, do_sample=True,

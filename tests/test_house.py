@@ -46,3 +46,37 @@ SIZE_BARS = {"generate.py": 600, "optimize.py": 600, "run_stages.sh": 230, "fron
 def test_the_scripts_stay_within_their_size_bars():
     sizes = {name: len((ROOT / name).read_text().splitlines()) for name in SIZE_BARS}
     assert {name: n for name, n in sizes.items() if n > SIZE_BARS[name]} == {}, sizes
+
+
+def unexplained_imports(text):
+    """The line numbers of imports made inside a function with no comment saying why: on the import's line, on the
+    line above it, or on the first import of the run of imports it belongs to."""
+    lines = text.splitlines()
+    functions = [f for f in ast.walk(ast.parse(text)) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inside = sorted({n.lineno for f in functions for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))})
+    said = set()
+    for i in inside:
+        above = lines[i - 2].strip() if i > 1 else ""
+        if "#" in lines[i - 1] or above.startswith("#") or (i - 1 in said and above.startswith(("import ", "from "))):
+            said.add(i)
+    return [i for i in inside if i not in said]
+
+
+def test_an_import_inside_a_function_is_explained_by_hand():
+    text = ("def f():\n"
+            "    import a          # why\n"
+            "    import b\n"                     # the run of imports that a's comment opens
+            "    x = 1\n"
+            "    import c\n"                     # not in that run: unexplained
+            "    # why d and e\n"
+            "    import d\n"
+            "    from e import g\n")
+    assert unexplained_imports(text) == [5]
+    assert unexplained_imports("import os\n\ndef f():\n    return os\n") == []
+
+
+def test_imports_are_at_the_top_unless_a_comment_says_why_not():
+    # an import inside a function is a cost moved (a heavy library only the path that needs it loads), a cycle
+    # broken, or a module found at run time: the comment says which
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in sources() for i in unexplained_imports(f.read_text())]
+    assert not found, f"{len(found)} imports inside functions without a comment saying why:\n" + "\n".join(found)
