@@ -294,7 +294,7 @@ def run_key(run_dir):
 
 
 def policy_record(policy_dir):
-    """A policy's policy_id.json, written by optimize.py (model.save_policy): its fingerprint, stage and update
+    """A policy's policy_id.json, written by optimize.py (checkpoint.save_policy): its fingerprint, stage and update
     counts (model.py's records); {} for a checkpoint this code did not write, such as the initial model."""
     path = Path(policy_dir) / POLICY_ID_FILE
     return json.loads(path.read_text()) if path.exists() else {}

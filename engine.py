@@ -266,7 +266,7 @@ def compare_weights(reports, expected):
 def verify_weights(llm, policy, where, record=None):
     """The guard on an engine serving other weights than it was given: after every load, each worker hashes the
     weights it holds (WeightHashes) and they are compared exactly with the hashes the trainer recorded when it
-    saved `policy` (policy_id.json `engine_weights`, model.save_policy). On a GPU every parameter is compared; on a
+    saved `policy` (policy_id.json `engine_weights`, checkpoint.save_policy). On a GPU every parameter is compared; on a
     CPU the linear layers' weights live inside vLLM's packed GEMM kernels and only the embeddings, norms and
     output head are (the run's update-0 agreement check in optimize.py covers the whole function). A policy with
     no record (the initial model, loaded by the engine's own constructor) has nothing to compare. Raises

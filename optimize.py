@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import common
 import handoff
 import loss as L
@@ -225,11 +226,11 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     columns, timing, neg_ratios, first_row = before_first_update(model, stage, progress, columns, temp, schedule)
 
     def save_policy(directory, done):
-        M.save_policy(model, start_policy, save_dtype, directory,
-                      {"stage": stage.index, "stage_updates": done, **progress.counts(done)})
+        checkpoint.save_policy(model, start_policy, save_dtype, directory,
+                               {"stage": stage.index, "stage_updates": done, **progress.counts(done)})
 
     def save_state(done, final=False):
-        M.save_state(model, optimizer, progress.state_dir, {
+        checkpoint.save_state(model, optimizer, progress.state_dir, {
             "update": done, **progress.counts(done), "complete": final, "start_weights": progress.start_weights})
         if release_init_state and init_state and is_main and Path(init_state).exists():
             shutil.rmtree(init_state)         # this stage's own state has taken over from the previous stage's
@@ -421,11 +422,10 @@ def main():
     record_settings(progress, stage, start_policy, reference, attention)
     torch.manual_seed(seed)
     columns, timing = reference_pass(stage, logprob_temperature(stage), reference, attention, progress)
-    source = M.broadcast(M.state_source(progress.state_dir, init_state) if is_main else None)   # resume? rank 0 decides
+    source = M.broadcast(checkpoint.state_source(progress.state_dir, init_state) if is_main else None)  # rank 0 decides
     model, optimizer = build_trainer(start_policy, attention, weights=source is None)
-    progress.start, progress.before, progress.start_weights, said = M.restore(
-        model, optimizer, source, resume=source == progress.state_dir, start_weights=common.policy_fingerprint(start_policy),
-        start_policy=start_policy)
+    progress.start, progress.before, progress.start_weights, said = checkpoint.restore(
+        model, optimizer, source, resume=source == progress.state_dir, start_policy=start_policy)
     if said:
         log(said)
     timing["load_seconds"] = time.perf_counter() - t_start - sum(timing.values())
@@ -472,7 +472,7 @@ def resident_main():
         sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
                                  buffer_bytes=handoff_buffer_mb * 2**20)
     handover = handoff.PolicyHandover(partner, stage_plan, prompts_per_update, is_main, sender)
-    last, meta = M.newest_state(run_dir)
+    last, meta = checkpoint.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
     resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / records.POLICY)
@@ -489,15 +489,15 @@ def resident_main():
     t_start = time.time()
     start_policy = common.local_dir(policy)
     trainer = build_resident(start_policy, weights=meta is None, handover=handover)
-    start, before, start_weights, said = M.restore(
+    start, before, start_weights, said = checkpoint.restore(
         trainer.model, trainer.optimizer, run_stage_dir(last) / records.TRAIN_STATE if meta else None,
-        resume=meta is not None and not meta["complete"], start_weights=common.policy_fingerprint(start_policy),
-        start_policy=start_policy)
+        resume=meta is not None and not meta["complete"], start_policy=start_policy)
     if said:
         log(said)
     if resave:
-        M.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / records.POLICY,
-                      {"stage": last, "stage_updates": meta["update"], **{k: meta[k] for k in M.COUNTS}})
+        counts = {k: meta[k] for k in checkpoint.COUNTS}
+        checkpoint.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / records.POLICY,
+                               {"stage": last, "stage_updates": meta["update"], **counts})
         # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
         # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
         # as every stage's hand-over does (release_gradients)

@@ -150,7 +150,7 @@ HINTS = {
     "gradient checkpointing": "checkpointing does not engage: the model must run in train mode with "
                               "gradient_checkpointing_enable (transformers version?)",
     "round trip": "the saved policy is not the trained one, or the next stage did not load the train state: check "
-                  "the saved dtype, tied weights, the FSDP2 gather (model.save_policy) and --init_state",
+                  "the saved dtype, tied weights, the FSDP2 gather (checkpoint.save_policy) and --init_state",
     "evaluation": "the engines' evaluation of the saved policy failed: see generate_1's log",
     "resident hand-off": "the engine and trainer processes did not hand a stage over: see logs/resident_engine.log "
                          "and logs/resident_trainer.log (on a GPU: lower RESIDENT_GPU_MEMORY if the engine cannot wake)",
@@ -424,7 +424,7 @@ def kept_bytes(plan, response_bytes, responses_per_update, policy_bytes, state_b
     """(bytes, how many policies, how many train states) a run of these stages (their μ) keeps at its peak: every
     stage's rollouts; a policy per stage, or in resident mode one per save_every stages and the last; the train
     states kept (every saved one with keep_train_states, else the newest) and one more, the newest being written
-    beside them (model.save_state: train_state.tmp, then renamed over)."""
+    beside them (checkpoint.save_state: train_state.tmp, then renamed over)."""
     last = len(plan) - 1
     saves = len(plan) if not resident else \
         sum(s == last or bool(save_every and (s + 1) % save_every == 0) for s in range(len(plan)))

@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+import checkpoint
 import common
 import handoff
 import model as M
@@ -60,10 +61,10 @@ def backend(device_type):
 
 
 class PolicySource(WeightSource):
-    """The policy as the engines load it, one tensor at a time (model.policy_tensors: checkpoint names, the policy's
+    """The policy as the engines load it, one tensor at a time (checkpoint.policy_tensors: checkpoint names, its
     dtype, LoRA merged, a tied output head left out), on every rank (a sharded parameter's gather is a collective, so
     every rank iterates in the same order). Rank 0 also records what the engines must then hold: common.tensor_hash
-    of each tensor in the engines' dtype (exactly what model.save_policy records), hashed on its device as it
+    of each tensor in the engines' dtype (exactly what checkpoint.save_policy records), hashed on its device as it
     passes, and the non-finite tensors, refused once the pass is over."""
 
     def __init__(self, model, dtype, record):
@@ -71,14 +72,14 @@ class PolicySource(WeightSource):
         self.hashes, self.nonfinite = {}, []
 
     def metadata(self):
-        return [ParamMeta(name, self.dtype, shape) for name, shape in M.policy_shapes(self.model)]
+        return [ParamMeta(name, self.dtype, shape) for name, shape in checkpoint.policy_shapes(self.model)]
 
     def __iter__(self):
         held = getattr(torch, common.engine_dtype())
         self.hashes, self.saved_hashes, finite = {}, {}, {}
-        for name, tensor in M.policy_tensors(self.model, self.dtype):
+        for name, tensor in checkpoint.policy_tensors(self.model, self.dtype):
             if self.record:
-                self.saved_hashes[name], self.hashes[name] = M.hashes_of(tensor, held)
+                self.saved_hashes[name], self.hashes[name] = checkpoint.hashes_of(tensor, held)
                 finite[name] = torch.isfinite(tensor).all()
             yield name, tensor
         self.nonfinite = [k for k, ok in zip(finite, torch.stack(list(finite.values())).tolist()) if not ok] \
@@ -86,12 +87,12 @@ class PolicySource(WeightSource):
 
     def engine_weights(self):
         """The record the engines check after the hand-off (policy_id.json's engine_weights) and the weights'
-        fingerprint (model.weights_digest: what save_policy would record for them). Rank 0 only."""
+        fingerprint (checkpoint.weights_digest: what save_policy would record for them). Rank 0 only."""
         if self.nonfinite:
             raise SystemExit(f"refusing to hand over non-finite weights ({self.nonfinite[:3]}...)")
         hashes = {k: f"{v:016x}" for k, v in sorted(self.hashes.items())}
-        return {"dtype": common.engine_dtype(), "hash": common.TENSOR_HASH, "hashes": hashes}, M.weights_digest(
-            self.saved_hashes)
+        record = {"dtype": common.engine_dtype(), "hash": common.TENSOR_HASH, "hashes": hashes}
+        return record, checkpoint.weights_digest(self.saved_hashes)
 
 
 # ----------------------------------------------------------------------------- our CPU transport (mu-grpo-shm)
@@ -388,7 +389,7 @@ class Sender:
         self.backend = backend(device.type)
 
     def buffer_size(self, model, dtype):
-        largest = max(dtype.itemsize * int(torch.Size(shape).numel()) for _, shape in M.policy_shapes(model))
+        largest = max(dtype.itemsize * int(torch.Size(shape).numel()) for _, shape in checkpoint.policy_shapes(model))
         return max(self.buffer_bytes or MIN_BUFFER_BYTES, largest)
 
     def send(self, model, dtype):
@@ -398,7 +399,7 @@ class Sender:
         t0 = time.perf_counter()
         # refused before any engine receives a byte (the engines load each chunk as it arrives); the pass below
         # checks again what it sends, in the engines' dtype
-        if bad := M.nonfinite_parameters(model):
+        if bad := checkpoint.nonfinite_parameters(model):
             raise SystemExit(f"refusing to hand over non-finite weights ({bad[:3]}...): no engine has received them")
         if self.engine is None:
             self.source = PolicySource(model, dtype, record=self.rank == 0)

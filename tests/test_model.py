@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import checkpoint
 import model as M
 
 
@@ -57,14 +58,15 @@ def test_the_saved_policy_is_the_trainers_weights_in_the_initial_dtype(tmp_path)
     source = tiny_checkpoint(tmp_path / "initial", tied=False)
     model = trained(source)
     assert all(p.dtype == torch.float32 for p in model.parameters())          # fp32 master weights
-    M.save_policy(model, source, M.checkpoint_dtype(source), tmp_path / "policy", {"stage": 0})
+    checkpoint.save_policy(model, source, M.checkpoint_dtype(source), tmp_path / "policy", {"stage": 0})
     saved = load_file(tmp_path / "policy" / "model.safetensors")
     mine = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
     assert saved.keys() == mine.keys() and all(torch.equal(saved[k], mine[k]) for k in saved)
     record = json.loads((tmp_path / "policy" / "policy_id.json").read_text())
-    assert record == {"fingerprint": M.weights_fingerprint(tmp_path / "policy"), "stage": 0, "engine_weights": {
+    fingerprint = checkpoint.weights_fingerprint(tmp_path / "policy")
+    assert record == {"fingerprint": fingerprint, "stage": 0, "engine_weights": {
         "dtype": "float32", "hash": common.TENSOR_HASH,
-        "hashes": {k: f"{v:016x}" for k, v in M.engine_weight_hashes(tmp_path / "policy").items()}}}
+        "hashes": {k: f"{v:016x}" for k, v in checkpoint.engine_weight_hashes(tmp_path / "policy").items()}}}
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["dtype"] == "bfloat16"
     again = M.build(tmp_path / "policy", attention="sdpa")                   # and it loads back as it was saved
     assert all(torch.equal(again.state_dict()[k], mine[k].float()) for k in mine)
@@ -76,7 +78,7 @@ def test_tied_embeddings_are_one_parameter_saved_once_and_tied_again_on_load(tmp
     source = tiny_checkpoint(tmp_path / "initial", tied=True)
     model = trained(source)
     assert model.lm_head.weight is model.model.embed_tokens.weight        # one parameter, stepped once
-    M.save_policy(model, source, torch.bfloat16, tmp_path / "policy", {"stage": 0})
+    checkpoint.save_policy(model, source, torch.bfloat16, tmp_path / "policy", {"stage": 0})
     assert "lm_head.weight" not in load_file(tmp_path / "policy" / "model.safetensors")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()

@@ -14,6 +14,7 @@ import torch
 
 import common
 import loss as L
+import checkpoint
 import model as M
 import rollouts
 from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
@@ -422,7 +423,8 @@ def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, s
         assert json.loads((policy / "config.json").read_text())["dtype"] == "bfloat16"
         # the fingerprint hashed while saving is that of the weights as written
-        assert json.loads((policy / "policy_id.json").read_text())["fingerprint"] == M.weights_fingerprint(policy)
+        saved = json.loads((policy / "policy_id.json").read_text())["fingerprint"]
+        assert saved == checkpoint.weights_fingerprint(policy)
 
 
 @pytest.mark.slow
@@ -533,7 +535,7 @@ def test_non_finite_weights_are_refused_before_anything_is_written(toy, tmp_path
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
     with pytest.raises(SystemExit, match=r"non-finite weights \(\['model.layers.1.mlp.down_proj.weight'\]"):
-        M.save_policy(model, toy / "model", torch.float32, tmp_path / "policy", {})
+        checkpoint.save_policy(model, toy / "model", torch.float32, tmp_path / "policy", {})
     assert not list(tmp_path.iterdir())
 
 

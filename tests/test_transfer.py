@@ -41,6 +41,7 @@ def test_a_policy_sent_in_chunks_is_what_the_engine_holds_and_a_faulty_transport
     from transformers import AutoModelForCausalLM
 
     import engine
+    import checkpoint
     import model as M
     import transfer
     monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path))
@@ -69,8 +70,8 @@ def test_a_policy_sent_in_chunks_is_what_the_engine_holds_and_a_faulty_transport
         for hand_off in (1, 2):
             server.where = f"engine 0, stage {hand_off}"
             record, fingerprint, seconds, sent = send_while_serving(sender, server, perturbed(net, hand_off), dtype)
-            # the record is what saving the same model as files records (model.save_policy: the file hand-off's)
-            M.save_policy(net, toy / "model", dtype, tmp_path / f"saved_{hand_off}", {"stage": hand_off})
+            # the record is what saving the same model as files records (checkpoint.save_policy: the file hand-off's)
+            checkpoint.save_policy(net, toy / "model", dtype, tmp_path / f"saved_{hand_off}", {"stage": hand_off})
             saved = common.policy_record(tmp_path / f"saved_{hand_off}")
             assert record == saved["engine_weights"] and fingerprint == saved["fingerprint"]
             assert sent == sum(t.numel() * dtype.itemsize for t in net.state_dict().values()) and seconds > 0

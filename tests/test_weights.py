@@ -97,14 +97,15 @@ def test_a_held_parameter_the_record_does_not_name_stops_the_engine():
 def test_the_trainer_records_the_hashes_of_what_it_saves(toy, tmp_path):
     # save_policy's record (hashed on the gathered tensors, in the engines' dtype) equals a recomputation from the
     # saved files; from a bf16 checkpoint the engines' float32 copies are hashed, not the bf16 bits
+    import checkpoint
     import model as M
     for dtype in (torch.float32, torch.bfloat16):
         net = M.build(toy / "model", attention="sdpa")
         out = tmp_path / str(dtype)
-        M.save_policy(net, toy / "model", dtype, out, {"stage": 0})
+        checkpoint.save_policy(net, toy / "model", dtype, out, {"stage": 0})
         record = common.policy_record(out)["engine_weights"]
         assert record["dtype"] == common.engine_dtype() == "float32"
-        assert record["hashes"] == {k: f"{v:016x}" for k, v in M.engine_weight_hashes(out).items()}
+        assert record["hashes"] == {k: f"{v:016x}" for k, v in checkpoint.engine_weight_hashes(out).items()}
         assert len(record["hashes"]) == len(M.safetensors_index(out))
 
 
@@ -119,7 +120,7 @@ def test_an_engine_holding_other_weights_than_it_was_given_is_named(toy, tmp_pat
 
     from safetensors.torch import load_file, save_file
 
-    import model as M
+    import checkpoint
     policies = {}
     for name, shift in (("a", 0.0), ("b", 1e-3)):
         d = tmp_path / name
@@ -128,7 +129,7 @@ def test_an_engine_holding_other_weights_than_it_was_given_is_named(toy, tmp_pat
         save_file({k: v + shift for k, v in weights.items()}, d / "model.safetensors", metadata={"format": "pt"})
         common.atomic_write_json(d / common.POLICY_ID_FILE, {"fingerprint": name, "engine_weights": {
             "dtype": common.engine_dtype(), "hash": common.TENSOR_HASH,
-            "hashes": {k: f"{v:016x}" for k, v in M.engine_weight_hashes(d).items()}}})
+            "hashes": {k: f"{v:016x}" for k, v in checkpoint.engine_weight_hashes(d).items()}}})
         policies[name] = d
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = engine.make_llm(policies["a"], seed=0, max_model_len=128)
