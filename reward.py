@@ -216,7 +216,7 @@ _SAFE_EXPR = re.compile(r"^(?:[A-Za-z0-9_+\-*/^ ]|(?<=\d)\.|\.(?=\d))*$")
 @contextlib.contextmanager
 def _no_string_eval():
     """Guard sympy's eval-based string parser wherever math-verify and latex2sympy can reach it."""
-    import latex2sympy2_extended.latex2sympy2 as l2s  # math-verify and sympy: in the grader processes only
+    import latex2sympy2_extended.latex2sympy2 as l2s  # math-verify, sympy: only where answers are graded
     import math_verify.parser as mv_parser
     import sympy.parsing.sympy_parser as sympy_parser
     original = sympy_parser.parse_expr
@@ -239,14 +239,14 @@ def _no_string_eval():
 
 @functools.lru_cache(maxsize=4096)
 def _parse_latex(latex):
-    from math_verify import LatexExtractionConfig, parse  # math-verify: in the grader processes only
+    from math_verify import LatexExtractionConfig, parse  # math-verify: only where answers are graded
     config = [LatexExtractionConfig(boxed_match_priority=0)]
     return parse(f"${latex}$", extraction_config=config, fallback_mode="no_fallback",
                  parsing_timeout=None)
 
 
 def _as_number(expr):
-    import sympy  # sympy: in the grader processes only
+    import sympy  # sympy: only where answers are graded
     if isinstance(expr, sympy.Basic) and expr.is_number:
         value = complex(expr.evalf(20))
         if value.imag == 0 and math.isfinite(value.real):
@@ -295,7 +295,7 @@ def _grade(response, gold, dataset, info):
     if text:
         return "correct" if _as_text(pred_latex) == _as_text(text.group(1)) and pred_latex else "wrong"
 
-    from math_verify import verify  # math-verify: in the grader processes only
+    from math_verify import verify  # math-verify: only where answers are graded
     with _no_string_eval():
         gold_parsed = _parse_latex(gold_latex)
         pred_parsed = _parse_latex(pred_latex)
