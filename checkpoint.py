@@ -234,8 +234,8 @@ def state_source(state_dir, init_state):
 # resume, the hand-off, evaluate.py, plot.py), never recomputed from μ, so stages of any length stay labelled right:
 #   stage_updates       updates done in its stage (a train state's "update": the next one to run)
 #   run_updates         the run's updates up to it, across stages: what accuracy is plotted against
-#   optimizer_updates   AdamW's steps since it was created; RESET_OPTIMIZER=true starts it (and the warmup, which
-#                       counts these) afresh each stage, while run_updates go on
+#   optimizer_updates   AdamW's steps since it was created or last reset; optimize.py's optimizer_boundary=reset
+#                       starts it (and the warmup, which counts these) afresh each stage, while run_updates go on
 COUNTS = ("run_updates", "optimizer_updates")
 
 
@@ -255,8 +255,8 @@ def restore(model, optimizer, source, resume, start_policy):
     counts before this stage {run_updates, optimizer_updates}, the id of the weights the stage started from, a line
     saying what was done). A resume also restores the CPU RNG state and keeps the stage's own start id (its TIS pass
     was computed from those weights); the previous stage's state is known by its state id. Without a state the id is
-    the start policy's fingerprint, the run's count continues from its record (RESET_OPTIMIZER) and AdamW's starts
-    at 0."""
+    the start policy's fingerprint, the run's count continues from its record (a stage trained from a policy alone)
+    and AdamW's starts at 0."""
     if source is None:
         run_updates = common.policy_record(start_policy).get("run_updates", 0)
         return 0, {"run_updates": run_updates, "optimizer_updates": 0}, common.policy_fingerprint(start_policy), \

@@ -90,6 +90,17 @@ def check_choice(name, value, allowed):
         sys.exit(f"--{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
 
 
+def adam_betas(text):
+    """AdamW's (β1, β2) from "β1,β2", each in [0, 1) (torch.optim.AdamW's own rule), or exit naming the value."""
+    try:
+        betas = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        sys.exit(f"--adam_betas={text!r}: two numbers in [0, 1), β1,β2 (e.g. 0.9,0.999)")
+    return betas
+
+
 # ----------------------------------------------------------------------------------------------
 # Files: atomic writes and strict JSONL reading
 

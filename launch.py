@@ -99,6 +99,17 @@ def anything(name, v):
     return None
 
 
+def betas(name, v):
+    parts = v.split(",")
+    if len(parts) != 2 or not all(NUMBER.fullmatch(b) and float(b) < 1 for b in parts):
+        return f"{name} must be two numbers in [0, 1), β1,β2 (e.g. 0.9,0.999), got '{v}'"
+
+
+def optional(rule):
+    """rule, or empty: the knob's home (a script's block) decides."""
+    return lambda name, v: rule(name, v) if v else None
+
+
 # every knob of run_stages.sh (its own and its presets'), with the rule its value must follow; "own": the node's own (it
 # may differ between nodes), left out of SETTINGS, which every node's must equal node 0's (nodes.py join)
 SETTINGS = {
@@ -111,7 +122,9 @@ SETTINGS = {
     "DRIFT_GROWTH": (positive,), "DRIFT_MAX_UPDATES": (whole(1),), "DRIFT_ARGS": (anything,),
     # sampling and optimization
     "LR": (number,), "WARMUP": (whole(),), "KL_COEF": (number,), "MAX_PROMPT": (whole(),), "MAX_RESPONSE": (whole(),),
-    "TEMPERATURE": (number,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,), "RESET_OPTIMIZER": (boolean,),
+    "TEMPERATURE": (number,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,),
+    "OPTIMIZER_BOUNDARY": (optional(one_of("carry", "reset")),), "ADAM_BETAS": (optional(betas),),
+    "STAGE_WARMUP": (optional(whole()),), "SAVE_POLICY_EVERY": (optional(whole()),),
     "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
     # evaluation and saving
     "EVAL_K": (whole(),), "EVAL_TEMPERATURE": (number,), "EVAL_TOP_P": (number,), "EVAL_EVERY": (whole(),),
@@ -131,6 +144,7 @@ SETTINGS = {
 }
 
 
+RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
 PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: records.StagePlan's defaults
 
 
@@ -164,9 +178,6 @@ def resolve(knobs):
                    f"RESIDENT=false on {nnodes} nodes")
     if k["EVAL_CACHE"] and nnodes > 1:
         return k, f"EVAL_CACHE reuses evaluations on one node; leave it empty on {nnodes} nodes"
-    if k["RESIDENT"] == "true" and k["RESET_OPTIMIZER"] == "true":
-        return k, ("RESIDENT=true keeps one AdamW for the whole run: RESET_OPTIMIZER=true is for the process-per-phase "
-                   "loop")
     # CUDA IPC hands each rank's buffer to the engine worker on the same GPU (handles keyed by the GPU's UUID:
     # vllm/distributed/weight_transfer/ipc_engine.py, receive_weights): an engine GPU without a trainer rank gets no
     # weights (the first hand-off fails), and a rank's buffer on a GPU without an engine is never opened, so torch's
@@ -208,8 +219,9 @@ def refuse(line):
 
 
 def settings_command():
-    if "UPDATES" in os.environ:         # the knob's old name: ignored, it would leave the preset's μ unsaid
-        refuse(f"UPDATES={os.environ['UPDATES']}: the knob is UPDATES_PER_STAGE now")
+    for old, new in RENAMED.items():    # a knob's old name: ignored, it would leave the setting unsaid
+        if old in os.environ:
+            refuse(f"{old}={os.environ[old]}: the knob is {new} now")
     knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
     k, problem = resolve(knobs)
     if problem:

@@ -360,6 +360,41 @@ def init_optimizer_state(optimizer):
                                           exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
 
 
+PARAMETER_KINDS = ("lora", "embed", "head", "norm", "attn", "mlp", "other")   # the optimizer's parameter groups
+
+
+def parameter_kind(name):
+    """The optimizer's group of a parameter, by its name (model.named_parameters()): LoRA adapters, the embedding, the
+    output head, norms, attention, MLP, anything else."""
+    for kind, marks in (("lora", ("lora_",)), ("embed", ("embed",)), ("head", ("lm_head",)), ("norm", ("norm",)),
+                        ("attn", ("attn",)), ("mlp", ("mlp",))):
+        if any(m in name for m in marks):
+            return kind
+    return "other"
+
+
+def parameter_groups(model):
+    """The trainable parameters as AdamW's parameter groups, one per kind (parameter_kind) in PARAMETER_KINDS' order,
+    each named ("name"), so that every update's Adam measurements are per group (update.adam_measures). AdamW is
+    elementwise: the groups change no update."""
+    groups = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(parameter_kind(name), []).append(p)
+    return [{"params": groups[k], "name": k} for k in PARAMETER_KINDS if k in groups]
+
+
+def reset_optimizer_state(optimizer):
+    """AdamW afresh, in place: every moment zeroed and every step count 0, as init_optimizer_state makes them, so the
+    next update is the first of a new AdamW (its bias corrections and the warmup start again); the parameters (the
+    fp32 master weights) are untouched."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                state[key].zero_()
+
+
 def reserved_gib():
     """The GiB this process's CUDA caching allocator holds (torch.cuda.memory_reserved: its segments, free blocks
     in them included; not the CUDA context or NCCL's buffers); None without a GPU."""

@@ -70,9 +70,12 @@ drift_min_updates = 16          # μ_min: no stage ends on drift before this man
 
 # AdamW
 lr = 1e-6                       # AdamW learning rate (constant after warmup)
-warmup_updates = 0              # linear warmup over AdamW's first updates (across stages; RESET_OPTIMIZER: each)
+warmup_updates = 0              # linear warmup over AdamW's first updates (across stages; optimizer_boundary=reset: each)
+stage_warmup_updates = 0        # linear warmup over each stage's first updates, whatever AdamW carries (0: none)
 weight_decay = 0.01
-adam_betas = "0.9,0.999"
+adam_betas = "0.9,0.999"        # AdamW's β1, β2
+optimizer_boundary = "carry"    # at a stage's start: carry (AdamW's moments and step go on) | reset (zeroed: a new
+                                # AdamW on the fp32 master weights, which --init_state carries either way)
 grad_clip = 1.0                 # max global grad norm
 
 # the loss (loss.py; the LOSS presets of losses.sh set these)
@@ -137,19 +140,17 @@ engines = 1                     # resident, transfer: the engine processes (gene
 handoff_buffer_mb = 0           # resident, transfer: each rank's hand-off buffer, MiB (0: 1 GiB or the largest tensor)
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
-common.check_choice("nav_scope", nav_scope, L.NAV_SCOPES)
-common.check_choice("stage_end", stage_end, ("fixed", "drift"))
-common.check_choice("policy_handoff", policy_handoff, ("transfer", "files"))
+for name, allowed in (("nav_scope", L.NAV_SCOPES), ("stage_end", ("fixed", "drift")), ("agg", L.AGG_MODES),
+                      ("policy_handoff", ("transfer", "files")), ("token_normalizer", L.TOKEN_NORMALIZERS),
+                      ("kl_estimator", L.KL_ESTIMATORS), ("attn_implementation", M.ATTENTION),
+                      ("optimizer_boundary", ("carry", "reset"))):
+    common.check_choice(name, globals()[name], allowed)
 # μ of each stage (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
 stage_plan = records.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
                                 total_updates=total_updates, drift_growth=drift_growth, drift_max_updates=drift_max_updates)
 ending = records.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
 gate = update.AgreementGate(engine_mismatch_bound, agreement_growth, collapse_entropy_ratio, agreement_responses)
-common.check_choice("agg", agg, L.AGG_MODES)
-common.check_choice("token_normalizer", token_normalizer, L.TOKEN_NORMALIZERS)
-common.check_choice("kl_estimator", kl_estimator, L.KL_ESTIMATORS)
-common.check_choice("attn_implementation", attn_implementation, M.ATTENTION)
-betas = tuple(float(b) for b in adam_betas.split(","))
+betas = common.adam_betas(adam_betas)
 if updates_per_stage < 0 or prompts_per_update < 1 or micro_batch_tokens < 1:
     sys.exit("--updates_per_stage must be >= 0, --prompts_per_update and --micro_batch_tokens >= 1")
 
@@ -171,13 +172,11 @@ if hsdp and distributed and local_world == world:
              "FSDP2 (--hsdp=false)")
 
 
-def hsdp_shard_ranks():
-    """FSDP2's shard group size: a node's ranks under --hsdp, else 0 (every rank)."""
-    return local_world if hsdp and distributed else 0
+shard_ranks = local_world if hsdp and distributed else 0     # FSDP2's shard group: a node's ranks under HSDP, else all
 
 
 def log(*args):
-    if is_main:
+    if is_main and any(args):           # (a None alone: nothing to say)
         print(*args, flush=True)
 
 
@@ -235,6 +234,9 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         if release_init_state and init_state and is_main and Path(init_state).exists():
             shutil.rmtree(init_state)         # this stage's own state has taken over from the previous stage's
 
+    if start == 0 and optimizer_boundary == "reset":     # (a resumed stage's state was saved after its reset; a new
+        M.reset_optimizer_state(optimizer)                # AdamW, the run's first stage's: a no-op)
+        progress.before = {**progress.before, "optimizer_updates": 0}
     nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
     bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {stage.index} updates",
                initial=start, total=updates_per_stage)
@@ -245,7 +247,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             break
         t0 = time.perf_counter()
         counts = progress.counts(u)                         # this update's index in the run and in AdamW's life
-        lr_now = lr * min(1.0, (counts["optimizer_updates"] + 1) / warmup_updates) if warmup_updates else lr
+        lr_now = lr * update.warmup(counts["optimizer_updates"], warmup_updates) * update.warmup(u, stage_warmup_updates)
         for group in optimizer.param_groups:
             group["lr"] = lr_now
         batch = stage.groups[schedule[u]].ravel()           # whole groups: response indices
@@ -341,7 +343,7 @@ def reference_pass(stage, temp, reference, attention, progress):
     trainer is built. Returns ({"ref": column} or {}, its timing)."""
     if not reference:
         return {}, {}
-    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks())
+    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=shard_ranks)
     column, seconds = update.logprob_pass(ref_model, stage, temp, "ref", common.policy_fingerprint(reference),
                                           progress.work_dir, micro_batch_tokens)
     del ref_model
@@ -377,8 +379,8 @@ def write_timing(progress, timing):
 def build_trainer(start_policy, attention, weights):
     """The policy as the trainer holds it and its AdamW."""
     model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
-                    lora_rank=lora_rank, lora_alpha=lora_alpha, weights=weights, shard_ranks=hsdp_shard_ranks())
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas,
+                    lora_rank=lora_rank, lora_alpha=lora_alpha, weights=weights, shard_ranks=shard_ranks)
+    optimizer = torch.optim.AdamW(M.parameter_groups(model), lr=lr, betas=betas,
                                   weight_decay=weight_decay, eps=1e-8)
     M.init_optimizer_state(optimizer)
     return model, optimizer
@@ -413,7 +415,7 @@ def main():
     update.check_fits(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
-        + (f"; HSDP: {world // hsdp_shard_ranks()} replica(s) × {hsdp_shard_ranks()} shard(s)" if hsdp_shard_ranks() else ""))
+        + (f"; HSDP: {world // shard_ranks} replica(s) × {shard_ranks} shard(s)" if shard_ranks else ""))
     progress = records.StageProgress(out_dir=Path(out) if out else Path(stage_dir) / records.POLICY,
                                      updates_per_stage=updates_per_stage, save_state=save_train_state)
     reference = kl_reference(start_policy)
@@ -426,8 +428,7 @@ def main():
     model, optimizer = build_trainer(start_policy, attention, weights=source is None)
     progress.start, progress.before, progress.start_weights, said = checkpoint.restore(
         model, optimizer, source, resume=source == progress.state_dir, start_policy=start_policy)
-    if said:
-        log(said)
+    log(said)
     timing["load_seconds"] = time.perf_counter() - t_start - sum(timing.values())
     timing.update(train_stage(model, optimizer, stage, progress, columns, start_policy,
                               M.checkpoint_dtype(start_policy)))       # every policy keeps the initial dtype
@@ -492,8 +493,7 @@ def resident_main():
     start, before, start_weights, said = checkpoint.restore(
         trainer.model, trainer.optimizer, run_stage_dir(last) / records.TRAIN_STATE if meta else None,
         resume=meta is not None and not meta["complete"], start_policy=start_policy)
-    if said:
-        log(said)
+    log(said)
     if resave:
         counts = {k: meta[k] for k in checkpoint.COUNTS}
         checkpoint.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / records.POLICY,
@@ -539,7 +539,7 @@ def build_resident(start_policy, weights, handover):
     attention = M.choose_attention(attn_implementation, device)
     reference = kl_reference(start_policy)
     torch.manual_seed(seed)
-    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=hsdp_shard_ranks()) if reference else None
+    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=shard_ranks) if reference else None
     model, optimizer = build_trainer(start_policy, attention, weights=weights)
     trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model, handover,
                        M.checkpoint_dtype(start_policy))

@@ -17,7 +17,7 @@ SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the m
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
 REPORT_TO=${REPORT_TO:-none}    # none | tensorboard | wandb | a comma list: live metrics (tracking.py; WANDB_MODE)
 TRACKER_GROUP=${TRACKER_GROUP:-}  # the tracker group of this run (frontier.sh and ablate.sh set one per frontier)
-# ---- where a stage ends
+# ---- where a stage ends, and the optimizer across stages (its knobs empty: optimize.py's block, their home, decides)
 STAGE_END=${STAGE_END:-fixed}   # fixed: STAGES stages of UPDATES_PER_STAGE updates | drift: a stage ends once the policy
                                 # has drifted from its rollouts (optimize.py's warning on E[ρ | A<0]), the next one's μ
                                 # planned from where it ended (records.StagePlan), until TOTAL_UPDATES
@@ -25,7 +25,9 @@ TOTAL_UPDATES=${TOTAL_UPDATES:-}  # drift: the run's updates (default STAGES × 
 DRIFT_GROWTH=${DRIFT_GROWTH:-1.25}  # drift: after a warning at update u the next stage plans ceil(growth · u) updates
 DRIFT_MAX_UPDATES=${DRIFT_MAX_UPDATES:-}  # drift: the largest μ a stage is planned with (default 4 × UPDATES_PER_STAGE)
 DRIFT_ARGS=${DRIFT_ARGS:-}      # drift: optimize.py's warning, e.g. "--drift_window=16 --drift_min_updates=16"
-RESET_OPTIMIZER=${RESET_OPTIMIZER:-false}  # true: each stage starts AdamW and warmup afresh from the saved policy
+OPTIMIZER_BOUNDARY=${OPTIMIZER_BOUNDARY:-}  # carry | reset: AdamW's moments at each stage's start (optimizer_boundary)
+ADAM_BETAS=${ADAM_BETAS:-}      # AdamW's β1,β2, e.g. 0.9,0.95 (adam_betas)
+STAGE_WARMUP=${STAGE_WARMUP:-}  # lr warmup over each stage's first N updates (stage_warmup_updates)
 # ---- evaluation and what is kept
 EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last); 0: never
 EVAL_CACHE=${EVAL_CACHE:-}      # a directory of kept evaluations: the initial policy's is taken from it when it holds
@@ -33,6 +35,7 @@ EVAL_CACHE=${EVAL_CACHE:-}      # a directory of kept evaluations: the initial p
                                 # frontier.sh's, evaluate it once; evaluate.py --cache)
 SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy, train state saved every N stages and at the end (default EVAL_EVERY)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
+SAVE_POLICY_EVERY=${SAVE_POLICY_EVERY:-}  # a policy every N updates within a stage too (stage_<s>/policy_u<N>)
 # ---- the box
 RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage (handoff.py):
                                 # no process start, model load and engine start per stage, for small μ
@@ -57,16 +60,12 @@ COLLECTIVE_TIMEOUT=${COLLECTIVE_TIMEOUT:-60}  # seconds the trainers' ranks have
 HSDP=${HSDP:-false}             # true: shard the trainer within each node, replicate across nodes (16 bytes/parameter)
 # ---- set per preset (presets.sh), unless given in the environment
 #   MODEL, TRAIN_DATA, BENCHMARKS  initial policy (HF name or directory), training problems (JSONL), evaluated sets
-#   STAGES              generate → optimize stages                                    (paper 4)
-#   UPDATES_PER_STAGE   μ, optimizer updates per stage                                (paper 1024)
-#   PROMPTS_PER_UPDATE, GROUP_SIZE  prompts per minibatch, × G responses each         (paper 64, 8)
-#   LR, WARMUP          AdamW learning rate, linear warmup updates over the run       (paper 1e-6, 0)
-#   MAX_PROMPT, MAX_RESPONSE, TEMPERATURE  token limits, sampling temperature         (paper 1536, 2560, 1.0)
-#   EVAL_K, EVAL_TEMPERATURE, EVAL_TOP_P   the avg@k protocol                         (paper 4, 1.0, 0.7)
-#   GPUS                GPUs of every phase (paper: all; toy 0 = CPU)
-#   ENGINES, TRAIN_RANKS  vLLM engines (one process each), optimize.py's torchrun ranks (default: one per GPU, 1 on
-#                       a CPU; ENGINES=2 TRAIN_RANKS=2 on a CPU runs the 4×H200 box's control flow, as the tests do)
-#   NAV_DELTA           NAV's trigger threshold δ of the LOSS presets with NAV        (paper 1e-4; losses.sh)
+#   STAGES, UPDATES_PER_STAGE  generate → optimize stages, μ (optimizer updates per stage)
+#   PROMPTS_PER_UPDATE, GROUP_SIZE, LR, WARMUP  prompts per minibatch × G responses; AdamW's lr, warmup over the run
+#   MAX_PROMPT, MAX_RESPONSE, TEMPERATURE; EVAL_K, EVAL_TEMPERATURE, EVAL_TOP_P  lengths, sampling; the avg@k protocol
+#   GPUS; ENGINES, TRAIN_RANKS  GPUs of every phase (0: CPU); vLLM engines, torchrun ranks (one per GPU, 1 on a CPU;
+#                       ENGINES=2 TRAIN_RANKS=2 on a CPU runs the 4×H200 box's control flow, as the tests do)
+#   NAV_DELTA           NAV's trigger threshold δ of the LOSS presets with NAV (losses.sh)
 # ------------------------------------------------------------------------------
 
 # torchrun's variables are for optimize.py's ranks, which torchrun sets itself: the engines must not see them (vLLM
@@ -182,6 +181,8 @@ OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR   # and each st
                --seed="$SEED" --checkpoint_every=$(( UPDATES_PER_STAGE >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
                --release_init_state=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)
                --stage_end="$STAGE_END" --hsdp="$HSDP" $DRIFT_ARGS)
+for flag in optimizer_boundary="$OPTIMIZER_BOUNDARY" adam_betas="$ADAM_BETAS" save_policy_every="$SAVE_POLICY_EVERY" \
+            stage_warmup_updates="$STAGE_WARMUP"; do [[ -z "${flag#*=}" ]] || OPTIMIZE_ARGS+=(--"$flag"); done
 if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0 on node 0 (static rendezvous)
   TRAIN=($PY -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$TRAIN_RANKS"
          --master_addr="$MASTER_ADDR" --master_port=$((MASTER_PORT + 1)) --rdzv_conf=timeout="$JOIN_TIMEOUT")
@@ -212,8 +213,7 @@ else
         --prompts_per_stage="${plan[1]}"
     phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
         "${OPTIMIZE_ARGS[@]}" --updates_per_stage="${plan[0]}" "${STATE_ARGS[@]}"
-    POLICY=$STAGE_DIR/policy
-    [[ "$RESET_OPTIMIZER" == true ]] || STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
+    POLICY=$STAGE_DIR/policy STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
     if (( s > 0 && NODE_RANK == 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes
       rm -rf "$RUN/stage_$((s - 1))/train_state"                  # per parameter; stage s carries it on
     fi

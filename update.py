@@ -429,6 +429,66 @@ class Recipe:
         return options["agg"] == "token-mean" and options["token_normalizer"] == "kept"
 
 
+def warmup(done, updates):
+    """A linear warmup's lr factor at the update after `done` updates: (done + 1) / updates, up to 1 (none: 1)."""
+    return min(1.0, (done + 1) / updates) if updates else 1.0
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t       # a DTensor's shard on this rank
+
+
+def adam_sums(optimizer, after_step):
+    """Per parameter group of `optimizer` (model.parameter_groups: "name"), this rank's sums of what AdamW's step
+    reads (before it: after_step False) or took (after_step True), as 0-d tensors named adam_<group>_<what>:
+    before, the squared (clipped) gradient g2 and the bias-corrected second moment so far v = v / (1 − β2^t) (t: its
+    steps so far; NaN before the first); after, the squared step over lr, (m̂ / (√v̂ + ε))², as torch's AdamW computes
+    it (torch/optim/adam.py, _single_tensor_adam: denom = v.sqrt() / √(1 − β2^t) + ε, step lr / (1 − β1^t) · m / denom;
+    the decoupled weight decay left out), and the elements n."""
+    sums = {}
+    for group in optimizer.param_groups:
+        if "betas" not in group:           # not an Adam (a test's SGD): nothing to measure
+            continue
+        (beta1, beta2), eps, name = group["betas"], group["eps"], group.get("name", "all")
+        parts = {"g2": [], "v": [], "step2": [], "n": []}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            t, v = float(state["step"]), _local(state["exp_avg_sq"])
+            if after_step:
+                m = _local(state["exp_avg"])
+                direction = m / (v.sqrt() / math.sqrt(1 - beta2 ** t) + eps) / (1 - beta1 ** t)
+                parts["step2"].append(torch.linalg.vector_norm(direction) ** 2)
+                parts["n"].append(torch.tensor(float(v.numel()), device=v.device))
+            else:
+                parts["g2"].append(torch.linalg.vector_norm(_local(p.grad)) ** 2)
+                parts["v"].append(v.sum() / (1 - beta2 ** t) if t > 0 else torch.tensor(math.nan, device=v.device))
+        for what, values in parts.items():
+            if values:
+                sums[f"adam_{name}_{what}"] = torch.stack(values).sum()
+    return sums
+
+
+def adam_metrics(before, after):
+    """The Adam measurements of an update from its ranks' summed adam_sums, per parameter group and over all:
+    adam/step_rms/<group> the RMS of AdamW's step over lr (1 for every element at a new AdamW's first step, which is
+    sign(g)), adam/g2_over_v/<group> Σ g² / Σ v̂ of the steps before (how much larger this gradient is than AdamW's
+    second moment expects: >> 1 right after the data change at a stage boundary; None at AdamW's first step)."""
+    out, total = {}, {"g2": 0.0, "v": 0.0, "step2": 0.0, "n": 0.0}
+    sums = {**before, **after}
+    for key in sorted(k for k in after if k.endswith("_n")):
+        name = key[len("adam_"):-len("_n")]
+        values = {what: float(sums[f"adam_{name}_{what}"]) for what in total}
+        out[f"adam/step_rms/{name}"] = math.sqrt(values["step2"] / values["n"])
+        out[f"adam/g2_over_v/{name}"] = values["g2"] / values["v"] if values["v"] > 0 else math.nan
+        total = {what: total[what] + values[what] for what in total}
+    if total["n"]:
+        out["adam/step_rms/all"] = math.sqrt(total["step2"] / total["n"])
+        out["adam/g2_over_v/all"] = total["g2"] / total["v"] if total["v"] > 0 else math.nan
+    return out
+
+
 def run_update(model, optimizer, stage, batch, temp, columns, recipe, measure_memory=False):
     """One AdamW update on the minibatch `batch` (response indices) with its log-probs at temperature `temp`, as
     `recipe` says. columns: the stored per-stage passes ("old": TIS's, "ref": KL's). Returns (metrics, stepped)."""
@@ -478,7 +538,9 @@ def run_update(model, optimizer, stage, batch, temp, columns, recipe, measure_me
     m = L.metrics(stats, extra)                                                   # the one host sync
     stepped = math.isfinite(m["grad_norm"]) and math.isfinite(m["loss/policy"])
     if stepped:
+        before = adam_sums(optimizer, after_step=False)
         optimizer.step()
+        m.update(adam_metrics(*(M.reduce_stats(sums) for sums in (before, adam_sums(optimizer, after_step=True)))))
     else:
         optimizer.zero_grad(set_to_none=True)
     return m, stepped

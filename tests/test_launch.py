@@ -21,7 +21,8 @@ TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "--clip_low=0", "RUN": "
        "STAGES": "3", "UPDATES_PER_STAGE": "8", "PROMPTS_PER_UPDATE": "16", "GROUP_SIZE": "8", "STAGE_END": "fixed",
        "TOTAL_UPDATES": "", "DRIFT_GROWTH": "1.25", "DRIFT_MAX_UPDATES": "", "DRIFT_ARGS": "", "LR": "2e-4",
        "WARMUP": "0", "KL_COEF": "", "MAX_PROMPT": "64", "MAX_RESPONSE": "16", "TEMPERATURE": "1.0", "SEED": "0",
-       "PER_REQUEST_SEED": "true", "RESET_OPTIMIZER": "false", "MICRO_BATCH_TOKENS": "4096", "GRAD_CKPT": "false",
+       "PER_REQUEST_SEED": "true", "OPTIMIZER_BOUNDARY": "", "ADAM_BETAS": "", "STAGE_WARMUP": "",
+       "SAVE_POLICY_EVERY": "", "MICRO_BATCH_TOKENS": "4096", "GRAD_CKPT": "false",
        "SHARD_PROMPTS": "64", "EVAL_K": "4", "EVAL_TEMPERATURE": "1.0", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
        "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "EVAL_CACHE": "", "GPUS": "0", "RESIDENT": "false",
        "RESIDENT_GPU_MEMORY": "auto", "HANDOFF": "transfer", "PREFLIGHT": "auto", "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false",
@@ -78,7 +79,11 @@ def test_settings_are_every_knob_but_a_nodes_own():
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK must be in 0..1 (NNODES=2), got 2"),
     ({"NNODES": "2", "RESIDENT": "true"}, "RESIDENT=true runs on one node"),
     ({"NNODES": "2", "EVAL_CACHE": "runs/cache"}, "EVAL_CACHE reuses evaluations on one node"),
-    ({"RESIDENT": "true", "RESET_OPTIMIZER": "true"}, "RESIDENT=true keeps one AdamW for the whole run"),
+    ({"OPTIMIZER_BOUNDARY": "fresh"}, "OPTIMIZER_BOUNDARY must be carry or reset, got 'fresh'"),
+    ({"ADAM_BETAS": "0.9"}, "ADAM_BETAS must be two numbers in [0, 1), β1,β2 (e.g. 0.9,0.999), got '0.9'"),
+    ({"ADAM_BETAS": "0.9,1"}, "ADAM_BETAS must be two numbers in [0, 1)"),
+    ({"STAGE_WARMUP": "-1"}, "STAGE_WARMUP must be a whole number, got '-1'"),
+    ({"SAVE_POLICY_EVERY": "x"}, "SAVE_POLICY_EVERY must be a whole number, got 'x'"),
     ({"HANDOFF": "ipc"}, "HANDOFF must be transfer or files, got 'ipc'"),
     # CUDA IPC shares a GPU's memory with the engine on that GPU: an engine without a trainer rank beside it, and a
     # trainer rank without an engine (its buffer never opened, never freed)
@@ -117,6 +122,9 @@ def test_the_settings_command_prints_shell_assignments_and_refuses_with_status_2
     assert bad.returncode == 2 and bad.stderr.strip() == "LR must be a non-negative number, got 'fast'"
     old = run_launch("--command=settings", env={**TOY, "UPDATES": "64"})     # the knob's old name is not ignored
     assert old.returncode == 2 and old.stderr.strip() == "UPDATES=64: the knob is UPDATES_PER_STAGE now"
+    old = run_launch("--command=settings", env={**TOY, "RESET_OPTIMIZER": "true"})
+    assert old.returncode == 2 and old.stderr.strip() == \
+        "RESET_OPTIMIZER=true: the knob is OPTIMIZER_BOUNDARY (carry | reset) now"
 
 
 def test_only_the_presets_that_use_the_gpu_count_ask_torch_for_it(monkeypatch, capsys):

@@ -430,8 +430,8 @@ def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
 @pytest.mark.slow
 @needs_vllm
 def test_stages_of_different_lengths_are_counted_from_the_records(toy, stage, tmp_path):
-    # stage 0: 2 updates; stage 1 continues its train state for 3; stage 2 resets AdamW (RESET_OPTIMIZER) from stage
-    # 1's policy for 2. The run's count goes on through all three, AdamW's and the warmup restart at the reset, and
+    # stage 0: 2 updates; stage 1 continues its train state for 3; stage 2 continues it with AdamW reset
+    # (--optimizer_boundary=reset) for 2. The run's count goes on through all three, AdamW's and the warmup restart at the reset, and
     # every reader (the next stage, plot.py, evaluate.py's rows) takes the counts from the records
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     # the later stages train on copies of stage 0's rollouts, not on their own policy's: the trainer's stop on
@@ -449,10 +449,10 @@ def test_stages_of_different_lengths_are_counted_from_the_records(toy, stage, tm
     assert {int(s["step"]) for s in optim.values()} == {5}                          # AdamW's 5th step
     record = common.policy_record(tmp_path / "stage_1" / "policy")
     assert (record["stage_updates"], record["run_updates"], record["optimizer_updates"]) == (3, 5, 5)
-    # a reset: fresh AdamW and warmup from stage 1's policy, whose record carries the run's count on
+    # a reset: fresh AdamW and warmup on stage 1's train state, whose counts carry the run's count on
     shutil.copytree(stage / "rollouts", tmp_path / "stage_2" / "rollouts")
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_2'}", "--updates_per_stage=2", *args,
-               f"--policy={tmp_path / 'stage_1' / 'policy'}")
+               f"--init_state={tmp_path / 'stage_1' / 'train_state'}", "--optimizer_boundary=reset")
     reset = read_lines(tmp_path / "stage_2" / "metrics.jsonl")
     assert [(m["run_update"], m["optimizer_update"]) for m in reset] == [(5, 0), (6, 1)]
     assert [m["lr"] for m in reset] == pytest.approx([1e-3 / 4, 2e-3 / 4])
@@ -466,6 +466,57 @@ def test_stages_of_different_lengths_are_counted_from_the_records(toy, stage, tm
                "--max_problems=2", "--k=1", "--max_response_tokens=4", "--prompt_template={problem}",
                f"--results={results}", "--grader_workers=1")
     assert sorted(r["updates"] for r in read_lines(results)) == [0, 2, 5, 7]
+
+
+def _train_state(state_dir, tmp_path):
+    """A DCP train state as {"model": fp32 weights, "optim": AdamW's state} (torch.save's layout)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = tmp_path / f"{state_dir.parent.name}-{state_dir.name}.pt"
+    dcp_to_torch_save(state_dir, out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_the_optimizer_reset_is_a_new_adamw_on_the_fp32_masters_not_the_saved_policy(toy, tmp_path):
+    # a bf16 policy: stage 0 trains 2 updates at lr 1e-3 on fp32 masters, which leave bf16's grid; stage 1 continues
+    # its train state with AdamW reset and takes one update at lr 1e-5. A new AdamW's first step is, per element,
+    # m̂ / (√v̂ + ε) = g / (|g| + ε) with m = (1 − β1)·g and v = (1 − β2)·g²: so step 1, v = m² (1 − β2) / (1 − β1)²,
+    # and θ1 = θ0 (1 − lr·wd) − lr·g / (|g| + ε): |θ1 − θ0 (1 − lr·wd)| ≤ lr, and = lr (to 1e-3) wherever |g| ≫ ε. From
+    # the bf16 policy instead (the old reset), θ0 is off by bf16's rounding, ~1e-4 at these weights: ≫ lr
+    from transformers import AutoModelForCausalLM
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(toy / "model", dtype=torch.bfloat16).save_pretrained(bf16)
+    for f in (toy / "model").iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            shutil.copy(f, bf16 / f.name)
+    write_stage(tmp_path / "stage_0", bf16, PROBLEMS)
+    base = ["--prompts_per_update=4", "--engine_mismatch_bound=0", "--weight_decay=0.01", "--grad_clip=1e9"]
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_0'}", "--updates_per_stage=2", "--lr=1e-3", *base)
+    shutil.copytree(tmp_path / "stage_0" / "rollouts", tmp_path / "stage_1" / "rollouts")
+    lr, wd, (b1, b2) = 1e-5, 0.01, (0.9, 0.999)
+    stage1 = [f"--stage_dir={tmp_path / 'stage_1'}", "--updates_per_stage=1", f"--lr={lr}", *base]
+    run_script("optimize.py", *stage1, f"--init_state={tmp_path / 'stage_0' / 'train_state'}",
+               "--optimizer_boundary=reset")
+    before = _train_state(tmp_path / "stage_0" / "train_state", tmp_path)
+    after = _train_state(tmp_path / "stage_1" / "train_state", tmp_path)
+    assert {int(s["step"]) for s in after["optim"]["state"].values()} == {1}          # AdamW's first step, again
+    for s in after["optim"]["state"].values():
+        assert torch.allclose(s["exp_avg_sq"], s["exp_avg"] ** 2 * (1 - b2) / (1 - b1) ** 2, rtol=1e-4, atol=1e-30)
+    metrics = read_lines(tmp_path / "stage_1" / "metrics.jsonl")
+    assert (metrics[0]["optimizer_update"], metrics[0]["run_update"]) == (0, 2)
+    assert metrics[0]["adam/g2_over_v/all"] is None          # no second moment before a new AdamW's first step
+
+    def largest_step(theta1):
+        return max(float((theta1[k] - before["model"][k] * (1 - lr * wd)).abs().max()) for k in theta1)
+    bound = lr * (1 + 1e-3) + 2.4e-7             # float32 noise of θ − θ' at |θ| < 2: ulp 2.4e-7 against lr 1e-5
+    assert largest_step(after["model"]) <= bound
+    steps = torch.cat([(after["model"][k] - before["model"][k] * (1 - lr * wd)).abs().flatten() for k in after["model"]])
+    assert float((steps > lr * 0.999).float().mean()) > 0.5          # most elements took the full step lr
+    assert metrics[0]["adam/step_rms/all"] == pytest.approx(float((steps / lr).pow(2).mean().sqrt()), rel=1e-3)
+    # the old reset, a new AdamW on the saved bf16 policy: its start is not the fp32 masters, and the check above sees it
+    run_script("optimize.py", *stage1, f"--policy={tmp_path / 'stage_0' / 'policy'}",
+               f"--out={tmp_path / 'old' / 'policy'}")
+    assert largest_step(_train_state(tmp_path / "old" / "train_state", tmp_path)["model"]) > 10 * bound
 
 
 @pytest.mark.slow

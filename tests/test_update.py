@@ -224,3 +224,45 @@ def test_a_rank_without_responses_adds_nothing(tiny, loss_kw, columns):
                                    "saved_activations_gib_max": torch.tensor(0.5)})
     assert all(torch.equal(merged[k], real[k]) for k in real if k != "kl_in_loss")
     assert merged.get("kl_in_loss", 1) > 0
+
+
+def test_the_adam_measurements_are_adamws_own_arithmetic_by_hand():
+    # one parameter of two elements, gradients g1 = (1, 2) then g2 = (3, 1), β = (0.9, 0.999), no weight decay:
+    # step 1: m = 0.1·g1, v = 0.001·g1²; a new AdamW's step is g/|g| (RMS 1) and it has no v̂ before it.
+    # step 2: v̂ before it = v / (1 − 0.999) = g1² = (1, 4): Σ g2² / Σ v̂ = 10 / 5 = 2; its step over lr is
+    # m̂ / (√v̂ + ε) with m = 0.9·m + 0.1·g2, v = 0.999·v + 0.001·g2², m̂ = m / (1 − 0.9²), v̂ = v / (1 − 0.999²)
+    w = torch.nn.Parameter(torch.zeros(2))
+    net = torch.nn.Module()
+    net.register_parameter("mlp_weight", w)
+    optimizer = torch.optim.AdamW(M.parameter_groups(net), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
+    assert [g["name"] for g in optimizer.param_groups] == ["mlp"]
+    M.init_optimizer_state(optimizer)
+    rows = []
+    for g in ((1.0, 2.0), (3.0, 1.0)):
+        w.grad = torch.tensor(g)
+        before = update.adam_sums(optimizer, after_step=False)
+        optimizer.step()
+        rows.append(update.adam_metrics(before, update.adam_sums(optimizer, after_step=True)))
+    assert rows[0]["adam/step_rms/mlp"] == pytest.approx(1.0, abs=1e-7)       # |g| ≫ ε: g / (|g| + ε) = ±1
+    assert np.isnan(rows[0]["adam/g2_over_v/mlp"])
+    assert rows[1]["adam/g2_over_v/mlp"] == pytest.approx(2.0, rel=1e-5)
+    m = [0.9 * 0.1 * a + 0.1 * b for a, b in zip((1, 2), (3, 1))]
+    v = [0.999 * 0.001 * a * a + 0.001 * b * b for a, b in zip((1, 2), (3, 1))]
+    d = [(mi / (1 - 0.9 ** 2)) / ((vi / (1 - 0.999 ** 2)) ** 0.5 + 1e-8) for mi, vi in zip(m, v)]
+    assert rows[1]["adam/step_rms/mlp"] == pytest.approx(((d[0] ** 2 + d[1] ** 2) / 2) ** 0.5, rel=1e-5)
+    assert rows[1]["adam/step_rms/all"] == rows[1]["adam/step_rms/mlp"]
+    # a reset makes the next step a new AdamW's first again: step RMS 1, no v̂ before it
+    M.reset_optimizer_state(optimizer)
+    w.grad = torch.tensor((3.0, 1.0))
+    before = update.adam_sums(optimizer, after_step=False)
+    optimizer.step()
+    again = update.adam_metrics(before, update.adam_sums(optimizer, after_step=True))
+    assert again["adam/step_rms/mlp"] == pytest.approx(1.0, abs=1e-7) and np.isnan(again["adam/g2_over_v/mlp"])
+    assert int(optimizer.state[w]["step"]) == 1
+
+
+def test_the_parameter_groups_are_named_by_kind():
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight",
+             "model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight",
+             "model.layers.0.self_attn.q_proj.lora_A.default.weight", "model.rotary.scale"]
+    assert [M.parameter_kind(n) for n in names] == ["embed", "attn", "mlp", "norm", "norm", "head", "lora", "other"]
