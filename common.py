@@ -61,6 +61,23 @@ def hyperparameters(config):
             and isinstance(v, (int, float, str, bool, type(None))) and not callable(v)}
 
 
+def script_defaults(path):
+    """A script's hyperparameter block as written in the file: its top-level `name = <literal>` assignments (lower-case
+    names) before its strict overrides are applied (common.apply_overrides), read without running it."""
+    import ast  # only the settings check reads a script's block
+    found = {}
+    for node in ast.parse(Path(path).read_text()).body:
+        if isinstance(node, ast.Expr) and "apply_overrides" in ast.unparse(node):
+            break
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and node.targets[0].id.islower():
+            try:
+                found[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return found
+
+
 def apply_overrides(config, argv):
     """Apply --key=value arguments to config (a script's globals) in place; unknown keys are errors.
 
@@ -177,19 +194,25 @@ def append_jsonl(path, row):
         os.fsync(f.fileno())
 
 
-def read_jsonl(path):
-    """Rows of a JSONL file; a bad line is an error naming the file and line number."""
+def read_jsonl(path, numbered=False):
+    """Rows of a JSONL file (numbered: (line number, row) pairs); a bad line (not UTF-8, not JSON, cut short) is an
+    error naming the file and line number."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.endswith("\n"):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.endswith(b"\n"):
                 raise ValueError(f"{path}:{n}: truncated last line (no newline): the file is incomplete")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            rows.append((n, row) if numbered else row)
     return rows
 
 
@@ -202,13 +225,18 @@ def finite_or_none(x):
 
 
 def load_problems(path):
-    """A prepared problem file: JSONL rows with id, problem, answer (and source)."""
-    rows = read_jsonl(path)
-    for n, row in enumerate(rows, 1):
+    """A prepared problem file: JSONL rows with id, problem, answer (and source); a row that is not an object, lacks a
+    field or has an empty answer (graded wrong whatever the model writes) is an error naming its file and line."""
+    rows = read_jsonl(path, numbered=True)
+    for n, row in rows:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: a problem is a JSON object with id, problem, answer, got {row!r:.40}")
         for field in ("id", "problem", "answer"):
             if field not in row:
-                raise ValueError(f"{path}: row {n} has no field {field!r} (prepare it with data/prepare.py)")
-    return rows
+                raise ValueError(f"{path}:{n}: has no field {field!r} (prepare it with data/prepare.py)")
+        if not str(row["answer"]).strip():
+            raise ValueError(f"{path}:{n}: the answer is empty (no response could be graded right)")
+    return [row for _, row in rows]
 
 
 @functools.lru_cache(maxsize=4)
@@ -379,11 +407,21 @@ def policy_fingerprint(policy_dir):
     return content_fingerprint(p)
 
 
+def looks_local(name):
+    """A name that can only be a local path: absolute, relative to . or ~, or of more than two parts (a hub
+    repository is <organization>/<model>, or one part)."""
+    name = str(name)
+    return name.startswith(("/", "./", "../", "~")) or len(Path(name).parts) > 2 or name in (".", "..") or (
+        len(Path(name).parts) == 2 and Path(name).parent.is_dir())         # runs/x where runs/ is here
+
+
 def local_dir(name):
     """A checkpoint directory; a hub name becomes its local snapshot (downloaded once, then cached). A failed
     download is one line naming the model and the way around it."""
     if Path(name).is_dir():
         return str(name)
+    if looks_local(name):
+        raise SystemExit(f"{name}: no such directory (a local path; a hub name is <organization>/<model>)")
     from huggingface_hub import snapshot_download  # huggingface_hub: only for a hub name
     try:
         return snapshot_download(name)
@@ -444,6 +482,83 @@ def check_lengths(policy, max_prompt_tokens, max_response_tokens):
     raise SystemExit(f"--max_prompt_tokens={max_prompt_tokens} + --max_response_tokens={max_response_tokens} = "
                      f"{tokens} tokens, more than the model {policy} holds ({key} = {limit}): lower them to a sum of at most "
                      f"{limit} (run_stages.sh: MAX_PROMPT and MAX_RESPONSE)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")   # any one: a tokenizer
+
+
+def safetensors_problem(path):
+    """Why a .safetensors file is not whole, or None: its 8-byte header length, its JSON header, and every tensor's
+    bytes within the file (the format: an unsigned little-endian 64-bit header size, that many bytes of JSON mapping
+    each tensor to its data_offsets, then the data). What a copy cut short or a disk that filled up leaves."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else None
+        if n is None or 8 + n > size:
+            return f"{path.name} is cut short ({size} bytes, its header {'unreadable' if n is None else f'{n} bytes'})"
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return f"{path.name}'s header is not valid JSON"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        return f"{path.name} is cut short: {size} bytes of the {8 + n + end} its header describes"
+    return None
+
+
+def policy_problem(policy):
+    """Why a checkpoint directory cannot be loaded by the engines and the trainer, or None: config.json, every
+    safetensors file whole (and every shard its index names), a tokenizer. Checked before an engine or a trainer
+    starts, where vLLM would say it in a 50-100-line traceback naming its own link to the directory."""
+    d = Path(policy)
+    if not d.is_dir():
+        return "no such directory"
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        return "no config.json (not a model directory)"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "config.json is not valid JSON"
+    if not isinstance(config, dict) or not ("architectures" in config or "model_type" in config):
+        return "config.json names no model (no architectures, no model_type)"
+    weights = sorted(d.glob("*.safetensors"))
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            return f"{index.name} is not a safetensors index"
+        if missing := sorted(shards - {w.name for w in weights}):
+            return f"{index.name} names shards that are not there: {', '.join(missing[:3])}"
+    if not weights:
+        other = [f.name for f in d.glob("*.bin")] + [f.name for f in d.glob("*.pt")]
+        return "no *.safetensors weights" + (f" (only {', '.join(other[:2])}: the trainer loads safetensors)"
+                                              if other else "")
+    for w in weights:
+        if problem := safetensors_problem(w):
+            return problem
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        return f"no tokenizer ({', '.join(TOKENIZER_FILES)})"
+    return None
+
+
+def require_policy(policy, name="--policy", given=None):
+    """policy_problem as one line naming what the user gave (`name`: the flag or knob; `given`: a hub name whose local
+    copy `policy` is), exiting. A run's own stage policy says how to write it again: its stage's optimize phase,
+    rerun from that stage's train state."""
+    if (problem := policy_problem(policy)) is None:
+        return
+    d = Path(policy)
+    line = f"{name}={given} ({policy}): {problem}" if given and given != str(policy) else f"{name}={policy}: {problem}"
+    stage = re.fullmatch(r"stage_([0-9]+)", d.parent.name)
+    if d.name == "policy" and stage and (d.parent.parent / ".done").is_dir():
+        s, run = stage.group(1), d.parent.parent
+        line += (f"; it is optimize_{s}'s output: `rm {run}/.done/optimize_{s}` and rerun to write it again from "
+                 f"stage {s}'s train state" if (d.parent / "train_state" / "progress.json").exists() else
+                 f"; it is optimize_{s}'s output, and stage {s}'s train state is gone (only the last is kept): a new "
+                 f"RUN starts over")
+    raise SystemExit(line)
 
 
 def versions():

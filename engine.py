@@ -71,7 +71,7 @@ def engine_model_path(policy, run_dir=None):
     directory (evaluate.py alone), or for a hub name, the policy's own path."""
     if not run_dir or not Path(policy).is_dir():
         return str(policy)
-    link = Path(tempfile.gettempdir()) / f"mu-grpo-engine-{os.getuid()}-{common.run_key(run_dir)}" / "policy"
+    link = link_dir(run_dir) / "policy"
     target = Path(policy).resolve()
     if not (link.is_symlink() and Path(os.readlink(link)) == target):     # engines of one phase set the same target
         link.parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +80,11 @@ def engine_model_path(policy, run_dir=None):
         temporary.symlink_to(target, target_is_directory=True)
         os.replace(temporary, link)
     return str(link)
+
+
+def link_dir(run_dir):
+    """The directory of a run's engine link (engine_model_path), removed as the run ends (launch.py cleanup)."""
+    return Path(tempfile.gettempdir()) / f"mu-grpo-engine-{os.getuid()}-{common.run_key(run_dir)}"
 
 
 def make_llm(policy, *, seed, max_model_len, tensor_parallel=1, gpu_memory_utilization=0.85, sleep_mode=False,

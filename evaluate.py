@@ -156,6 +156,8 @@ def evaluate_once(ev, path):
 def main():
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     for path in policies:               # one line, not vLLM's traceback at the engine's start
+        if Path(path).is_dir() or common.looks_local(path):      # (a hub name: vLLM fetches it)
+            common.require_policy(path)
         common.check_lengths(path, max_prompt_tokens, max_response_tokens)
     configs = {p: json.loads((Path(p) / "config.json").read_text()) for p in policies if Path(p).is_dir()}
     shapes = {json.dumps({k: c.get(k) for k in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers")})

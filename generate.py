@@ -503,7 +503,8 @@ class ResidentEngine:
 
 
 def main():
-    common.check_lengths(policy, max_prompt_tokens, max_response_tokens)     # one line, not vLLM's traceback
+    common.require_policy(policy)                                            # one line, not vLLM's traceback
+    common.check_lengths(policy, max_prompt_tokens, max_response_tokens)
     if not resident and is_engine_worker:
         return engine_worker()
     problems = common.load_problems(data)

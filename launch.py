@@ -23,6 +23,8 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
     python launch.py --command=view       a phase's output (stdin) on the terminal without the libraries' chatter
     python launch.py --command=row --name=N --stage=S --start=T0 --end=T1   node 0: a phase's row in timeline.jsonl
     python launch.py --command=attempt    node 0: this attempt's start row in timeline.jsonl (records.py)
+    python launch.py --command=end --status=S --new_run=B   as the run ends: its engines' links and sockets in the
+                                          temporary directory removed, a refused new run removed, a stopped run's line
 
 Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
 """
@@ -32,6 +34,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -50,6 +53,8 @@ coordinator = "127.0.0.1:29500"  # start: node 0's MASTER_ADDR:MASTER_PORT (torc
 name = ""                       # row: the phase's name (eval_init, generate_0, ...; its kind: the part before the last _)
 start = 0.0                     # row: when the phase started and ended (Unix seconds)
 end = 0.0
+status = 0                      # end: run_stages.sh's exit status
+new_run = False                 # end: whether this attempt made the run directory
 # -----------------------------------------------------------------------------
 STOP_GRACE_S = 10.0             # resident: seconds a stopped partner has to end before SIGKILL
 
@@ -105,6 +110,16 @@ def betas(name, v):
         return f"{name} must be two numbers in [0, 1), β1,β2 (e.g. 0.9,0.999), got '{v}'"
 
 
+def temperature(name, v):          # vLLM's own rule (vllm/sampling_params.py, SamplingParams._verify_args)
+    if not NUMBER.fullmatch(v) or float(v) > 2:
+        return f"{name} must be a number in [0, 2], got '{v}'"
+
+
+def top_p(name, v):                # (0, 1], vLLM's own rule (vllm/sampling_params.py, SamplingParams._verify_args)
+    if not NUMBER.fullmatch(v) or not 0 < float(v) <= 1:
+        return f"{name} must be a number in (0, 1], got '{v}'"
+
+
 def optional(rule):
     """rule, or empty: the knob's home (a script's block) decides."""
     return lambda name, v: rule(name, v) if v else None
@@ -121,13 +136,13 @@ SETTINGS = {
     "GROUP_SIZE": (whole(2),), "STAGE_END": (one_of("fixed", "drift"),), "TOTAL_UPDATES": (whole(1),),
     "DRIFT_GROWTH": (positive,), "DRIFT_MAX_UPDATES": (whole(1),), "DRIFT_ARGS": (anything,),
     # sampling and optimization
-    "LR": (number,), "WARMUP": (whole(),), "KL_COEF": (number,), "MAX_PROMPT": (whole(),), "MAX_RESPONSE": (whole(),),
-    "TEMPERATURE": (number,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,),
+    "LR": (number,), "WARMUP": (whole(),), "KL_COEF": (number,), "MAX_PROMPT": (whole(1),),
+    "MAX_RESPONSE": (whole(1),), "TEMPERATURE": (temperature,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,),
     "OPTIMIZER_BOUNDARY": (optional(one_of("carry", "reset")),), "ADAM_BETAS": (optional(betas),),
     "STAGE_WARMUP": (optional(whole()),), "SAVE_POLICY_EVERY": (optional(whole()),),
     "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
     # evaluation and saving
-    "EVAL_K": (whole(),), "EVAL_TEMPERATURE": (number,), "EVAL_TOP_P": (number,), "EVAL_EVERY": (whole(),),
+    "EVAL_K": (whole(1),), "EVAL_TEMPERATURE": (temperature,), "EVAL_TOP_P": (top_p,), "EVAL_EVERY": (whole(),),
     "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,), "EVAL_CACHE": (anything,),
     # the box
     "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
@@ -144,8 +159,95 @@ SETTINGS = {
 }
 
 
+# the knobs a rerun of a run may change (besides each node's own): how it runs, is watched, saved and when it is
+# evaluated, not what it computes; every other knob is the run's own once a phase has finished (run_settings.json)
+RERUN_SAFE = {"RUN", "EVAL_EVERY", "SAVE_EVERY", "KEEP_TRAIN_STATES", "SAVE_POLICY_EVERY", "EVAL_CACHE", "GPUS",
+              "ENGINES", "TRAIN_RANKS", "RESIDENT", "RESIDENT_GPU_MEMORY", "HANDOFF", "PREFLIGHT", "PREFLIGHT_ONLY",
+              "NNODES", "MASTER_PORT", "HSDP", "MICRO_BATCH_TOKENS", "GRAD_CKPT"}
+EXTENDABLE = ("STAGES", "TOTAL_UPDATES")    # a rerun may raise these: the run goes on to its new length
 RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
 PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: records.StagePlan's defaults
+# the phase scripts' blocks are the run's too (a default edited between attempts changes it), but for these knobs of
+# theirs: where and how it runs, its guards and saves, and the settings the loop always passes (the knobs above)
+PHASE_SCRIPTS = {
+    "generate.py": {"policy", "data", "run_dir", "stage", "prompts_per_stage", "grader_workers", "grader_timeout_s",
+                    "gpus", "engines", "tensor_parallel", "gpu_memory_utilization", "worker_rank", "resident",
+                    "policy_handoff", "eval_every", "results", "run_start", "eval_parts", "nnodes", "node_rank",
+                    "coordinator", "shard_prompts"},
+    "optimize.py": {"stage_dir", "policy", "out", "init_state", "save_train_state", "release_init_state",
+                    "micro_batch_tokens", "gradient_checkpointing", "attn_implementation", "hsdp", "checkpoint_every",
+                    "save_policy_every", "max_nonfinite", "engine_mismatch_bound", "agreement_growth",
+                    "collapse_entropy_ratio", "agreement_responses", "check_packing", "resident", "run_dir", "stages",
+                    "total_updates", "save_every", "policy_handoff", "engines", "handoff_buffer_mb"},
+    "evaluate.py": {"policy", "max_problems", "grader_workers", "grader_timeout_s", "results", "cache", "samples_dir",
+                    "stage", "run_start", "gpus", "tensor_parallel", "gpu_memory_utilization", "engines",
+                    "worker_rank", "parts_dir", "nnodes", "node_rank", "coordinator"},
+}
+
+
+def run_settings(k):
+    """What makes a run what it is: every knob but each node's own and RERUN_SAFE, and the phase scripts' blocks but
+    their safe knobs ({"knobs": ..., "<script>": ...}); recorded at its first attempt (records.RUN_SETTINGS)."""
+    knobs = {n: k[n] for n, (_, *own) in SETTINGS.items() if not own and n not in RERUN_SAFE}
+    scripts = {name: {key: v for key, v in common.script_defaults(name).items() if key not in safe}
+               for name, safe in PHASE_SCRIPTS.items()}
+    return {"knobs": knobs, **scripts}
+
+
+def setting_changes(recorded, now):
+    """(changed, extended): the settings of `now` that differ from `recorded` as "NAME old → new" (a script's as
+    "optimize.py lr ..."), and whether the only changes raise EXTENDABLE knobs (the run goes on to its new length)."""
+    changed, raised = [], False
+    for part in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(part, {}), now.get(part, {})
+        for key in sorted(set(old) | set(new), key=str):
+            a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+            if a == b:
+                continue
+            if part == "knobs" and key in EXTENDABLE and str(a).isdigit() and str(b).isdigit() and int(b) > int(a):
+                raised = True
+                continue
+            changed.append(f"{'' if part == 'knobs' else part + ' '}{key} {a!r} → {b!r}" if part != "knobs"
+                           else f"{key} {a} → {b}")
+    return changed, raised
+
+
+def rerun_check(k):
+    """The run directory's record against this attempt's settings, before any compute: assignments run_stages.sh
+    evals. A run with a finished phase keeps its settings (a change is refused in one line naming each); a longer one
+    goes on (EXTEND: a finished run's end marker goes); an attempt after one that finished nothing starts afresh
+    (FRESH: the failed attempt's partial outputs go, none of them a result)."""
+    run = Path(k["RUN"])
+    path = run / records.RUN_SETTINGS
+    if not path.exists():
+        return {"FRESH": "0", "EXTEND": "0"}
+    recorded, now = json.loads(path.read_text()), run_settings(k)
+    changed, raised = setting_changes(recorded, now)
+    finished = [p.name for p in (run / ".done").glob("*") if p.name != "start"] if (run / ".done").is_dir() else []
+    if not finished:
+        return {"FRESH": "1" if changed or raised else "0", "EXTEND": "0"}
+    if changed:
+        refuse(f"RUN={run} was run with other settings: {'; '.join(changed)}. Rerun with its settings "
+               f"({path}), or choose a new RUN (what a rerun may change: docs/running.md)")
+    return {"FRESH": "0", "EXTEND": "1" if raised else "0"}
+
+
+def misspelt_knobs(environment):
+    """Variables of the environment that are no knob of any launcher but close to one of run_stages.sh's (a typo the
+    run would ignore): [(name, the knob)]."""
+    import difflib  # only the settings check looks for typos
+    known = set(SETTINGS) | set(RENAMED) | launcher_knobs()
+    return [(name, close[0]) for name in environment if name.isupper() and name not in known
+            and (close := difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.85))]
+
+
+def launcher_knobs():
+    """Every variable the shell scripts here read as a knob (NAME=${NAME:-...}, : "${NAME:=...}") or set for the
+    others (run_stages.sh's exports among them), so that a frontier's or a table's knobs are no typos of the run's."""
+    names = set()
+    for script in Path(__file__).resolve().parent.glob("*.sh"):
+        names |= set(re.findall(r"\b([A-Z][A-Z0-9_]*)=", script.read_text()))
+    return names
 
 
 def resolve(knobs):
@@ -186,8 +288,18 @@ def resolve(knobs):
         return k, (f"HANDOFF=transfer hands each trainer rank's weights to the engine on its GPU (CUDA IPC): every "
                    f"trainer rank's GPU needs an engine and every engine's GPU a trainer rank, so ENGINES must equal "
                    f"TRAIN_RANKS, got ENGINES={k['ENGINES']} and TRAIN_RANKS={k['TRAIN_RANKS']}; or HANDOFF=files")
+    # vLLM samples greedily below a temperature of 1e-5 (vllm/sampling_params.py _SAMPLING_EPS), one response per
+    # prompt (_verify_greedy_sampling: "n must be 1 when using greedy sampling")
+    if float(k["TEMPERATURE"]) < 1e-5:
+        return k, (f"TEMPERATURE={k['TEMPERATURE']} samples greedily, one response per prompt: a group of GROUP_SIZE="
+                   f"{k['GROUP_SIZE']} needs TEMPERATURE > 0 (the paper's 1.0)")
+    if float(k["EVAL_TEMPERATURE"]) < 1e-5 and int(k["EVAL_K"]) > 1:
+        return k, (f"EVAL_TEMPERATURE={k['EVAL_TEMPERATURE']} samples greedily, one response per problem: EVAL_K="
+                   f"{k['EVAL_K']} needs EVAL_TEMPERATURE > 0, or EVAL_K=1")
     if k["PREFLIGHT"] == "auto":
         k["PREFLIGHT"] = "1" if k["PRESET"] == "paper" else "0"
+    if k["PREFLIGHT_ONLY"] == "true" and k["PREFLIGHT"] == "0":
+        return k, "PREFLIGHT_ONLY=true stops after the preflight, and PREFLIGHT=0 runs none: use PREFLIGHT=1"
     return k, None
 
 
@@ -222,6 +334,8 @@ def settings_command():
     for old, new in RENAMED.items():    # a knob's old name: ignored, it would leave the setting unsaid
         if old in os.environ:
             refuse(f"{old}={os.environ[old]}: the knob is {new} now")
+    for name, knob in misspelt_knobs(os.environ):
+        refuse(f"{name}={os.environ[name]} is not a knob: did you mean {knob}? (run_stages.sh's variables)")
     knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
     k, problem = resolve(knobs)
     if problem:
@@ -232,7 +346,7 @@ def settings_command():
             tracking.check(k["REPORT_TO"])
         except SystemExit as e:
             refuse(str(e))
-    print(assignments({**k, **derived(k)}))
+    print(assignments({**k, **derived(k), **rerun_check(k)}))
 
 
 def lock_command():
@@ -302,6 +416,7 @@ def start_up_command():
     node_flags = [f"--nnodes={e['NNODES']}", f"--node_rank={e['NODE_RANK']}", f"--coordinator={coordinator}",
                   f"--join_timeout_s={e['JOIN_TIMEOUT']}"]
     if node0:
+        settle_record()
         build_command()
     is_dir = "1" if Path(e["MODEL"]).is_dir() else "0"
     if several:         # node 0's word: on another node a directory may not be visible yet
@@ -323,6 +438,26 @@ def start_up_command():
         out.write(assignments(values) + "\n")
 
 
+def settle_record():
+    """Node 0, under the run's lock: FRESH (rerun_check), the partial outputs of an attempt that finished no phase
+    removed (said); EXTEND, a finished run's end marker removed so that it goes on (said); the run's settings recorded
+    where none are."""
+    e, run = os.environ, Path(os.environ["RUN"])
+    if e.get("FRESH") == "1":
+        gone = [p for p in run.iterdir() if p.name not in ("logs", ".lock") and not p.name.startswith(".lock.")]
+        print(f"[run] the last attempt on {run} finished no phase and had other settings: its partial outputs "
+              f"({', '.join(sorted(p.name for p in gone))}) are cleared", flush=True)
+        for p in gone:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (run / ".done").mkdir()
+    if e.get("EXTEND") == "1" and (run / ".done" / "all").exists():
+        (run / ".done" / "all").unlink()
+        print(f"[run] {run} goes on to STAGES={e['STAGES']} (TOTAL_UPDATES={e['TOTAL_UPDATES']})", flush=True)
+    record = run / records.RUN_SETTINGS
+    if e.get("FRESH") == "1" or e.get("EXTEND") == "1" or not record.exists():
+        common.atomic_write_json(record, run_settings(e))
+
+
 def nodes_command(name, *flags, capture=False):
     """nodes.py's command `name`; its failure ends this one with its status. capture: returns what it printed."""
     proc = subprocess.run([sys.executable, "nodes.py", f"--command={name}", *flags], text=True,
@@ -336,6 +471,10 @@ def prepared(env):
     model = env["MODEL"]
     if env["MODEL_IS_DIR"] == "0":      # a hub name (node 0's word on several nodes: nodes.py ready)
         model = common.local_dir(model)     # downloaded once (on each node); every phase reads the local copy
+    try:
+        common.require_policy(model, "MODEL", given=env["MODEL"])
+    except SystemExit as e:
+        refuse(str(e))
     try:
         rows = common.load_problems(env["TRAIN_DATA"])
     except (OSError, ValueError) as e:
@@ -436,7 +575,26 @@ def collective_command():
 
 
 def view_command():
-    common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)
+    try:
+        common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)
+    except KeyboardInterrupt:       # Ctrl-C reaches the whole foreground group: the phase stops, this says nothing
+        sys.exit(130)
+
+
+def end_command():
+    """As run_stages.sh ends, however it ends (exit `status`): the run's engine links and weight-transfer sockets in
+    the temporary directory removed (engine.link_dir, handoff.transfer_socket); a new run refused before its first
+    phase (status 2) removed, so that nothing is left of it; after a Ctrl-C or SIGTERM, the line saying how it goes
+    on."""
+    import engine  # (light: vLLM is imported inside its functions)
+    import handoff
+    run = os.environ["RUN"]
+    for d in (engine.link_dir(run), handoff.transfer_socket(run, 0).parent):
+        shutil.rmtree(d, ignore_errors=True)
+    if status == 2 and new_run and os.environ.get("NODE_RANK", "0") == "0":
+        shutil.rmtree(run, ignore_errors=True)
+    if status in (130, 143):
+        print(f"[run] stopped: rerun the same command to resume {run} where it stopped", file=sys.stderr)
 
 
 def row_command():
@@ -488,6 +646,7 @@ if __name__ == "__main__":
                 "preflight": preflight_command, "handoff": handoff_command,
                 "plan": lambda: plan_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
+                "end": end_command,
                 "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}
     common.check_choice("command", command, tuple(commands))
     commands[command]()

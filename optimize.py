@@ -412,6 +412,7 @@ def main():
     t_start = time.perf_counter()
     stage = update.open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
+    common.require_policy(start_policy)
     update.check_fits(stage, start_policy)
     attention = M.choose_attention(attn_implementation, device)
     log(f"{world} process(es) on {device.type}, attention {attention}"
@@ -454,31 +455,30 @@ class Resident:
     dtype: torch.dtype
 
 
-def run_stage_dir(s):
-    return records.stage_dir(run_dir, s)
-
-
 def resident_main():
-    """Resident mode: the model, AdamW (and KL's reference model) built once and kept for the stages from the first
-    untrained one until the run is over (stage_plan); each stage's rollouts are waited for, trained on
-    (train_stage, as a one-stage run would), and the policy handed to the engine processes (handoff.PolicyHandover).
-    A resumed run starts from the newest train state in the run directory and trains again the stages after it
-    (their rollouts are on disk), which gives the same weights as an unbroken run."""
+    """Resident mode: the model and AdamW built once for the stages from the first untrained one to the run's end
+    (stage_plan), each trained as a one-stage run would and its policy handed over; a resumed run starts from the
+    newest train state and trains the stages after it again (their rollouts are on disk): an unbroken run's weights."""
     partner = handoff.Partner(run_dir, "trainer")
     if is_main:
         partner.announce()
-    sender = None
-    if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
-        import transfer  # vLLM's transfer classes: only with the transfer hand-off
-        sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
-                                 buffer_bytes=handoff_buffer_mb * 2**20)
-    handover = handoff.PolicyHandover(partner, stage_plan, prompts_per_update, is_main, sender)
+    handover = handoff.PolicyHandover(partner, stage_plan, prompts_per_update, is_main)
     last, meta = checkpoint.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
+    last_dir = records.stage_dir(run_dir, last) if meta else None
     # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
-    resave = meta is not None and meta["complete"] and not common.policy_record(run_stage_dir(last) / records.POLICY)
+    resave = meta is not None and meta["complete"] and not common.policy_record(last_dir / records.POLICY)
     if meta is not None and meta["complete"] and not resave:
-        handover.publish_saved(last, run_stage_dir(last) / records.POLICY)   # the engine resumes from it
+        handover.publish_saved(last, last_dir / records.POLICY)   # the engine resumes from it
+        # killed in its last evaluation: nothing to train, so no model or state (~91 GB at 7B) is loaded beside the
+        # engine's start (vllm/v1/worker/gpu_worker.py:719 asserts no other process frees memory meanwhile)
+        if not stage_plan.updates_per_stage_at(run_dir, first):
+            log(f"stage {first}: every stage is trained; the last policy goes to its evaluation")
+            return M.end_process_group()
+    if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
+        import transfer  # vLLM's transfer classes: only with the transfer hand-off
+        handover.sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
+                                          buffer_bytes=handoff_buffer_mb * 2**20)
     # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
     # that policy, holding none)
     if stage_plan.updates_per_stage_at(run_dir, first) and not resave:
@@ -491,18 +491,18 @@ def resident_main():
     start_policy = common.local_dir(policy)
     trainer = build_resident(start_policy, weights=meta is None, handover=handover)
     start, before, start_weights, said = checkpoint.restore(
-        trainer.model, trainer.optimizer, run_stage_dir(last) / records.TRAIN_STATE if meta else None,
+        trainer.model, trainer.optimizer, last_dir / records.TRAIN_STATE if meta else None,
         resume=meta is not None and not meta["complete"], start_policy=start_policy)
     log(said)
     if resave:
         counts = {k: meta[k] for k in checkpoint.COUNTS}
-        checkpoint.save_policy(trainer.model, start_policy, trainer.dtype, run_stage_dir(last) / records.POLICY,
+        checkpoint.save_policy(trainer.model, start_policy, trainer.dtype, last_dir / records.POLICY,
                                {"stage": last, "stage_updates": meta["update"], **counts})
         # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
         # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
         # as every stage's hand-over does (release_gradients)
         M.release_memory()
-        handover.publish_saved(last, run_stage_dir(last) / records.POLICY)
+        handover.publish_saved(last, last_dir / records.POLICY)
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     try:
@@ -521,7 +521,7 @@ def resident_stages(partner, trainer, first, start, before, start_weights):
         # the run's updates unless it ends on drift)
         due = stage_plan.may_end_run(s, before["run_updates"], updates_per_stage) or bool(
             save_every and (s + 1) % save_every == 0)
-        stage_policy = run_stage_dir(s) / records.POLICY
+        stage_policy = records.stage_dir(run_dir, s) / records.POLICY
         progress = records.StageProgress(
             out_dir=stage_policy, updates_per_stage=updates_per_stage, start=start if s == first else 0, before=before,
             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
@@ -564,7 +564,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
         log(tracking.where_line(run_dir, stage_plan.run_updates, s))
     waited = partner.wait_for_rollouts(s)
     t0 = time.time()
-    stage = update.open_stage(run_stage_dir(s))
+    stage = update.open_stage(records.stage_dir(run_dir, s))
     update.check_fits(stage, trainer.start_policy)
     record_settings(progress, stage, trainer.start_policy, trainer.reference, trainer.attention, resident=True)
     saves = progress.save_state or check_all
@@ -586,7 +586,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
     reserved = M.gather_values(torch.tensor([math.nan if held is None else held], device=device)).tolist()
     if is_main and progress.save_state and release_init_state:    # the newest train state replaces the older ones
         for older in range(s):
-            shutil.rmtree(run_stage_dir(older) / records.TRAIN_STATE, ignore_errors=True)
+            shutil.rmtree(records.stage_dir(run_dir, older) / records.TRAIN_STATE, ignore_errors=True)
     write_timing(progress, {**timing, "attention": trainer.attention, "wait_seconds": waited})
     if is_main:
         partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),

@@ -40,6 +40,7 @@ RESULTS = "results.jsonl"
 EVAL_SAMPLES = "eval_samples"
 STAGE_END = "stage_end.json"    # beside the stage's metrics.jsonl: where training on it ended and why
 TIMELINE = "timeline.jsonl"
+RUN_SETTINGS = "run_settings.json"     # what makes the run what it is, from its first attempt (launch.py run_settings)
 ATTEMPT = "timeline.attempt.json"   # a resident pair's start, until its top row is in the timeline (attempt_row)
 
 

@@ -83,6 +83,7 @@ out=$($PY launch.py --command=settings) || exit 2; eval "$out"
 set +a
 export -n MASTER_ADDR MASTER_PORT    # this script's own: torchrun sets its ranks' from its flags
 TEMPLATE_ARG=($TEMPLATE_FLAG)    # the prompt's text: the problem alone for TEMPLATE plain and chat-system (models.py)
+[[ -e "$RUN" ]] && NEW_RUN=false || NEW_RUN=true     # a new run refused before its first phase leaves nothing
 mkdir -p "$LOGS" "$RUN/.done"
 exec 9>"$LOCK"; $PY launch.py --command=lock || exit 1  # one run_stages.sh per RUN (and node), held on fd 9 till it ends
 # several nodes: each node's watch (node 0's serves the store) beats every second and stops this script within seconds
@@ -103,6 +104,7 @@ on_exit() {    # the trackers' last pass over the records; several nodes: a succ
     || echo "[tracking] ended with an error: see $LOGS/tracking.log (the records are complete; a rerun logs them)" >&2
     rm -f "$LOGS/tracking.stop.$$"; fi
   if (( st == 0 )) && [[ -n "$WATCH" ]]; then kill -USR1 "$WATCH"; wait "$WATCH" || st=$?; fi
+  $PY launch.py --command=end --status="$st" --new_run="$NEW_RUN" 9>&- || true   # however it ends (launch.py end)
   exit $st
 }
 trap on_exit EXIT
@@ -156,11 +158,7 @@ KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
 [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
 # minutes of checks before days of run, at the run's settings, before anything else; several nodes: node 0's
 [[ "$PREFLIGHT" == 0 ]] || (( NODE_RANK > 0 )) || KL="${KL_ARGS[*]}" $PY launch.py --command=preflight 9>&-
-if [[ "$PREFLIGHT_ONLY" == true ]]; then
-  (( NODE_RANK == 0 )) || exit 0
-  [[ -f "$RUN/preflight.json" ]] || { echo "PREFLIGHT_ONLY=true with PREFLIGHT=0: nothing ran" >&2; exit 2; }
-  echo "preflight only: $RUN/preflight.json"; exit 0
-fi
+if [[ "$PREFLIGHT_ONLY" == true ]]; then (( NODE_RANK > 0 )) || echo "preflight only: $RUN/preflight.json"; exit 0; fi
 
 [[ "$RESIDENT" != true ]] || HANDOFF=$($PY launch.py --command=handoff)   # files if the preflight found IPC failing
 # this attempt's start, a zero-length row: the time from the last record before it is not the run's (records.pauses)

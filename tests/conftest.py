@@ -44,6 +44,15 @@ def run_script(*args, check=True, env=None, timeout=600):
     return proc
 
 
+def whole_checkpoint(directory):
+    """What a checkpoint directory needs besides its config.json to pass common.policy_problem, for a test's fake
+    policy that no real model reads: one whole safetensors file and a tokenizer file."""
+    from safetensors.torch import save_file
+    import torch
+    save_file({"w": torch.zeros(2)}, str(Path(directory) / "model.safetensors"))
+    (Path(directory) / "tokenizer.json").write_text("{}")
+
+
 def kill_when(cmd, condition, timeout=300, cwd=ROOT, env=None):
     """Start cmd in its own process group; SIGKILL the group as soon as condition() holds."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -13,7 +13,7 @@ import pytest
 import benchmarks
 import common
 import nodes
-from conftest import ROOT
+from conftest import whole_checkpoint, ROOT
 
 # a: problem 0 right in 1 of 2 samples, problem 1 in none → avg@2 = 0.25, pass@2 = 0.5; b: problem 0 right in both,
 # problem 1 never sampled (its prompt too long) → avg@2 = pass@2 = 1, one skipped
@@ -34,6 +34,7 @@ def files(tmp_path, monkeypatch):
     policy = tmp_path / "policy"
     policy.mkdir()
     (policy / "config.json").write_text(json.dumps({"architectures": ["Toy"]}))
+    whole_checkpoint(policy)
     (policy / common.POLICY_ID_FILE).write_text(json.dumps({"run_updates": 12}))
     monkeypatch.setattr(benchmarks, "time", CLOCK)
     return tmp_path, policy
@@ -186,6 +187,7 @@ def test_a_kept_evaluation_is_reused_only_for_the_same_policy_under_the_same_pro
     for policy, width in ((initial, 128), (other, 256)):
         policy.mkdir()
         (policy / "config.json").write_text(json.dumps({"architectures": ["Toy"], "hidden_size": width}))
+        whole_checkpoint(policy)
     assert evaluate_kept(monkeypatch, tmp_path, initial, "first") == [[str(initial)]]       # evaluated and kept
     [entry] = (tmp_path / "cache").glob("*/rows.json")
     # the next run of the same policy and protocol (another grader count too) reuses it: no engine, the same numbers

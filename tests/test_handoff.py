@@ -167,7 +167,8 @@ def test_the_default_share_is_the_bound_less_a_stated_margin(capsys):
 
 
 @pytest.mark.slow
-def test_a_resumed_trainer_saving_its_policy_again_releases_memory_first_and_waits_for_nothing(toy, tmp_path):
+def test_a_resumed_trainer_saves_its_policy_again_after_releasing_memory_or_with_nothing_to_train_builds_nothing(
+        toy, tmp_path):
     # killed after stage 0's complete train state and before its policy reached the run directory, the resumed trainer
     # saves that policy again from its state and hands it over. Before: it first waited for stage 1's rollouts, which
     # the engine makes only from that policy (a deadlock: the engine holds no GPU memory while it waits for its first
@@ -187,8 +188,9 @@ def test_a_resumed_trainer_saving_its_policy_again_releases_memory_first_and_wai
         return [sys.executable, "-c",
                 "import runpy, sys, handoff, model as M\n"
                 f"def event(what): open({str(events)!r}, 'a').write(what + '\\n')\n"
-                "release, publish = M.release_memory, handoff.Partner.publish_policy\n"
+                "release, publish, build = M.release_memory, handoff.Partner.publish_policy, M.build\n"
                 "M.release_memory = lambda: (event('released'), release())[1]\n"
+                "M.build = lambda *a, **k: (event('built'), build(*a, **k))[1]\n"
                 "handoff.Partner.publish_policy = lambda self, s, *a, **k: (event(f'published {s}'), "
                 "publish(self, s, *a, **k))[1]\n"
                 f"sys.argv = {args!r}\nrunpy.run_path('optimize.py', run_name='__main__')\n"]
@@ -207,3 +209,12 @@ def test_a_resumed_trainer_saving_its_policy_again_releases_memory_first_and_wai
     said = events.read_text().split()
     assert said[-2:] == ["published", "0"] and said[-3] == "released", said
     assert common.policy_record(run / "stage_0" / "policy")["stage"] == 0
+    # a 1-stage run killed in its last evaluation: the resumed trainer has nothing to train; it hands the saved policy
+    # over and ends without building a model or loading the train state (before: both, beside the engine's start)
+    handoff.reset(run)
+    handoff.Partner(run, "engine").announce()
+    events.unlink()
+    proc = subprocess.run(trainer(1), cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert events.read_text().split() == ["published", "0"]                  # no 'built'
+    assert "stage 1: every stage is trained; the last policy goes to its evaluation" in proc.stdout

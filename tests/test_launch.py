@@ -9,6 +9,7 @@ import time
 import types
 
 import pytest
+import torch
 
 from conftest import ROOT
 
@@ -192,7 +193,10 @@ def test_the_start_up_gives_its_assignments_on_descriptor_3_and_the_runs_start_o
     # on descriptor 3, its output on the script's stdout; the start time written once, a rerun keeping it
     model, data, run = tmp_path / "model", tmp_path / "train.jsonl", tmp_path / "run"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))     # a whole checkpoint (common.policy_problem)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer.json").write_text("{}")
     data.write_text(json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}) + "\n")
     (run / ".done").mkdir(parents=True)
     env = {**os.environ, **TOY, "MODEL": str(model), "TRAIN_DATA": str(data), "RUN": str(run), "NNODES": "1",
@@ -314,6 +318,8 @@ def test_a_resident_gpu_run_sizes_the_engines_share_from_its_checkpoint_and_gpu(
     model = tmp_path / "model"
     model.mkdir()
     save_file({"w": torch.zeros(100, 10), "b": torch.zeros(10)}, str(model / "model.safetensors"))
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "tokenizer.json").write_text("{}")
     (tmp_path / "train.jsonl").write_text(json.dumps({"id": "1", "problem": "1+1", "answer": "2"}) + "\n")
     h100 = types.SimpleNamespace(total_memory=79.2 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: h100)

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 import models
-from conftest import ROOT
+from conftest import whole_checkpoint, ROOT
 
 LLAMA_3_2 = (  # meta-llama/Llama-3.2-3B-Instruct
     "{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
@@ -131,6 +131,9 @@ def test_a_models_settings_are_chosen_by_its_name_and_the_environment_wins():
 def test_run_stages_start_up_refuses_a_wrong_template_before_any_compute(tmp_path, capsys):
     import launch
     model = tmp_path / "DeepSeek-R1-Distill-Qwen-7B"
+    model.mkdir()
+    whole_checkpoint(model)                                   # a whole checkpoint but for its tokenizer's template
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
     tokenizer(R1_DISTILL_BEFORE_UPDATE, "r1").save_pretrained(model)
     (tmp_path / "train.jsonl").write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
     env = {"MODEL": str(model), "MODEL_IS_DIR": "1", "TRAIN_DATA": str(tmp_path / "train.jsonl"), "TEMPLATE": "chat",

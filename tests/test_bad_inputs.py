@@ -1,0 +1,296 @@
+"""The bad-input corpus: what a new user gets wrong, each case one line naming it (and what is allowed) before any
+compute, the right exit status, no traceback and nothing half-written. Here the checks themselves, in process
+(seconds); the same cases through run_stages.sh where only a whole run can show them: tests/test_loop.py
+(test_a_rerun_*, test_a_refused_run_*, test_ctrl_c_*). The knob table's every rule: tests/test_launch.py."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+import launch  # noqa: E402
+import records  # noqa: E402
+from test_launch import TOY  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- knobs a phase would refuse later
+
+@pytest.mark.parametrize("settings,message", [
+    # vLLM's own sampling rules (vllm/sampling_params.py SamplingParams._verify_args, _verify_greedy_sampling), which it
+    # would raise in a traceback after an engine started
+    ({"TEMPERATURE": "0"}, "TEMPERATURE=0 samples greedily, one response per prompt: a group of GROUP_SIZE=8 needs "
+                           "TEMPERATURE > 0"),
+    ({"TEMPERATURE": "0.000001"}, "TEMPERATURE=0.000001 samples greedily"),
+    ({"TEMPERATURE": "2.5"}, "TEMPERATURE must be a number in [0, 2], got '2.5'"),
+    ({"EVAL_TEMPERATURE": "0"}, "EVAL_TEMPERATURE=0 samples greedily, one response per problem: EVAL_K=4 needs "
+                                "EVAL_TEMPERATURE > 0, or EVAL_K=1"),
+    ({"EVAL_TOP_P": "2"}, "EVAL_TOP_P must be a number in (0, 1], got '2'"),
+    ({"EVAL_TOP_P": "0"}, "EVAL_TOP_P must be a number in (0, 1], got '0'"),
+    ({"EVAL_K": "0"}, "EVAL_K must be at least 1, got '0'"),
+    ({"MAX_RESPONSE": "0"}, "MAX_RESPONSE must be at least 1, got '0'"),
+    ({"MAX_PROMPT": "0"}, "MAX_PROMPT must be at least 1, got '0'"),
+    # the cases a new user tried that were refused already (kept here with the rest)
+    ({"STAGES": "-1"}, "STAGES must be a whole number, got '-1'"),
+    ({"LR": "-1e-4"}, "LR must be a non-negative number, got '-1e-4'"),
+    ({"PRESET": "big"}, "PRESET must be paper, toy, lab or lab-fork, got 'big'"),
+])
+def test_a_value_a_phase_would_refuse_is_refused_by_the_settings_check(settings, message):
+    _, problem = launch.resolve({**TOY, **settings})
+    assert problem is not None and problem.startswith(message), problem
+
+
+def test_greedy_evaluation_with_one_sample_is_allowed():
+    assert launch.resolve({**TOY, "EVAL_TEMPERATURE": "0", "EVAL_K": "1"})[1] is None
+
+
+def test_a_misspelt_knob_is_named_with_the_knob_it_is_close_to():
+    env = {"UPDATE_PER_STAGE": "4", "PATH": "/bin", "SEEDS": "0 1", "MUS": "4 64", "CUDA_VISIBLE_DEVICES": "0",
+           "LR": "1e-4", "GROUPSIZE": "4", "HOME": "/root", "OMP_NUM_THREADS": "1", "NAV_DELTA": "1e-4",
+           "LAB_DIR": "data/lab", "LOSS_PRESETS": "grpo"}
+    # the frontier's and table's knobs (SEEDS, MUS), losses.sh's and presets.sh's (NAV_DELTA, LAB_DIR, LOSS_PRESETS)
+    # are knobs of other launchers, not typos
+    assert launch.misspelt_knobs(env) == [("UPDATE_PER_STAGE", "UPDATES_PER_STAGE"), ("GROUPSIZE", "GROUP_SIZE")]
+    proc = subprocess.run([sys.executable, "launch.py", "--command=settings"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **TOY, "UPDATE_PER_STAGE": "4"}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "UPDATE_PER_STAGE=4 is not a knob: did you mean UPDATES_PER_STAGE? (run_stages.sh's variables)"
+
+
+# ----------------------------------------------------------------------------- a rerun with other settings
+
+
+def recorded_run(tmp_path, done=("generate_0",), **changes):
+    """A run directory whose first attempt ran at TOY's settings (its record) and finished the phases `done`;
+    returns the knobs of a rerun with `changes`."""
+    run = tmp_path / "run"
+    (run / ".done").mkdir(parents=True)
+    for name in ("start", *done):
+        (run / ".done" / name).write_text("")
+    first, _ = launch.resolve({**TOY, "RUN": str(run)})
+    common.atomic_write_json(run / records.RUN_SETTINGS, launch.run_settings(first))
+    again, problem = launch.resolve({**TOY, "RUN": str(run), **changes})
+    assert problem is None
+    return run, again
+
+
+def refusal(k):
+    with pytest.raises(SystemExit) as e:
+        launch.rerun_check(k)
+    return e.value.code
+
+
+def test_a_rerun_with_a_changed_setting_is_refused_naming_each(tmp_path, capsys):
+    run, k = recorded_run(tmp_path, LR="1e-3", LOSS_ARGS="--clip_low=0.8")
+    assert refusal(k) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"RUN={run} was run with other settings: LOSS_ARGS --clip_low=0 → --clip_low=0.8; "
+                           f"LR 2e-4 → 1e-3. Rerun with its settings ({run}/{records.RUN_SETTINGS})"), line
+    assert "\n" not in line
+
+
+def test_a_rerun_may_change_what_does_not_change_the_science(tmp_path):
+    _, k = recorded_run(tmp_path, EVAL_EVERY="2", REPORT_TO="tensorboard", GPUS="0", MICRO_BATCH_TOKENS="2048",
+                        RESIDENT="true", SAVE_POLICY_EVERY="4")
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+
+
+def test_an_edited_default_in_a_phase_scripts_block_is_a_changed_setting(tmp_path, monkeypatch, capsys):
+    run, k = recorded_run(tmp_path)
+    real = common.script_defaults
+    monkeypatch.setattr(common, "script_defaults", lambda name: {**real(name), **(
+        {"weight_decay": 0.1, "checkpoint_every": 5} if name == "optimize.py" else {})})
+    assert refusal(k) == 2
+    line = capsys.readouterr().err
+    assert "optimize.py weight_decay 0.01 → 0.1" in line and "checkpoint_every" not in line    # (a safe one)
+
+
+def test_a_finished_run_given_more_stages_goes_on_and_fewer_are_refused(tmp_path, capsys):
+    _, k = recorded_run(tmp_path, done=("generate_0", "optimize_0", "all"), STAGES="5")
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "1"}         # 3 → 5 stages: the run goes on
+    _, k = recorded_run(tmp_path / "b", done=("generate_0", "all"), STAGES="2")
+    assert refusal(k) == 2 and "STAGES 3 → 2" in capsys.readouterr().err
+
+
+def test_an_attempt_that_finished_no_phase_does_not_block_the_corrected_one(tmp_path, monkeypatch, capsys):
+    # the first attempt (GROUP_SIZE=8) failed inside its first phase: its stage's plan and a shard are left behind
+    run, k = recorded_run(tmp_path, done=(), GROUP_SIZE="4")
+    (run / "stage_0" / "rollouts").mkdir(parents=True)
+    (run / "stage_0" / "rollouts" / records.PLAN).write_text(json.dumps({"group_size": 8}))
+    (run / "logs").mkdir()
+    (run / "logs" / "generate_0.log").write_text("the failure\n")
+    (run / records.TIMELINE).write_text("{}\n")
+    assert launch.rerun_check(k) == {"FRESH": "1", "EXTEND": "0"}
+    for name, value in {**k, "FRESH": "1", "EXTEND": "0"}.items():
+        monkeypatch.setenv(name, value)
+    launch.settle_record()
+    assert "finished no phase and had other settings: its partial outputs (.done, run_settings.json, stage_0, " \
+           "timeline.jsonl) are cleared" in capsys.readouterr().out
+    assert sorted(p.name for p in run.iterdir()) == [".done", "logs", records.RUN_SETTINGS]    # the logs stay
+    assert json.loads((run / records.RUN_SETTINGS).read_text())["knobs"]["GROUP_SIZE"] == "4"
+    # the same attempt's settings again: nothing to clear
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+
+
+# ----------------------------------------------------------------------------- a model or policy that cannot load
+
+
+def model_dir(tmp_path, name="m", shards=1):
+    """A tiny checkpoint directory as save_pretrained writes one: config.json, safetensors (one file or an index and
+    shards), a tokenizer."""
+    from safetensors.torch import save_file
+    d = tmp_path / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    tensors = {f"w{i}": torch.arange(6, dtype=torch.float32) + i for i in range(shards)}
+    if shards == 1:
+        save_file(tensors, str(d / "model.safetensors"))
+    else:
+        names = {k: f"model-0000{i + 1}-of-0000{shards}.safetensors" for i, k in enumerate(tensors)}
+        for k, f in names.items():
+            save_file({k: tensors[k]}, str(d / f))
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda d: (d / "config.json").unlink(), "no config.json (not a model directory)"),
+    (lambda d: (d / "config.json").write_text("{"), "config.json is not valid JSON"),
+    (lambda d: (d / "config.json").write_text("{}"), "config.json names no model (no architectures, no model_type)"),
+    (lambda d: (d / "model.safetensors").unlink(), "no *.safetensors weights"),
+    (lambda d: ((d / "model.safetensors").unlink(), (d / "pytorch_model.bin").write_bytes(b"x")),
+     "no *.safetensors weights (only pytorch_model.bin: the trainer loads safetensors)"),
+    # 8 bytes of header length, the header, then 6 float32s: 24 bytes of data; 10 of them cut off
+    (lambda d: os.truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size - 10),
+     "model.safetensors is cut short"),
+    (lambda d: os.truncate(d / "model.safetensors", 5), "model.safetensors is cut short (5 bytes, its header unreadable)"),
+    (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer (tokenizer.json, tokenizer.model, vocab.json"),
+])
+def test_a_damaged_checkpoint_is_named_by_what_is_wrong(tmp_path, damage, problem):
+    d = model_dir(tmp_path)
+    assert common.policy_problem(d) is None
+    damage(d)
+    found = common.policy_problem(d)
+    assert found is not None and found.startswith(problem), found
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_named(tmp_path):
+    d = model_dir(tmp_path, shards=2)
+    assert common.policy_problem(d) is None
+    (d / "model-00002-of-00002.safetensors").unlink()
+    assert common.policy_problem(d) == \
+        "model.safetensors.index.json names shards that are not there: model-00002-of-00002.safetensors"
+
+
+def test_a_runs_own_damaged_policy_says_which_phase_writes_it_again(tmp_path):
+    run = tmp_path / "run"
+    (run / ".done").mkdir(parents=True)
+    policy = model_dir(run / "stage_1", "policy")
+    whole = (policy / "model.safetensors").stat().st_size
+    os.truncate(policy / "model.safetensors", whole - 8)
+    (run / "stage_1" / "train_state").mkdir()
+    (run / "stage_1" / "train_state" / "progress.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        common.require_policy(policy)
+    assert str(e.value) == (f"--policy={policy}: model.safetensors is cut short: {whole - 8} bytes of the {whole} its "
+                            f"header describes; it is optimize_1's output: `rm {run}/.done/optimize_1` and rerun to write it "
+                            f"again from stage 1's train state")
+    (run / "stage_1" / "train_state" / "progress.json").unlink()
+    with pytest.raises(SystemExit) as e:
+        common.require_policy(policy)
+    assert str(e.value).endswith("it is optimize_1's output, and stage 1's train state is gone (only the last is "
+                                 "kept): a new RUN starts over")
+
+
+def test_a_local_path_that_does_not_exist_is_not_taken_for_a_hub_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for missing in ("runs/x", "runs/x/stage_0/policy", str(tmp_path / "nothing"), "./model", "~/model"):
+        assert common.looks_local(missing), missing
+        with pytest.raises(SystemExit) as e:
+            common.local_dir(missing)
+        assert str(e.value) == f"{missing}: no such directory (a local path; a hub name is <organization>/<model>)"
+    for hub in ("Qwen/Qwen2.5-Math-7B", "gpt2"):
+        assert not common.looks_local(hub)
+
+
+# ----------------------------------------------------------------------------- training data
+
+
+@pytest.mark.parametrize("lines,problem", [
+    ([b"42"], ":1: a problem is a JSON object with id, problem, answer, got 42"),
+    ([b'{"id": "a", "problem": "1+1?", "answer": "2"}', b'["a", "b"]'], ":2: a problem is a JSON object"),
+    ([b'{"id": "a", "problem": "caf\xe9", "answer": "2"}'], ":1: not UTF-8 (byte 0xe9 at column 28)"),
+    ([b'{"id": "a", "problem": "1+1?", "answer": " "}'], ":1: the answer is empty (no response could be graded right)"),
+    ([b'', b'{"id": "a", "problem": "1+1?"}'], ":2: has no field 'answer' (prepare it with data/prepare.py)"),
+    ([b'{"id": "a", "problem": '], ":1: not valid JSON"),
+])
+def test_a_bad_training_row_is_named_by_file_and_line(tmp_path, lines, problem):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(ValueError) as e:
+        common.load_problems(path)
+    assert str(e.value).startswith(f"{path}{problem}"), str(e.value)
+
+
+def test_a_file_cut_short_and_an_empty_one(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'{"id": "a", "problem": "1+1?", "answer": "2"}')
+    with pytest.raises(ValueError, match=r"train.jsonl:1: truncated last line \(no newline\)"):
+        common.load_problems(path)
+    path.write_bytes(b"")
+    assert common.load_problems(path) == []        # launch.py: "has no problems", before any phase
+
+
+def test_an_unknown_script_flag_names_the_known_ones():
+    with pytest.raises(SystemExit) as e:
+        common.apply_overrides({"lr": 1e-6, "seed": 0}, ["--lrate=1"])
+    assert str(e.value) == "unknown option --lrate; known: lr, seed"
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_in_a_phases_view_is_no_traceback():
+    # the terminal's view of a phase (run_stages.sh's `phase`) gets the SIGINT of a Ctrl-C with the phase: it ends
+    # with 130 and says nothing (run_stages.sh says the run resumes on a rerun)
+    proc = subprocess.Popen([sys.executable, "launch.py", "--command=view"], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(b"a line\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == b"a line\n"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and b"Traceback" not in err and not err.strip(), err
+
+
+# ----------------------------------------------------------------------------- what a run leaves when it ends
+
+
+def test_a_run_ends_leaving_no_temporary_directory_and_a_refused_new_run_leaves_nothing(tmp_path):
+    import engine
+    import handoff
+    run = tmp_path / "run"
+
+    def end(status, new_run):
+        (run / ".done").mkdir(parents=True, exist_ok=True)
+        for d in (engine.link_dir(run), handoff.transfer_socket(run, 0).parent):
+            d.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, "launch.py", "--command=end", f"--status={status}",
+                               f"--new_run={new_run}"], cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "RUN": str(run), "NODE_RANK": "0"}, timeout=60)
+        assert proc.returncode == 0 and not engine.link_dir(run).exists()
+        assert not handoff.transfer_socket(run, 0).parent.exists()
+        return proc.stderr
+    assert end(0, "true") == "" and run.is_dir()               # a run that ended well keeps its directory
+    assert end(2, "false") == "" and run.is_dir()              # a refused rerun keeps the run's
+    assert end(2, "true") == "" and not run.exists()           # a refused new run leaves nothing
+    assert end(130, "false") == f"[run] stopped: rerun the same command to resume {run} where it stopped\n"
