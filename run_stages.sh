@@ -108,6 +108,7 @@ on_exit() {    # the trackers' last pass over the records; several nodes: a succ
   exit $st
 }
 trap on_exit EXIT
+trap 'exit 130' INT              # a Ctrl-C: on_exit's line, not bash's death by the signal
 # share KEY VALUE: node 0's VALUE on every node (its decision from files another node's NFS cache may not show yet)
 share() {
   if (( NNODES == 1 )); then echo "$2"; return; fi

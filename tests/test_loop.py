@@ -73,6 +73,8 @@ def test_toy_loop_end_to_end(finished_run):
                                                - split["generation"] - split["training"])
     samples = read_lines(finished_run / "eval_samples" / "stage_1" / "test.jsonl")
     assert len(samples) == 4 * results[-1]["problems"]
+    import engine
+    assert not engine.link_dir(finished_run).exists()          # the run's engine link went with it (launch.py end)
 
 
 @pytest.mark.slow
@@ -85,6 +87,28 @@ def test_the_terminal_shows_the_phases_without_library_chatter(finished_run):
     assert "[cpu_worker.py" not in terminal and " WARNING " not in terminal
     assert "[generate_0]" in terminal and "stage 0 rollouts:" in terminal and "stage 1 updates:" in terminal
     assert "test: avg@4" in terminal
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_rerun_with_other_settings_is_refused_and_one_with_more_stages_goes_on(toy, finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, symlinks=True)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    # the silent mix of the past: stages 0-1 at one lr, a later stage at another
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **loop_env(toy, run), "STAGES": "3", "LR": "1e-3"})
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert f"RUN={run} was run with other settings: LR 5e-4 → 1e-3." in proc.stderr and "Traceback" not in proc.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before         # nothing written
+    # the same settings and one stage more: the run goes on from its last train state, not "nothing to do"
+    proc = run_loop({**loop_env(toy, run), "STAGES": "3"})
+    assert f"[run] {run} goes on to STAGES=3" in proc.stdout and "nothing to do" not in proc.stdout
+    metrics = read_lines(run / "stage_2" / "metrics.jsonl")
+    assert [m["run_update"] for m in metrics] == list(range(12, 18)) and metrics[0]["optimizer_update"] == 12
+    assert sorted({r["stage"] for r in read_lines(run / "results.jsonl")}) == [-1, 0, 1, 2]
+    assert json.loads((run / "run_settings.json").read_text())["knobs"]["STAGES"] == "3"
+    assert "nothing to do" in run_loop({**loop_env(toy, run), "STAGES": "3"}).stdout
 
 
 @pytest.mark.slow
@@ -484,7 +508,7 @@ def test_training_data_without_answers_fails_before_any_phase(toy, tmp_path):
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 2 and "has no field 'answer'" in proc.stderr
-    assert not (tmp_path / "run" / "results.jsonl").exists()        # no evaluation either
+    assert not (tmp_path / "run").exists()        # a refused new run leaves nothing (launch.py end)
 
 
 @pytest.mark.slow
@@ -778,3 +802,20 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
     run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
     assert_same_stages(resident_run, run_dir, stages=(1,))
     assert_no_training_beside_an_awake_engine(run_dir)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_ctrl_c_stops_the_run_in_one_line_saying_how_it_resumes(toy, tmp_path):
+    # Ctrl-C: the terminal sends SIGINT to the whole foreground group (the script, the phase, its terminal view)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(["bash", "run_stages.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **loop_env(toy, run), "STAGES": "1"})
+    deadline = time.time() + 300
+    while "stage 0 prompts" not in read_log(run / "logs" / "generate_0.log") and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"[run] stopped: rerun the same command to resume {run} where it stopped"
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
