@@ -298,8 +298,9 @@ def resolve(knobs):
                    f"{k['EVAL_K']} needs EVAL_TEMPERATURE > 0, or EVAL_K=1")
     if k["PREFLIGHT"] == "auto":
         k["PREFLIGHT"] = "1" if k["PRESET"] == "paper" else "0"
-    if k["PREFLIGHT_ONLY"] == "true" and k["PREFLIGHT"] == "0":
-        return k, "PREFLIGHT_ONLY=true stops after the preflight, and PREFLIGHT=0 runs none: use PREFLIGHT=1"
+    if k["PREFLIGHT_ONLY"] == "true" and k["PREFLIGHT"] == "0" and not (k["EVAL_CACHE"] and k["EVAL_EVERY"] != "0"):
+        return k, ("PREFLIGHT_ONLY=true stops after the preflight and the initial evaluation kept in EVAL_CACHE, and "
+                   "this runs neither: use PREFLIGHT=1 (or an EVAL_CACHE)")
     return k, None
 
 

@@ -48,7 +48,8 @@ PER_REQUEST_SEED=${PER_REQUEST_SEED:-true}  # true: each prompt samples from its
 PREFLIGHT=${PREFLIGHT:-auto}    # preflight.py first, at the run's settings (cached once passed): auto (the paper
                                 # preset only) | 1 (any preset) | 0 (never) | force (and start after a FAIL)
 PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more preflight.py flags, e.g. its miniature's size: "--prompts=8 --updates=2"
-PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-false}  # true: stop after the preflight (its throughputs: frontier.sh's estimate)
+PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-false}  # true: stop after the preflight (its throughputs: frontier.sh's estimate) and,
+                                # with EVAL_CACHE, the initial policy's evaluation kept there (table1.sh's per model)
 # ---- several nodes (README, Several nodes): the same command on each, RUN, MODEL and data on a shared filesystem
 NNODES=${NNODES:-1}             # nodes running this script together; node 0 keeps the run-level files (nodes.py)
 NODE_RANK=${NODE_RANK:-0}       # this node: 0..NNODES-1
@@ -159,7 +160,6 @@ KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
 [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
 # minutes of checks before days of run, at the run's settings, before anything else; several nodes: node 0's
 [[ "$PREFLIGHT" == 0 ]] || (( NODE_RANK > 0 )) || KL="${KL_ARGS[*]}" $PY launch.py --command=preflight 9>&-
-if [[ "$PREFLIGHT_ONLY" == true ]]; then (( NODE_RANK > 0 )) || echo "preflight only: $RUN/preflight.json"; exit 0; fi
 
 [[ "$RESIDENT" != true ]] || HANDOFF=$($PY launch.py --command=handoff)   # files if the preflight found IPC failing
 # this attempt's start, a zero-length row: the time from the last record before it is not the run's (records.pauses)
@@ -192,6 +192,7 @@ else TRAIN=($PY); fi
 # spare it (evaluate.py --cache)
 [[ -z "$EVAL_CACHE" ]] || (( EVAL_EVERY == 0 )) || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 \
     "${EVAL_ARGS[@]}" --cache="$EVAL_CACHE"
+if [[ "$PREFLIGHT_ONLY" == true ]]; then (( NODE_RANK > 0 )) || echo "the preflight and the initial evaluation only"; exit 0; fi
 if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed one stops the other); a rerun resumes:
                                      # the engine at the first stage without rollouts, the trainer at its last state
   $PY launch.py --command=resident --logs="$RUN/logs" \

@@ -23,8 +23,12 @@ ARRAY_LIMIT=${ARRAY_LIMIT:-}    # slurm: at most this many runs at once (the box
 #   TOTAL_UPDATES   every run's updates (TOTAL_UPDATES / μ stages of μ); EVAL_UPDATES: evaluated every so many
 #   RESIDENT_MAX_MU μ up to this run resident (RESIDENT=true): stages too short to pay a process start each, as the
 #                   paper's GRPO ran resident in verl
-if [[ "$PRESET" == auto ]]; then
-  PRESET=$(command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo paper || echo lab)
+if [[ "$PRESET" == auto ]]; then   # run_stages.sh's rule (launch.py preset: GPUs torch sees), here, not on a cluster
+  [[ "$SCHEDULER" != slurm ]] || { echo "SCHEDULER=slurm: give PRESET=paper (or lab): this host's GPUs are not the" \
+                                        "compute nodes', and PRESET=auto would read this host's" >&2; exit 2; }
+  export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}; bash setup.sh >&2
+  PRESET=$(PRESET=auto "$MU_GRPO_VENV/bin/python" launch.py --command=preset | sed -n 's/^PRESET=//p')
+  [[ "$PRESET" == paper ]] || PRESET=lab
 fi
 case "$PRESET" in
   paper) : "${MODELS:=meta-llama/Llama-3.2-3B-Instruct Qwen/Qwen2.5-Math-7B Qwen/Qwen3-1.7B-Base Qwen/Qwen3-8B-Base deepseek-ai/DeepSeek-R1-Distill-Qwen-7B}"
@@ -41,20 +45,28 @@ OUT=${OUT:-runs/table1-$PRESET}
 
 export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}
 PY=$MU_GRPO_VENV/bin/python
-bash setup.sh >&2
-# the plan, checked before anything runs: $OUT/runs.txt, one run per line, its run_stages.sh settings
-n=$($PY bench/table1.py --command=plan --runs_dir="$OUT" --preset="$PRESET" --models="$MODELS" --methods="$METHODS" \
-    --total_updates="$TOTAL_UPDATES" --eval_updates="$EVAL_UPDATES" --resident_max_mu="$RESIDENT_MAX_MU") || exit 2
-echo "table 1: $n runs ($MODELS × $METHODS, $TOTAL_UPDATES updates each) in $OUT"
+# the plan, checked before anything runs (the standard library alone: on a cluster's login node there is no venv, and
+# none is built there: each task's run_stages.sh sets up the environment of its own node's kind, setup.sh):
+# $OUT/prepare.txt, each model's preflight and initial evaluation, and $OUT/runs.txt, one run per line
+read -r m n < <(python3 bench/table1.py --command=plan --runs_dir="$OUT" --preset="$PRESET" --models="$MODELS" \
+    --methods="$METHODS" --total_updates="$TOTAL_UPDATES" --eval_updates="$EVAL_UPDATES" \
+    --resident_max_mu="$RESIDENT_MAX_MU") || exit 2
+echo "table 1: $n runs ($MODELS × $METHODS, $TOTAL_UPDATES updates each) in $OUT, after $m preparation(s)"
 case "$SCHEDULER" in
-  slurm)   # each array task runs line SLURM_ARRAY_TASK_ID of runs.txt (slurm/table1.sbatch); the table once they end
-    sbatch --array="0-$((n - 1))${ARRAY_LIMIT:+%$ARRAY_LIMIT}" --export="ALL,TABLE1_RUNS=$OUT/runs.txt" $SBATCH_ARGS slurm/table1.sbatch
-    echo "submitted; once the jobs end (any time for the table so far): $PY bench/table1.py --runs_dir=$OUT" ;;
+  slurm)   # each array task runs one line of its file (slurm/table1.sbatch); the runs once every preparation passed
+    job=$(sbatch --parsable --array="0-$((m - 1))" --export="ALL,TABLE1_RUNS=$OUT/prepare.txt" $SBATCH_ARGS \
+          slurm/table1.sbatch); job=${job%%;*}; job=${job##* }
+    sbatch --array="0-$((n - 1))${ARRAY_LIMIT:+%$ARRAY_LIMIT}" --dependency="afterok:$job" \
+        --export="ALL,TABLE1_RUNS=$OUT/runs.txt" $SBATCH_ARGS slurm/table1.sbatch
+    echo "submitted; once the jobs end (any time for the table so far): python bench/table1.py --runs_dir=$OUT" ;;
   local)
-    mapfile -t RUNS < "$OUT/runs.txt"
-    for i in "${!RUNS[@]}"; do
-      echo "[table1] run $((i + 1)) of $n: ${RUNS[$i]}"
-      env ${RUNS[$i]} bash run_stages.sh || { echo "[table1] run $((i + 1)) failed; rerun to resume" >&2; exit 1; }
+    bash setup.sh >&2
+    for file in prepare.txt runs.txt; do
+      mapfile -t RUNS < "$OUT/$file"
+      for i in "${!RUNS[@]}"; do
+        echo "[table1] $file line $((i + 1)) of ${#RUNS[@]}: ${RUNS[$i]}"
+        env ${RUNS[$i]} bash run_stages.sh || { echo "[table1] $file line $((i + 1)) failed; rerun to resume" >&2; exit 1; }
+      done
     done
     $PY bench/table1.py --runs_dir="$OUT" ;;
   *) echo "SCHEDULER must be local or slurm, got '$SCHEDULER'" >&2; exit 2 ;;

@@ -23,7 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import frontier  # noqa: E402  (bench/: the standard error of a mean over benchmarks)
 from models import short_name  # noqa: E402  (a model's name under runs_dir and in the paper's numbers)
 import records  # noqa: E402
 import sweep  # noqa: E402  (bench/: a LOSS preset's flags, from losses.sh)
@@ -42,6 +41,8 @@ resident_max_mu = 0
 common.apply_overrides(globals(), sys.argv[1:] if __name__ == "__main__" else [])
 
 RUNS_FILE = "runs.txt"
+PREPARE_FILE = "prepare.txt"    # one line per model: its preflight and its initial policy's kept evaluation
+SAVE_HOURS = 2.0                # a resident run saves a resume point at least every this many hours of the paper's
 CPU_PRESETS = ("toy", "lab", "lab-fork")     # stand-in models: run_stages.sh's CPU presets, their own model and data
 NAMES = {"grpo": "GRPO", "m2po": "M2PO", "mu-grpo": "μ-GRPO", "dapo": "DAPO"}
 
@@ -63,38 +64,54 @@ def parse_method(method):
     return loss, int(mu)
 
 
-def plan():
-    """[(run directory, {run_stages.sh setting: value})] of every model × method, in that order: the model's
-    settings (a CPU preset by name, else PRESET with MODEL), the method's LOSS and μ over total_updates updates,
-    evaluated every eval_updates updates (every stage when μ is larger), resident up to μ = resident_max_mu (stages
-    too short to pay a process start each), the initial policy's evaluation kept once per model (EVAL_CACHE)."""
+def plan(paper_hours=None):
+    """(prepares, runs): [(run directory, {run_stages.sh setting: value})] of each model's preparation (its preflight at
+    its first resident method's settings, and its initial policy's evaluation kept in EVAL_CACHE, once: the runs then
+    skip both, and an array's runs do not wait on one another) and of every model × method, in that order: the
+    model's settings (a CPU preset by name, else PRESET with MODEL), the method's LOSS and μ over total_updates
+    updates, evaluated every eval_updates updates (every stage when μ is larger), resident up to μ = resident_max_mu
+    (stages too short to pay a process start each) and then saving a resume point every SAVE_HOURS of the paper's
+    hours for that run (paper_hours: {(model, method): hours}), else every 32nd of its stages."""
     if not models.split() or not methods.split():
         refuse("MODELS and METHODS must each name at least one")
-    runs = []
+    paper_hours = paper_hours or {}
+    prepares, runs = [], []
     for model in models.split():
         base = {"PRESET": model} if model in CPU_PRESETS else {"PRESET": preset, "MODEL": model}
+        model_runs = []
         for method in methods.split():
             loss, mu = parse_method(method)
+            stages, resident = total_updates // mu, mu <= resident_max_mu
             run = f"{runs_dir}/{short_name(model)}/{loss}-mu{mu}"
-            runs.append((run, {**base, "RUN": run, "LOSS": loss, "STAGES": str(total_updates // mu),
-                               "UPDATES_PER_STAGE": str(mu), "RESIDENT": str(mu <= resident_max_mu).lower(),
-                               "EVAL_EVERY": str(eval_updates // mu if eval_updates > mu else 1),
-                               "EVAL_CACHE": f"{runs_dir}/eval_cache"}))
+            env = {**base, "RUN": run, "LOSS": loss, "STAGES": str(stages), "UPDATES_PER_STAGE": str(mu),
+                   "RESIDENT": str(resident).lower(), "EVAL_EVERY": str(eval_updates // mu if eval_updates > mu else 1),
+                   "EVAL_CACHE": f"{runs_dir}/eval_cache"}
+            if resident:
+                hours = paper_hours.get((short_name(model), method))
+                env["SAVE_EVERY"] = str(max(1, int(stages * SAVE_HOURS / hours) if hours else stages // 32))
+            model_runs.append((run, env))
+        first = next((env for _, env in model_runs if env["RESIDENT"] == "true"), model_runs[0][1])
+        prepare = f"{runs_dir}/{short_name(model)}/prepare"
+        prepares.append((prepare, {**first, "RUN": prepare, "PREFLIGHT_ONLY": "true"}))
+        checked = preset == "paper" and model not in CPU_PRESETS      # its preflight ran (PREFLIGHT=auto: paper)
+        runs += [(run, {**env, **({"PREFLIGHT": "0"} if checked else {})}) for run, env in model_runs]
     if len({r for r, _ in runs}) < len(runs):
         refuse(f"MODELS={models!r} × METHODS={methods!r} names a run twice")
-    return runs
+    return prepares, runs
 
 
-def write_plan(runs):
-    """runs.txt: a run per line, its settings as `KEY=value ...` (table1.sh and slurm/table1.sbatch run line i as
-    `env <line> bash run_stages.sh`). A rerun with other knobs rewrites it; the runs already made stay."""
-    for run, env in runs:
-        if any(c.isspace() for v in env.values() for c in v):
-            refuse(f"{run}: a setting holds a space ({env}); runs.txt cannot carry it")
+def write_plan(prepares, runs):
+    """prepare.txt and runs.txt: a run per line, its settings as `KEY=value ...` (table1.sh and slurm/table1.sbatch
+    run line i as `env <line> bash run_stages.sh`); prints how many of each. A rerun with other knobs rewrites them;
+    the runs already made stay."""
     Path(runs_dir).mkdir(parents=True, exist_ok=True)
-    common.atomic_write(Path(runs_dir) / RUNS_FILE,
-                        "".join(" ".join(f"{k}={v}" for k, v in env.items()) + "\n" for _, env in runs))
-    print(len(runs))
+    for name, entries in ((PREPARE_FILE, prepares), (RUNS_FILE, runs)):
+        for run, env in entries:
+            if any(c.isspace() for v in env.values() for c in v):
+                refuse(f"{run}: a setting holds a space ({env}); {name} cannot carry it")
+        common.atomic_write(Path(runs_dir) / name,
+                            "".join(" ".join(f"{k}={v}" for k, v in env.items()) + "\n" for _, env in entries))
+    print(len(prepares), len(runs))
 
 
 def read_plan(directory):
@@ -125,9 +142,14 @@ def run_cells(run_dir):
     return {"state": "finished" if (run_dir / ".done" / "all").exists() else "unfinished", "run": str(run_dir),
             "updates": next(r["updates"] for _, r in trained if r["stage"] == last), "benchmarks": benchmarks,
             "mean": sum(b["avg"] for b in benchmarks.values()) / len(benchmarks),
-            "mean_stderr": frontier.mean_stderr([b["stderr"] for b in benchmarks.values()]),
+            "mean_stderr": mean_stderr([b["stderr"] for b in benchmarks.values()]),
             "t_rollout_h": split["generation"] / 3600,
             "t_total_h": (split["wall"] - split["evaluation"]) / 3600}
+
+
+def mean_stderr(stderrs):
+    import frontier  # bench/ (numpy): the table's step, not the plan's, which runs where no venv is (a login node)
+    return frontier.mean_stderr(stderrs)
 
 
 def table(plan_rows, paper_numbers):
@@ -215,7 +237,8 @@ def markdown(rows, paper_numbers):
 
 def main():
     if command == "plan":
-        write_plan(plan())
+        numbers = json.loads(Path(paper).read_text())["models"] if paper else {}
+        write_plan(*plan({(m, method): r["t_total_h"] for m, rows in numbers.items() for method, r in rows.items()}))
         return
     if command != "table":
         refuse(f"--command must be table or plan, got {command!r}")

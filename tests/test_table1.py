@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,32 +15,52 @@ sys.path.insert(0, str(ROOT / "bench"))
 import table1  # noqa: E402
 
 
-def plan_with(monkeypatch, tmp_path, **knobs):
+def plan_with(monkeypatch, tmp_path, paper_hours=None, **knobs):
     settings = {"runs_dir": str(tmp_path), "preset": "paper", "models": "Qwen/Qwen2.5-Math-7B toy",
                 "methods": "grpo:4 mu-grpo:1024", "total_updates": 4096, "eval_updates": 1024, "resident_max_mu": 64}
     for k, v in {**settings, **knobs}.items():
         monkeypatch.setattr(table1, k, v)
-    return table1.plan()
+    return table1.plan(paper_hours)
 
 
 def test_the_plan_is_every_model_by_every_method_at_equal_updates(monkeypatch, tmp_path, capsys):
-    runs = plan_with(monkeypatch, tmp_path)
-    table1.write_plan(runs)
-    assert capsys.readouterr().out == "4\n"
+    # GRPO μ = 4 on Qwen2.5-Math-7B took the paper 23.7 h: a resume point every 2 h of it is every
+    # int(1024 stages · 2 / 23.7) = 86 stages; the toy has no paper hours: every 1024 / 32 = 32 stages
+    prepares, runs = plan_with(monkeypatch, tmp_path, {("Qwen2.5-Math-7B", "grpo:4"): 23.7})
+    table1.write_plan(prepares, runs)
+    assert capsys.readouterr().out == "2 4\n"
     cache = f"EVAL_CACHE={tmp_path}/eval_cache"
+    qwen = f"PRESET=paper MODEL=Qwen/Qwen2.5-Math-7B RUN={tmp_path}/Qwen2.5-Math-7B"
     assert (tmp_path / "runs.txt").read_text().splitlines() == [
-        f"PRESET=paper MODEL=Qwen/Qwen2.5-Math-7B RUN={tmp_path}/Qwen2.5-Math-7B/grpo-mu4 LOSS=grpo STAGES=1024 "
-        f"UPDATES_PER_STAGE=4 RESIDENT=true EVAL_EVERY=256 {cache}",            # 4096 / 4 stages, every 1024 updates
-        f"PRESET=paper MODEL=Qwen/Qwen2.5-Math-7B RUN={tmp_path}/Qwen2.5-Math-7B/mu-grpo-mu1024 LOSS=mu-grpo STAGES=4 "
-        f"UPDATES_PER_STAGE=1024 RESIDENT=false EVAL_EVERY=1 {cache}",
+        f"{qwen}/grpo-mu4 LOSS=grpo STAGES=1024 UPDATES_PER_STAGE=4 RESIDENT=true EVAL_EVERY=256 {cache} "
+        f"SAVE_EVERY=86 PREFLIGHT=0",                           # 4096 / 4 stages, every 1024 updates; checked once
+        f"{qwen}/mu-grpo-mu1024 LOSS=mu-grpo STAGES=4 UPDATES_PER_STAGE=1024 RESIDENT=false EVAL_EVERY=1 {cache} "
+        f"PREFLIGHT=0",
         f"PRESET=toy RUN={tmp_path}/toy/grpo-mu4 LOSS=grpo STAGES=1024 UPDATES_PER_STAGE=4 RESIDENT=true "
-        f"EVAL_EVERY=256 {cache}",                                                # a CPU preset stands in for a model
+        f"EVAL_EVERY=256 {cache} SAVE_EVERY=32",                 # a CPU preset stands in for a model: no preflight
         f"PRESET=toy RUN={tmp_path}/toy/mu-grpo-mu1024 LOSS=mu-grpo STAGES=4 UPDATES_PER_STAGE=1024 RESIDENT=false "
         f"EVAL_EVERY=1 {cache}"]
+    # one preparation per model, at its first resident method's settings: the preflight, the initial evaluation
+    assert (tmp_path / "prepare.txt").read_text().splitlines() == [
+        f"{qwen}/prepare LOSS=grpo STAGES=1024 UPDATES_PER_STAGE=4 RESIDENT=true EVAL_EVERY=256 {cache} SAVE_EVERY=86 "
+        f"PREFLIGHT_ONLY=true",
+        f"PRESET=toy RUN={tmp_path}/toy/prepare LOSS=grpo STAGES=1024 UPDATES_PER_STAGE=4 RESIDENT=true EVAL_EVERY=256 "
+        f"{cache} SAVE_EVERY=32 PREFLIGHT_ONLY=true"]
     assert table1.read_plan(tmp_path) == [
         ("Qwen/Qwen2.5-Math-7B", "grpo:4", f"{tmp_path}/Qwen2.5-Math-7B/grpo-mu4"),
         ("Qwen/Qwen2.5-Math-7B", "mu-grpo:1024", f"{tmp_path}/Qwen2.5-Math-7B/mu-grpo-mu1024"),
         ("toy", "grpo:4", f"{tmp_path}/toy/grpo-mu4"), ("toy", "mu-grpo:1024", f"{tmp_path}/toy/mu-grpo-mu1024")]
+
+
+def test_every_papers_resident_run_saves_a_resume_point_every_two_of_its_hours(monkeypatch, tmp_path):
+    numbers = json.loads((ROOT / "bench" / "table1_paper.json").read_text())["models"]
+    hours = {(m, method): r["t_total_h"] for m, rows in numbers.items() for method, r in rows.items()}
+    _, runs = plan_with(monkeypatch, tmp_path, hours, models=" ".join(
+        ["meta-llama/Llama-3.2-3B-Instruct", "Qwen/Qwen2.5-Math-7B", "Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-8B-Base",
+         "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"]), methods="grpo:4")
+    for run, env in runs:
+        paper_h = hours[(Path(run).parent.name, "grpo:4")]
+        assert paper_h / 1024 * int(env["SAVE_EVERY"]) <= 2.0, (run, env["SAVE_EVERY"])     # ≤ 2 h between saves
 
 
 @pytest.mark.parametrize("knobs,line", [
@@ -133,14 +154,24 @@ def stub_sbatch(tmp_path):
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
-def test_on_a_cluster_the_runs_are_one_slurm_array(tmp_path):
-    out = tmp_path / "t1"
+def test_on_a_cluster_the_runs_are_one_slurm_array_after_each_models_preparation(tmp_path):
+    # from a login node: no venv is built there (each task's setup.sh builds its node's kind: on a GPU node a CPU venv
+    # from the login node would be refused), and PRESET=auto, which would read the login node's GPUs, is refused
+    out, venv = tmp_path / "t1", tmp_path / "venv"
     env = {**os.environ, **stub_sbatch(tmp_path), "PRESET": "paper", "OUT": str(out), "SCHEDULER": "slurm",
-           "SBATCH_ARGS": "--partition=h200 --account=rl", "ARRAY_LIMIT": "5"}
+           "SBATCH_ARGS": "--partition=h200 --account=rl", "ARRAY_LIMIT": "5", "MU_GRPO_VENV": str(venv)}
     proc = subprocess.run(["bash", "table1.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "sbatch.calls").read_text() == (    # 5 models × 4 methods: tasks 0-19, 5 at once, one script
-        f"--array=0-19%5 --export=ALL,TABLE1_RUNS={out}/runs.txt --partition=h200 --account=rl slurm/table1.sbatch\n")
+    assert (tmp_path / "sbatch.calls").read_text() == (    # 5 models: their preparations; then 5 × 4 methods, 5 at once
+        f"--parsable --array=0-4 --export=ALL,TABLE1_RUNS={out}/prepare.txt --partition=h200 --account=rl "
+        f"slurm/table1.sbatch\n"
+        f"--array=0-19%5 --dependency=afterok:7 --export=ALL,TABLE1_RUNS={out}/runs.txt --partition=h200 --account=rl "
+        f"slurm/table1.sbatch\n")
+    assert not venv.exists()
+    auto = subprocess.run(["bash", "table1.sh"], cwd=ROOT, env={**env, "PRESET": "auto"}, capture_output=True,
+                          text=True, timeout=300)
+    assert auto.returncode == 2 and auto.stderr.startswith("SCHEDULER=slurm: give PRESET=paper (or lab)")
+    assert not venv.exists()
     lines = (out / "runs.txt").read_text().splitlines()
     assert len(lines) == 20 and lines[19].startswith(
         f"PRESET=paper MODEL=deepseek-ai/DeepSeek-R1-Distill-Qwen-7B RUN={out}/DeepSeek-R1-Distill-Qwen-7B/mu-grpo-mu1024 ")
