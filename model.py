@@ -281,6 +281,21 @@ def load_weights(model, path):
                 buf.copy_(handles[index[name]].get_tensor(name))
 
 
+def fsdp2(model, device, shard_ranks=0, param_dtype=None):
+    """FSDP2 over the process group, as the box's trainer ranks run: every layer, then the root, computing in
+    param_dtype (default: bf16 on a GPU, fp32 on a CPU) from fp32 master shards, gradients reduced in fp32; over
+    groups of shard_ranks ranks (HSDP) when given. bench/gpu_check.py runs it on one rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP2: only with a process group
+    world = dist.get_world_size()
+    param_dtype = param_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    options = dict(mp_policy=mp, mesh=hsdp_mesh(world, shard_ranks, device.type) if shard_ranks else None)
+    for layer in model.model.layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
 def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_alpha=32, trainable=True,
           weights=True, shard_ranks=0):
     """The policy as the trainer runs it: fp32 master weights (bf16 compute on a GPU), dropout off, train
@@ -310,13 +325,7 @@ def build(source, *, attention, gradient_checkpointing=False, lora_rank=0, lora_
     if gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # FSDP2: only with more than one rank
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                  reduce_dtype=torch.float32)
-        options = dict(mp_policy=mp, mesh=hsdp_mesh(world, shard_ranks, device.type) if shard_ranks else None)
-        for layer in model.model.layers:
-            fully_shard(layer, **options)
-        fully_shard(model, **options)
+        fsdp2(model, device, shard_ranks)
     buffers = {name: b.detach().to(device, copy=True) for name, b in model.named_buffers()}
     model.to_empty(device=device)                  # uninitialized storage for this rank's shards (and buffers)
     for name, b in model.named_buffers():

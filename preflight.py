@@ -260,6 +260,17 @@ def stop_token_check(results, rows, model):
           max_truncation_rate)
 
 
+def agreement_record(first, manifest):
+    """The stage-0 agreement this box measured for this model, kept in the report whatever its checks say (the bound
+    is reasoned, not measured: bench/table1.py --command=agreement reads every model's side by side): update 0's mean,
+    p99.9 level and max |Δ log p| between the trainer and the engines on the same weights, the policy's entropy and
+    the responses' mean length (a long high-entropy sample drifts more), and the bound the run gates on."""
+    keys = ("mismatch/mean_abs_log_ratio", "mismatch/p999_at_most", "mismatch/max_abs_log_ratio", "entropy")
+    return {**{k.split("/")[-1]: first.get(k) for k in keys}, "mean_response_tokens": manifest["mean_response_tokens"],
+            "bound_mean": agreement_mean, "bound_p999": agreement_p999, "device": "cuda" if on_gpu else "cpu",
+            "model": policy}
+
+
 def agreement_checks(results, first, what):
     """Update 0's engine/trainer |Δ log p| (optimize.py's mismatch/ metrics): gated on the mean and on the share
     of tokens above the p99.9 bound (≤ 0.1 %); the max is printed."""
@@ -546,6 +557,7 @@ def miniature(results, figures, model):
     run("optimize_0", optimize_cmd(stage0, stage0 / records.POLICY, updates, f"--policy={model}",
                                    "--check_packing=true"))
     metrics = common.read_jsonl(stage0 / records.METRICS)
+    figures["agreement"] = agreement_record(metrics[0], manifest)
     with guarded(results, "engine/trainer agreement"):
         agreement_checks(results, metrics[0], "engine/trainer agreement")
     with guarded(results, "packed attention"):

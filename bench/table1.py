@@ -27,7 +27,8 @@ from models import short_name  # noqa: E402  (a model's name under runs_dir and 
 import records  # noqa: E402
 import sweep  # noqa: E402  (bench/: a LOSS preset's flags, from losses.sh)
 
-command = "table"               # table: write the table from the runs' records | plan: write runs.txt (table1.sh)
+command = "table"               # table: write the table from the runs' records | plan: write runs.txt (table1.sh) |
+                                # agreement: each model's stage-0 engine/trainer agreement from its preparation
 runs_dir = "runs/table1-paper"  # table1.sh's OUT: runs.txt, <model>/<loss>-mu<μ>/ run directories
 out = ""                        # where table1.md and table1.json go (default: runs_dir)
 paper = str(ROOT / "bench" / "table1_paper.json")   # the paper's numbers
@@ -235,13 +236,42 @@ def markdown(rows, paper_numbers):
     return "\n".join(lines)
 
 
+def agreement_rows(directory):
+    """[(model, its preflight's stage-0 agreement record or None)] of prepare.txt's models (preflight.py
+    agreement_record)."""
+    found = []
+    for line in (Path(directory) / PREPARE_FILE).read_text().splitlines():
+        env = dict(item.split("=", 1) for item in line.split())
+        report = Path(env["RUN"]) / "preflight.json"
+        record = json.loads(report.read_text()).get("figures", {}).get("agreement") if report.exists() else None
+        found.append((env.get("MODEL", env["PRESET"]), record))
+    return found
+
+
+def agreement_markdown(rows):
+    lines = ["| model | mean \\|Δ log p\\| | bound | of the bound | p99.9 level | max | entropy | response tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, r in rows:
+        if r is None:
+            lines.append(f"| {model} | not measured (its preparation has not run) | | | | | | |")
+            continue
+        share = r["mean_abs_log_ratio"] / r["bound_mean"] if r["bound_mean"] else None
+        lines.append(f"| {model} | {r['mean_abs_log_ratio']:.4f} | {r['bound_mean']:g} | "
+                     f"{'—' if share is None else f'{share:.0%}'} | {r['p999_at_most']} | "
+                     f"{r['max_abs_log_ratio']:.3f} | {r['entropy']:.3f} | {r['mean_response_tokens']:.0f} |")
+    return "\n".join(lines)
+
+
 def main():
+    if command == "agreement":
+        print(agreement_markdown(agreement_rows(runs_dir)))
+        return
     if command == "plan":
         numbers = json.loads(Path(paper).read_text())["models"] if paper else {}
         write_plan(*plan({(m, method): r["t_total_h"] for m, rows in numbers.items() for method, r in rows.items()}))
         return
     if command != "table":
-        refuse(f"--command must be table or plan, got {command!r}")
+        refuse(f"--command must be table, plan or agreement, got {command!r}")
     plan_rows = read_plan(runs_dir)
     paper_numbers = json.loads(Path(paper).read_text()) if paper else {"benchmarks": [], "models": {}}
     rows = table(plan_rows, paper_numbers)

@@ -2,6 +2,9 @@
 embeddings stay one parameter, what the resident trainer keeps while the engine is awake, and the message of a
 process group that cannot start."""
 import json
+import re
+
+from conftest import read_lines
 
 import pytest
 import torch
@@ -122,17 +125,44 @@ def test_adamw_state_made_before_the_first_activation_gives_the_same_updates_bit
 
 
 @pytest.mark.slow
-def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path):
+def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path, monkeypatch):
     # bench/gpu_check.py, the trainer's path on a lent GPU, at its CPU size: optimize.py on a synthetic stage, bf16
-    # against float32 (CPU autocast), the hash on the device against the CPU's, the packed buffer hashed in a second
-    # process (shared memory here, CUDA IPC on a GPU). One table and its JSON
-    from conftest import run_script
+    # against float32 (CPU autocast, and FSDP2's bf16 parameters on one gloo rank), the hash on the device against the
+    # CPU's, the packed buffer hashed in a second process (shared memory here, CUDA IPC on a GPU). One table, its JSON
+    import importlib.util
+    import sys
+    from conftest import ROOT, run_script
     proc = run_script("bench/gpu_check.py", "--shape=tiny", "--mean_prompt_tokens=16", "--mean_response_tokens=24",
                       "--max_response_tokens=48", "--micro_batch_tokens=1024", "--updates=2", f"--out_dir={tmp_path}")
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["passed"] and report["device"] == "CPU"
-    gated = [(r["check"].split(" (")[0], r["status"]) for r in report["rows"] if r["status"] != "INFO"]
-    assert gated == [("bf16 vs float32: relative loss difference", "PASS"), ("bf16 vs float32: gradient cosine", "PASS"),
-                     ("bf16 vs float32: relative gradient-norm difference", "PASS"),
-                     ("tensor_hash on cpu equal to the CPU's", "PASS"), ("packed buffer", "PASS")], gated
-    assert report["rows"][0]["value"] > 0 and "| PASS | bf16 vs float32: gradient cosine" in proc.stdout
+    gated = [re.sub(r" \([^()]*\)$", "", r["check"]) for r in report["rows"] if r["status"] == "PASS"]
+    assert gated == [f"bf16 ({how}) vs float32: {what}" for how in ("autocast", "FSDP2 bf16 parameters, one rank")
+                     for what in ("relative loss difference", "gradient cosine", "relative gradient-norm difference")] \
+        + ["tensor_hash on cpu equal to the CPU's", gated[-1]] and gated[-1].startswith("packed buffer (0.00 GiB) by "
+                                                                         "shared memory"), gated
+    assert report["rows"][-1]["status"] == "INFO"          # the buffer's release: CUDA IPC's, gated on a GPU only
+    assert report["rows"][0]["value"] > 0 and "| PASS | bf16 (autocast) vs float32: gradient cosine" in proc.stdout
+    # each update's FLOPs are those of the groups it trained (its row's "groups", optimize.py's seeded schedule): their
+    # tokens are the row's own count; the file's first minibatch (the old reading) is another
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    stage = tmp_path / "stage-tiny"
+    metrics = read_lines(stage / "metrics.jsonl")
+    for m in metrics:
+        assert sum(p + r for p, r in gpu_check.trained_lengths(stage, m["groups"])) == m["tokens"]
+    data = __import__("rollouts").open_stage(stage / "rollouts", workers=1)
+    n = len(metrics[0]["groups"]) * 8
+    file_order = [int((data.prompt_len + data.response_len)[u * n:(u + 1) * n].sum()) for u in range(len(metrics))]
+    assert file_order != [m["tokens"] for m in metrics]          # the old reading counted other groups
+    # a check that raises is its own FAIL row (the others still run); a receiver that dies is seen at once
+    assert gpu_check.guarded("hand-off", lambda: 1 / 0) == [
+        ("hand-off: it ran", False, "ZeroDivisionError: division by zero", "no error")]
+    ctx = __import__("torch.multiprocessing").multiprocessing.get_context("spawn")
+    child = ctx.Process(target=sys.exit, args=(3,))
+    child.start()
+    with pytest.raises(RuntimeError, match=r"the receiving process died \(exit code 3\)"):
+        gpu_check.poll(ctx.Queue(), child, timeout_s=60)

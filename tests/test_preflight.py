@@ -74,6 +74,11 @@ def test_preflight_passes_on_the_toy_model_with_its_table(passed):
     assert report["figures"]["engines_ran"] == report["figures"]["engines"] == 2
     assert report["figures"]["train_ranks"] == 2 and 0 < report["figures"]["batch_saturation"] < 1
     assert "disk" in status and status["disk"] == {"PASS"}
+    # the stage-0 agreement kept whatever the checks say: what bench/table1.py --command=agreement lays side by side
+    agreement = report["figures"]["agreement"]
+    gate = next(r for r in report["checks"] if r["check"] == "engine/trainer agreement: mean |Δ log p| at update 0")
+    assert agreement["mean_abs_log_ratio"] == gate["value"] and agreement["bound_mean"] == gate["threshold"]
+    assert agreement["device"] == "cpu" and agreement["mean_response_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -239,3 +239,19 @@ def test_the_cost_estimate_from_a_preflights_throughputs(tmp_path):
                           "--preflight_updates=1024", "--estimate_points=grpo:4 mu-grpo:1024", "--costs=0,20"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[-2:] == ["| grpo:4 | 1024 | 20.00 | 25.69 |", "| mu-grpo:1024 | 4 | 20.00 | 20.02 |"]
+
+
+def test_each_models_stage0_agreement_is_read_from_its_preparation(monkeypatch, tmp_path, capsys):
+    prepares, runs = plan_with(monkeypatch, tmp_path)
+    table1.write_plan(prepares, runs)
+    capsys.readouterr()
+    report = tmp_path / "Qwen2.5-Math-7B" / "prepare" / "preflight.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({"figures": {"agreement": {
+        "mean_abs_log_ratio": 0.0125, "p999_at_most": 0.5, "max_abs_log_ratio": 2.25, "entropy": 0.75,
+        "mean_response_tokens": 812.0, "bound_mean": 0.05, "bound_p999": 1.0, "device": "cuda", "model": "q"}}}))
+    rows = table1.agreement_rows(tmp_path)
+    assert [m for m, _ in rows] == ["Qwen/Qwen2.5-Math-7B", "toy"] and rows[1][1] is None
+    lines = table1.agreement_markdown(rows).splitlines()
+    assert lines[2] == "| Qwen/Qwen2.5-Math-7B | 0.0125 | 0.05 | 25% | 0.5 | 2.250 | 0.750 | 812 |"   # 0.0125 / 0.05
+    assert lines[3].startswith("| toy | not measured")
