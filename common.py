@@ -361,7 +361,10 @@ def tensor_hash(tensor, column_offset=0):
     they are; columns split, a row-parallel layer's, with the shard's first column as column_offset), vLLM's zero
     rows of vocabulary padding (vocab_parallel_embedding.py `weight_loader`, fill_(0)) change nothing, and values
     moved within a row change it, as does a single element changed. A 1-D tensor (a norm, a bias: fused biases
-    are concatenated along their only dimension) is hashed without positions. Integer arithmetic on the tensor's
+    are concatenated along their only dimension) is hashed without positions. Rows moved within a tensor (a k ↔ v
+    swap inside qkv_proj) are not seen, by design: their order in vLLM's fused and sharded tensors is each model's
+    weight loader's, which a row position would make the trainer re-derive; the agreement check before every stage's
+    first update sees such a swap (tests/test_weights.py: 10× beyond the GPU bound on the toy). Integer arithmetic on the tensor's
     device, exact on every device (int64 products and sums wrap mod 2^64): no tolerance. Returns an int in [0, 2^64)."""
     import torch  # torch (2 s): launch.py's steps import common and hash no tensors
     width = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}[tensor.dtype]
