@@ -156,6 +156,55 @@ def t_interval(values):
     return mean, mean - half, mean + half
 
 
+def t_two_sided_p(t, df):
+    """P(|T| ≥ |t|) for Student's t with df degrees of freedom: the regularized incomplete beta I_x(df/2, 1/2) at
+    x = df / (df + t²)."""
+    return incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
+
+
+def incomplete_beta(x, a, b):
+    """The regularized incomplete beta I_x(a, b), by its continued fraction (Lentz's method), on the side where it
+    converges fast (I_x(a, b) = 1 − I_{1−x}(b, a) on the other)."""
+    if x <= 0.0 or x >= 1.0:
+        return max(0.0, min(1.0, x))
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - incomplete_beta(1.0 - x, b, a)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    f, c, d, tiny = 1.0, 1.0, 0.0, 1e-300
+    for i in range(400):
+        m = i // 2
+        term = 1.0 if i == 0 else (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0 else
+                                   -((a + m) * (a + b + m) * x) / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1.0 / (1.0 + term * d if abs(1.0 + term * d) > tiny else tiny)
+        c = 1.0 + term / c if abs(1.0 + term / c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-14:
+            break
+    return front * (f - 1.0)
+
+
+def paired_test(differences):
+    """(mean, 95 % t interval low, high, two-sided p) of the mean of paired differences, df = n − 1."""
+    mean, low, high = t_interval(differences)
+    n = len(differences)
+    if n < 2:
+        return mean, None, None, None
+    sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    p = 0.0 if sd == 0 else t_two_sided_p(mean / (sd / math.sqrt(n)), n - 1)
+    return mean, low, high, p
+
+
+def holm(pvalues):
+    """Holm's step-down adjusted p-values, in the order given: the i-th smallest p times (m − i + 1), never below an
+    earlier one's, at most 1. A comparison survives at level α when its adjusted p ≤ α."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
 def lowest_ratio_neg(rows):
     """A replay's lowest per-update E[ρ | A<0] (the paper's collapse warning; None: no update had an A<0 token)."""
     return min((m["ratio/mean_neg_adv"] for m in rows if m.get("ratio/mean_neg_adv") is not None), default=None)

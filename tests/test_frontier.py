@@ -342,6 +342,24 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
         (tmp_path / "record").write_text("")
 
 
+def test_the_t_tests_p_value_and_holms_correction_against_closed_forms(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import plot
+    # closed forms: df 1 is Cauchy, p = 1 − (2/π)·atan|t|; df 2, p = 1 − |t|/√(t² + 2); the tabled 97.5 % points give 0.05
+    for t in (0.3, 1.0, 2.5, 12.706):
+        assert plot.t_two_sided_p(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(t), abs=1e-10)
+        assert plot.t_two_sided_p(t, 2) == pytest.approx(1 - t / math.sqrt(t * t + 2), abs=1e-10)
+    for df, t in ((3, 3.182), (5, 2.571), (10, 2.228), (30, 2.042)):
+        assert plot.t_two_sided_p(t, df) == pytest.approx(0.05, abs=2e-4)       # the table's 3 decimals
+    # [1, 2, 3, 4] − 0: t = 2.5 / (1.2910 / 2) = 3.873, df 3 → p = 0.0305 (df 3: p = 1 − I, its own closed form
+    # 1 − (2/π)(atan(t/√3) + (t/√3)/(1 + t²/3)))
+    mean, low, high, p = plot.paired_test([1.0, 2.0, 3.0, 4.0])
+    u = 3.8730 / math.sqrt(3)
+    assert p == pytest.approx(1 - 2 / math.pi * (math.atan(u) + u / (1 + u * u)), abs=1e-4)
+    # Holm over four: sorted 0.005, 0.01, 0.03, 0.04 × 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 → running max 0.06
+    assert plot.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+
+
 def test_a_95_percent_t_interval_and_the_verdicts_by_hand(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import plot
