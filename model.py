@@ -73,18 +73,22 @@ def broadcast(obj):
 
 
 def reduce_stats(stats):
-    """Sum the ranks' stats (extremes: min/max), two collectives in all."""
+    """Sum the ranks' stats (extremes: min/max), a collective for each kind the stats have (every rank's stats have
+    the same names)."""
     if placement()[1] == 1:
         return stats
     names = sorted(stats)
     sums = [n for n in names if not n.endswith(("_min", "_max"))]
     extremes = [n for n in names if n.endswith(("_min", "_max"))]
-    total = torch.stack([stats[n].double() for n in sums])
-    dist.all_reduce(total)
-    ext = torch.stack([(stats[n] if n.endswith("_max") else -stats[n]).double() for n in extremes])
-    dist.all_reduce(ext, op=dist.ReduceOp.MAX)
-    out = {n: total[i].float() for i, n in enumerate(sums)}
-    out.update({n: (ext[i] if n.endswith("_max") else -ext[i]).float() for i, n in enumerate(extremes)})
+    out = {}
+    if sums:
+        total = torch.stack([stats[n].double() for n in sums])
+        dist.all_reduce(total)
+        out.update({n: total[i].float() for i, n in enumerate(sums)})
+    if extremes:
+        ext = torch.stack([(stats[n] if n.endswith("_max") else -stats[n]).double() for n in extremes])
+        dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+        out.update({n: (ext[i] if n.endswith("_max") else -ext[i]).float() for i, n in enumerate(extremes)})
     return out
 
 

@@ -445,12 +445,14 @@ def adam_sums(optimizer, after_step):
     steps so far; NaN before the first); after, the squared step over lr, (m̂ / (√v̂ + ε))², as torch's AdamW computes
     it (torch/optim/adam.py, _single_tensor_adam: denom = v.sqrt() / √(1 − β2^t) + ε, step lr / (1 − β1^t) · m / denom;
     the decoupled weight decay left out), and the elements n."""
-    sums = {}
+    sums, device = {}, M.placement()[2]
     for group in optimizer.param_groups:
         if "betas" not in group:           # not an Adam (a test's SGD): nothing to measure
             continue
         (beta1, beta2), eps, name = group["betas"], group["eps"], group.get("name", "all")
-        parts = {"g2": [], "v": [], "step2": [], "n": []}
+        # every rank names every group's sums, zero where its shards hold none: the ranks' dicts reduce key by key
+        zero = [torch.zeros((), device=device)]
+        parts = {"step2": list(zero), "n": list(zero)} if after_step else {"g2": list(zero), "v": list(zero)}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -465,8 +467,7 @@ def adam_sums(optimizer, after_step):
                 parts["g2"].append(torch.linalg.vector_norm(_local(p.grad)) ** 2)
                 parts["v"].append(v.sum() / (1 - beta2 ** t) if t > 0 else torch.tensor(math.nan, device=v.device))
         for what, values in parts.items():
-            if values:
-                sums[f"adam_{name}_{what}"] = torch.stack(values).sum()
+            sums[f"adam_{name}_{what}"] = torch.stack(values).sum()
     return sums
 
 

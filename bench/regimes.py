@@ -51,8 +51,8 @@ def regime(probe_dir):
     if not (Path(probe_dir) / ".done" / "all").exists():
         sys.exit(f"{probe_dir}: the probe has not finished (no .done/all): run frontier.sh again to finish it")
     run = records.load_run(probe_dir)
-    if any(r["benchmark"] == "heldout" for r in run["results"]):   # the rule's set, also where a frontier evaluates more
-        run = {**run, "results": [r for r in run["results"] if r["benchmark"] == "heldout"]}
+    if any(r.get("benchmark") == "heldout" for r in run["results"]):   # the rule's set, where a frontier evaluates more
+        run = {**run, "results": [r for r in run["results"] if r.get("benchmark") == "heldout"]}
     curve = records.accuracy_by_stage(run)               # [(stage, updates, hours, accuracy)]
     zero_variance = [m["minibatch/zero_variance_frac"] for m in run["metrics"] if "minibatch/zero_variance_frac" in m]
     if len(curve) < 2 or not zero_variance:
