@@ -5,7 +5,7 @@
 #      (optimize.py), saving the policy every SAVE_EVERY updates
 #   3. the small-μ on-policy reference: run_stages.sh in resident mode, ONPOLICY_UPDATES updates per stage
 #   4. every saved policy on the lab's test set, by one engine (evaluate.py --policy=a,b,...)
-#   5. figures and table (plot.py --ablation_dir): $OUT/plots/fig2_clip.png, fig3_nav_scope.png, table.md
+#   5. figures and table (tools/plot.py --ablation_dir): $OUT/plots/fig2_clip.png, fig3_nav_scope.png, table.md
 # Rerunning skips the finished parts. Every variable below can also be set from the environment.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -60,7 +60,7 @@ if (( ONPOLICY_UPDATES > 0 && UPDATES_PER_STAGE % ONPOLICY_UPDATES != 0 )); then
   echo "UPDATES_PER_STAGE ($UPDATES_PER_STAGE) must be a multiple of ONPOLICY_UPDATES ($ONPOLICY_UPDATES)" >&2; exit 2
 fi
 REPORT_TO=${REPORT_TO:-none}    # run_stages.sh's trackers: the replays and the references, one group (this ablation)
-[[ "$REPORT_TO" == none ]] || $PY tracking.py --command=check --report_to="$REPORT_TO" || exit 2
+[[ "$REPORT_TO" == none ]] || $PY -m mu_grpo.tracking --command=check --report_to="$REPORT_TO" || exit 2
 export TRACKER_GROUP=${TRACKER_GROUP:-$(basename "$OUT")}
 mkdir -p "$OUT/.done" "$OUT/logs"
 exec 9>"$OUT/.lock"
@@ -89,7 +89,7 @@ step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --
     --prompts_per_stage=$((UPDATES_PER_STAGE * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
     --shard_prompts=1024 --gpus=0 "${SAMPLING[@]}"
 
-# 2. the replays, JOBS at a time, each on its JOBS-th of the cores; a failed one stops the others (pool.py)
+# 2. the replays, JOBS at a time, each on its JOBS-th of the cores; a failed one stops the others (mu_grpo/pool.py)
 replay() {
   local variant=$1 seed=$2 LOSS_ARGS KL_COEF=0
   loss_args "$variant"
@@ -97,14 +97,14 @@ replay() {
       --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES_PER_STAGE" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
       --save_train_state=false --micro_batch_tokens=4096 $LOSS_ARGS --kl_coef="$KL_COEF"
-  [[ "$REPORT_TO" == none ]] || $PY tracking.py --command=follow --run_dir="$OUT/$variant/seed$seed" \
+  [[ "$REPORT_TO" == none ]] || $PY -m mu_grpo.tracking --command=follow --run_dir="$OUT/$variant/seed$seed" \
       --report_to="$REPORT_TO" --group="$TRACKER_GROUP" --settings="LOSS=$variant"$'\n'"SEED=$seed"
 }
 export -f replay loss_args
 export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA LOSS_PRESETS
 for variant in $VARIANTS; do
   for seed in $SEEDS; do echo "replay_${variant}_seed$seed replay $variant $seed"; done
-done | $PY pool.py --jobs="$JOBS" --logs="$OUT/logs" --done="$OUT/.done" 9>&-
+done | $PY -m mu_grpo.pool --jobs="$JOBS" --logs="$OUT/logs" --done="$OUT/.done" 9>&-
 
 # 3. the on-policy reference: fresh rollouts every ONPOLICY_UPDATES updates, the same total updates
 if (( ONPOLICY_UPDATES > 0 )); then
@@ -136,5 +136,5 @@ step evaluate $PY evaluate.py --policy="$POLICIES" --benchmarks=test --data_dir=
     --temperature=1.0 --top_p=1.0 --results="$OUT/results.jsonl" --gpus=0 "${SAMPLING[@]}"
 
 # 5. figures and the table
-$PY plot.py --ablation_dir="$OUT" --out_dir="$OUT/plots" 9>&- | tee "$OUT/logs/plot.log"
+$PY tools/plot.py --ablation_dir="$OUT" --out_dir="$OUT/plots" 9>&- | tee "$OUT/logs/plot.log"
 echo "ablation done in $(( ($(date +%s) - T0) / 60 )) min: $OUT/plots/"

@@ -22,13 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-import benchmarks as B     # (`benchmarks` is this script's flag)
-import common
-import engine
-import nodes
-import processes
-import reward
-import records
+from mu_grpo import grading
+from mu_grpo import benchmarks as B     # (`benchmarks` is this script's flag)
+from mu_grpo import common
+from mu_grpo import engine
+from mu_grpo import nodes
+from mu_grpo import processes
+from mu_grpo import records
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the policies and the benchmarks
@@ -69,7 +69,7 @@ parts_dir = ""                  # internal: where the subprocesses leave their g
 
 # several nodes (run_stages.sh NNODES > 1)
 nnodes = 1                      # nodes evaluating side by side (run_stages.sh NNODES), this one's rank, and node 0's
-node_rank = 0                   # store ("addr:port", nodes.py); their graded samples meet beside the results table
+node_rank = 0                   # store ("addr:port", mu_grpo/nodes.py); their graded samples meet beside the results table
 coordinator = ""
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
@@ -87,7 +87,7 @@ def sample_and_grade(policies, ev, rank, n):
     """For each policy, its graded samples of every benchmark's prompts at positions ≡ rank (mod n), and when the
     sampling started (the engine built). The engine is built once; the next policy's weights are loaded into it in
     place (engine.load_policy)."""
-    reward.start_graders(grader_workers)  # their start-up runs beside the engine's
+    grading.start_graders(grader_workers)  # their start-up runs beside the engine's
     llm = engine.make_llm(policies[0], seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
                           run_dir=Path(results).parent if results else None)   # the run's one compile cache

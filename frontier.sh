@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The paper's question in one command: accuracy against wall-clock across μ, at equal updates (bash frontier.sh)
 #   0. the lab tasks: candidate builds, each built and probed in order, until the rule has enough builds of each regime
-#      (bench/regimes.py; "the builds" below)
+#      (tools/regimes.py; "the builds" below)
 #   1. every point — a LOSS preset (with each NAV δ of NAV_DELTAS where the preset has NAV) at a μ of MUS — on every
 #      build and seed is one run_stages.sh run of TOTAL_UPDATES updates of the preset's prompts per update:
 #      TOTAL_UPDATES / μ stages, evaluated every EVAL_UPDATES updates (after every stage when μ is larger), in
 #      resident mode up to μ = RESIDENT_MAX_MU (stages too short to pay a process start, a model load and an engine
 #      start each, as the paper's GRPO baseline ran resident in verl), processes per phase above it
-#   2. bench/frontier.py: the table (frontier.md), every number (frontier.json) and the figures (plots/) from the
+#   2. tools/frontier.py: the table (frontier.md), every number (frontier.json) and the figures (plots/) from the
 #      runs' records: time split, staleness, the importance weights, speed-ups against BASELINE at equal updates,
 #      at matched accuracy and re-costed for a per-stage switching cost of each of COSTS; the paper's comparisons as
 #      paired differences with 95 % intervals, per regime; where the ratio leaves GRPO's clip
@@ -46,7 +46,7 @@ SWEEP_BUILDS=${SWEEP_BUILDS:-first}  # "first": the first build of each regime t
 SWEEP_SEEDS=${SWEEP_SEEDS:-0}
 # ---- the builds (lab tasks: the builder's --seed, i.e. the task and its warm-started policy; 0 is data/<task>/, b > 0
 # data/<task>_build<b>/). Each candidate is built, then probed: GRPO at the smallest μ for PROBE_UPDATES updates (seed
-# PROBE_SEED, none of SEEDS), whose records give the build's regime (bench/regimes.py regime_name: saturated, learns,
+# PROBE_SEED, none of SEEDS), whose records give the build's regime (tools/regimes.py regime_name: saturated, learns,
 # stalls; $OUT/regimes/build<b>.json). The rule: candidates in CANDIDATES' order until it has each regime's quota of
 # REGIMES (with too few in a regime, the next candidates of REGIMES, in order, up to MIN_BUILDS); the frontier runs on
 # those (how many it looked at and kept: frontier.md)
@@ -85,15 +85,15 @@ JOBS=${JOBS:-$([[ $PRESET == lab* ]] && awk -v c="$(nproc)" '/MemAvailable/ { m 
                                 # about one busy; a run takes 1.15-1.19x its time alone on 2 cores, measured) and at
                                 # most one per 3 GiB available (a run peaks at about 2.5 GiB); every run has the
                                 # same share, so their times compare. Elsewhere 1: a run has the whole machine. On
-                                # a GPU box each run also gets GPUS / JOBS of the GPUs (gpu_slices in pool.py)
+                                # a GPU box each run also gets GPUS / JOBS of the GPUs (gpu_slices in mu_grpo/pool.py)
 # ------------------------------------------------------------------------------
 
 export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}
 bash setup.sh >&2
 # REPORT_TO (run_stages.sh's trackers) passes through to every run; they form one group, this frontier
 export TRACKER_GROUP=${TRACKER_GROUP:-$(basename "$OUT")}
-# the settings checked, the preflights, the builds, the runs JOBS at a time (pool.py) and the table: bench/sweep.py
-exec "$MU_GRPO_VENV/bin/python" bench/sweep.py --preset="$PRESET" --out="$OUT" --mus="$MUS" \
+# the settings checked, the preflights, the builds, the runs JOBS at a time (mu_grpo/pool.py) and the table: tools/sweep.py
+exec "$MU_GRPO_VENV/bin/python" tools/sweep.py --preset="$PRESET" --out="$OUT" --mus="$MUS" \
     --total_updates="$TOTAL_UPDATES" --eval_updates="$EVAL_UPDATES" --benchmarks="$BENCHMARKS" --eval_k="$EVAL_K" \
     --losses="$LOSSES" --nav_deltas="$NAV_DELTAS" --seeds="$SEEDS" --key_points="$KEY_POINTS" \
     --sweep_builds="$SWEEP_BUILDS" --sweep_seeds="$SWEEP_SEEDS" --builds="$BUILDS" --candidates="$CANDIDATES" \

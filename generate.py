@@ -19,7 +19,7 @@ last policy has no next stage: run_stages.sh evaluates it with evaluate.py.
 
 Resident mode (--resident=true, run_stages.sh RESIDENT=true): the engines are built once and generate every
 stage from --stage on, each with the policy the trainer process (optimize.py --resident) hands over
-(handoff.py), loaded in place; between stages they sleep (GPU). The trainer plans the stages: each policy it
+(mu_grpo/handoff.py), loaded in place; between stages they sleep (GPU). The trainer plans the stages: each policy it
 hands over says how many prompts the stage it generates has (0: it is the run's last policy). Every stage is
 generated exactly as a one-stage run would (the same shards, manifest and seeds), and its evaluations are made as
 that run's (and the last policy's too).
@@ -33,16 +33,16 @@ import sys
 import time
 from pathlib import Path
 
-import benchmarks
-import common
-import engine
-import handoff
-import nodes
-import processes
-import records
-import reward
-import rollouts
-import sampling
+from mu_grpo import grading
+from mu_grpo import benchmarks
+from mu_grpo import common
+from mu_grpo import engine
+from mu_grpo import handoff
+from mu_grpo import nodes
+from mu_grpo import processes
+from mu_grpo import records
+from mu_grpo import rollouts
+from mu_grpo import sampling
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the stage: its policy, prompts and outputs
@@ -74,7 +74,7 @@ per_request_seed = True         # each prompt's own sampling seed (common.sample
                                 # log-probs) never use
 
 # rewards and advantages (reward.py, loss.py)
-grader_workers = 0              # reward.grade_batch processes per engine (0: the CPUs left over by the engines)
+grader_workers = 0              # grading.grade_batch processes per engine (0: the CPUs left over by the engines)
 grader_timeout_s = 10.0         # per response
 format_bonus = 0.0              # reward for a boxed but wrong answer
 normalize_std = True            # advantages (r − mean) / std; False: Dr. GRPO (r − mean)
@@ -89,7 +89,7 @@ worker_rank = -1                # internal: set for the per-GPU engine subproces
 
 # resident mode (run_stages.sh RESIDENT=true)
 resident = False                # keep the engines for the stages from --stage on (policies from optimize.py --resident)
-policy_handoff = "transfer"     # resident: how each policy arrives: transfer (vLLM's weight-transfer API, transfer.py)
+policy_handoff = "transfer"     # resident: how each policy arrives: transfer (vLLM's weight-transfer API, mu_grpo/transfer.py)
                                 # | files (a policy directory, loaded with reload_weights); optimize.py's the same
 
 # the evaluations these engines make before the stage they generate (resident: and after the last)
@@ -108,7 +108,7 @@ eval_parts = ""                 # internal: where the per-GPU engine subprocesse
 
 # several nodes (run_stages.sh NNODES > 1)
 nnodes = 1                      # nodes generating this stage side by side (run_stages.sh NNODES), each with its
-node_rank = 0                   # engines; this one's rank, and node 0's store ("addr:port", nodes.py) where they
+node_rank = 0                   # engines; this one's rank, and node 0's store ("addr:port", mu_grpo/nodes.py) where they
 coordinator = ""                # meet
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
@@ -124,7 +124,7 @@ if resident and nnodes > 1:
     sys.exit("--resident=true runs on one node (its hand-off goes through one machine's /dev/shm); on several nodes "
              "run the process-per-phase loop (run_stages.sh RESIDENT=false)")
 n_engines = engines or engine.n_engines(gpus, tensor_parallel)     # this node's
-all_engines = nnodes * n_engines                                    # every node's (the same count on each: nodes.py join)
+all_engines = nnodes * n_engines                                    # every node's (the same count on each: mu_grpo/nodes.py join)
 is_engine_worker = worker_rank >= 0                                 # one of the per-GPU engine processes the main
                                                                     # process (run_stages.sh's) starts
 graders = grader_workers or max(1, ((os.cpu_count() or 2) - n_engines) // n_engines)
@@ -214,7 +214,7 @@ def remove_temporaries(first):
 
 
 def shard_job(s, label, prompts):
-    """This engine's part of stage s (`prompts` prompts, sampled by the policy `label`) as sampling.py takes it: the
+    """This engine's part of stage s (`prompts` prompts, sampled by the policy `label`) as mu_grpo/sampling.py takes it: the
     stage's plan, as prepare_stage records it."""
     return sampling.Job(plan_of(s, label, prompts), rollouts_dir(s), engine_index(), graders, grader_timeout_s,
                         progress_bar=not is_engine_worker)
@@ -226,7 +226,7 @@ def start_engine(path, s):
     log-probs compiles vLLM's token-rank kernel, vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`;
     a CPU counts eagerly, engine.eager_rank_count), so start-up pays it, not the first shard's tokens/s."""
     from vllm import SamplingParams  # vLLM: only in a process that runs an engine
-    reward.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
+    grading.start_graders(graders)  # their imports run beside the engine's start-up, not in the first grading
     llm = engine.make_llm(path, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel, gpu_memory_utilization=gpu_memory_utilization,
                           sleep_mode=resident, run_dir=run_dir,      # one compile cache for the run's engines

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import checkpoint
-import common
-import handoff
+from mu_grpo import checkpoint
+from mu_grpo import common
+from mu_grpo import handoff
 import loss as L
-import model as M
-import records
-import tracking
+from mu_grpo import trainer_model as M
+from mu_grpo import records
+from mu_grpo import tracking
 import update
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -126,7 +126,7 @@ check_packing = False           # update 0: log check/packed_* (the micro-batch 
 
 # resident mode (run_stages.sh RESIDENT=true)
 resident = False                # keep the model and AdamW for a run's every stage, handed rollouts and handing policies
-                                # to generate.py --resident (handoff.py; run_stages.sh RESIDENT=true)
+                                # to generate.py --resident (mu_grpo/handoff.py; run_stages.sh RESIDENT=true)
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
 stages = 0                      # resident, stage_end=fixed: the run's stages, each of updates_per_stage updates
 total_updates = 0               # resident, stage_end=drift: the run's updates (0: stages × updates_per_stage) in stages
@@ -135,7 +135,7 @@ drift_max_updates = 0           # and DRIFT_MAX_UPDATES; 0: 4 × updates_per_sta
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
                                 # last (0: the last only); the engines get every policy by policy_handoff
 policy_handoff = "transfer"     # resident: transfer (vLLM's weight-transfer API: CUDA IPC on GPUs, shared memory on
-                                # CPUs; transfer.py) | files (a policy directory in the fast hand-off dir per stage)
+                                # CPUs; mu_grpo/transfer.py) | files (a policy directory in the fast hand-off dir per stage)
 engines = 1                     # resident, transfer: the engine processes (generate.py's) the policies go to
 handoff_buffer_mb = 0           # resident, transfer: each rank's hand-off buffer, MiB (0: 1 GiB or the largest tensor)
 # -----------------------------------------------------------------------------
@@ -476,7 +476,7 @@ def resident_main():
             log(f"stage {first}: every stage is trained; the last policy goes to its evaluation")
             return M.end_process_group()
     if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
-        import transfer  # vLLM's transfer classes: only with the transfer hand-off
+        from mu_grpo import transfer  # vLLM's transfer classes: only with the transfer hand-off
         handover.sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
                                           buffer_bytes=handoff_buffer_mb * 2**20)
     # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for

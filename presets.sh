@@ -1,10 +1,10 @@
 # The PRESETs: each one's defaults for the knobs run_stages.sh leaves to it (its header lists them), a knob given in
-# the environment winning. Sourced by run_stages.sh once PRESET is resolved (launch.py preset: auto is paper on a GPU
+# the environment winning. Sourced by run_stages.sh once PRESET is resolved (mu_grpo/launch.py preset: auto is paper on a GPU
 # box, toy otherwise).
 case "$PRESET" in
   paper)
     : "${MODEL:=Qwen/Qwen2.5-Math-7B}"
-    out=$($PY models.py) || exit 2; eval "$out"   # the model's own settings (models.py: the paper's five), unless given
+    out=$($PY -m mu_grpo.model_cards) || exit 2; eval "$out"   # the model's own settings (mu_grpo/model_cards.py: the paper's five), unless given
     : "${TRAIN_DATA:=data/deepscaler.jsonl}" "${EVAL_DATA_DIR:=data/benchmarks}"
     : "${BENCHMARKS:=amc23,amc24,aime24,aime25,math500}" "${STAGES:=4}" "${UPDATES_PER_STAGE:=1024}"
     : "${PROMPTS_PER_UPDATE:=64}" "${GROUP_SIZE:=8}" "${LR:=1e-6}" "${MAX_PROMPT:=1536}" "${MAX_RESPONSE:=2560}"

@@ -4,7 +4,7 @@
 # Every variable below can also be set from the environment: STAGES=2 LOSS=grpo bash run_stages.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-set -a     # every knob below is exported: launch.py checks them all against one table before any phase runs
+set -a     # every knob below is exported: mu_grpo/launch.py checks them all against one table before any phase runs
 
 # ------------------------------------------------------------------------------ hyperparameters
 # ---- the run
@@ -15,7 +15,7 @@ LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav 
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
 KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
-REPORT_TO=${REPORT_TO:-none}    # none | tensorboard | wandb | a comma list: live metrics (tracking.py; WANDB_MODE)
+REPORT_TO=${REPORT_TO:-none}    # none | tensorboard | wandb | a comma list: live metrics (mu_grpo/tracking.py; WANDB_MODE)
 TRACKER_GROUP=${TRACKER_GROUP:-}  # the tracker group of this run (frontier.sh and ablate.sh set one per frontier)
 # ---- where a stage ends, and the optimizer across stages (its knobs empty: optimize.py's block, their home, decides)
 STAGE_END=${STAGE_END:-fixed}   # fixed: STAGES stages of UPDATES_PER_STAGE updates | drift: a stage ends once the policy
@@ -37,21 +37,21 @@ SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy, train state saved every N st
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
 SAVE_POLICY_EVERY=${SAVE_POLICY_EVERY:-}  # a policy every N updates within a stage too (stage_<s>/policy_u<N>)
 # ---- the box
-RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage (handoff.py):
+RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage (mu_grpo/handoff.py):
                                 # no process start, model load and engine start per stage, for small μ
 HANDOFF=${HANDOFF:-transfer}    # resident: transfer (vLLM's weight-transfer API: CUDA IPC on GPUs, shared memory on a CPU;
-                                # transfer.py) | files (each policy written and read back as files, for a box without IPC)
+                                # mu_grpo/transfer.py) | files (each policy written and read back as files, for a box without IPC)
 RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-auto}  # resident, GPU: each engine's share; auto: all the trainer leaves,
-                                # less 0.05 (0.78 for 7B on 4×H200, an estimate: handoff.py check_engine_share)
+                                # less 0.05 (0.78 for 7B on 4×H200, an estimate: mu_grpo/handoff.py check_engine_share)
 PER_REQUEST_SEED=${PER_REQUEST_SEED:-true}  # true: each prompt samples from its own seed (the same response whichever
                                 # engine, shard or resumed attempt makes it); false: the engines' seed alone
-PREFLIGHT=${PREFLIGHT:-auto}    # preflight.py first, at the run's settings (cached once passed): auto (the paper
+PREFLIGHT=${PREFLIGHT:-auto}    # mu_grpo/preflight.py first, at the run's settings (cached once passed): auto (the paper
                                 # preset only) | 1 (any preset) | 0 (never) | force (and start after a FAIL)
-PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more preflight.py flags, e.g. its miniature's size: "--prompts=8 --updates=2"
+PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more mu_grpo/preflight.py flags, e.g. its miniature's size: "--prompts=8 --updates=2"
 PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-false}  # true: stop after the preflight (its throughputs: frontier.sh's estimate) and,
                                 # with EVAL_CACHE, the initial policy's evaluation kept there (table1.sh's per model)
 # ---- several nodes (README, Several nodes): the same command on each, RUN, MODEL and data on a shared filesystem
-NNODES=${NNODES:-1}             # nodes running this script together; node 0 keeps the run-level files (nodes.py)
+NNODES=${NNODES:-1}             # nodes running this script together; node 0 keeps the run-level files (mu_grpo/nodes.py)
 NODE_RANK=${NODE_RANK:-0}       # this node: 0..NNODES-1
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}  # node 0's address as the other nodes reach it
 MASTER_PORT=${MASTER_PORT:-29500}  # node 0's ports: this one for the nodes' store, the next for torchrun's rendezvous
@@ -70,29 +70,29 @@ HSDP=${HSDP:-false}             # true: shard the trainer within each node, repl
 # ------------------------------------------------------------------------------
 
 # torchrun's variables are for optimize.py's ranks, which torchrun sets itself: the engines must not see them (vLLM
-# reads LOCAL_RANK, engine.py TORCHRUN_VARIABLES); torchrun reads its flags from PET_<FLAG> too (a cluster's would win)
+# reads LOCAL_RANK, mu_grpo/engine.py TORCHRUN_VARIABLES); torchrun reads its flags from PET_<FLAG> too (a cluster's would win)
 unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE ROLE_RANK ROLE_WORLD_SIZE
 for v in "${!PET_@}"; do unset "$v"; done
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh); tests point MU_GRPO_VENV at theirs
-out=$($PY launch.py --command=preset) || exit 2; eval "$out"     # PRESET=auto: paper with GPUs, else toy
+out=$($PY -m mu_grpo.launch --command=preset) || exit 2; eval "$out"     # PRESET=auto: paper with GPUs, else toy
 source presets.sh                # the preset's defaults for the knobs above that it sets
 source losses.sh                 # the paper's method and the baselines it is compared with, as optimize.py flags
 loss_args "$LOSS" || exit 2
 # every knob checked before any phase runs (a typo fails here, not after the first evaluation), defaults resolved
-out=$($PY launch.py --command=settings) || exit 2; eval "$out"
+out=$($PY -m mu_grpo.launch --command=settings) || exit 2; eval "$out"
 set +a
 export -n MASTER_ADDR MASTER_PORT    # this script's own: torchrun sets its ranks' from its flags
-TEMPLATE_ARG=($TEMPLATE_FLAG)    # the prompt's text: the problem alone for TEMPLATE plain and chat-system (models.py)
+TEMPLATE_ARG=($TEMPLATE_FLAG)    # the prompt's text: the problem alone for TEMPLATE plain and chat-system (mu_grpo/model_cards.py)
 [[ -e "$RUN" ]] && NEW_RUN=false || NEW_RUN=true     # a new run refused before its first phase leaves nothing
 mkdir -p "$LOGS" "$RUN/.done"
-exec 9>"$LOCK"; $PY launch.py --command=lock || exit 1  # one run_stages.sh per RUN (and node), held on fd 9 till it ends
+exec 9>"$LOCK"; $PY -m mu_grpo.launch --command=lock || exit 1  # one run_stages.sh per RUN (and node), held on fd 9 till it ends
 # several nodes: each node's watch (node 0's serves the store) beats every second and stops this script within seconds
-# once another node fails or stops answering (nodes.py); a successful end tells it so (SIGUSR1)
+# once another node fails or stops answering (mu_grpo/nodes.py); a successful end tells it so (SIGUSR1)
 NODE_ARGS=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --coordinator="$MASTER_ADDR:$MASTER_PORT")
 WATCH= TRACKING=
 if (( NNODES > 1 )); then
-  $PY nodes.py --command=watch "${NODE_ARGS[@]}" --pid=$$ --join_timeout_s="$JOIN_TIMEOUT" --dead_after_s="$DEAD_AFTER" \
+  $PY -m mu_grpo.nodes --command=watch "${NODE_ARGS[@]}" --pid=$$ --join_timeout_s="$JOIN_TIMEOUT" --dead_after_s="$DEAD_AFTER" \
       --errors="$LOGS/stderr.log" 9>&- &
   WATCH=$!
   # this script's stderr copied: its last line is what the other nodes are told when this one fails
@@ -105,7 +105,7 @@ on_exit() {    # the trackers' last pass over the records; several nodes: a succ
     || echo "[tracking] ended with an error: see $LOGS/tracking.log (the records are complete; a rerun logs them)" >&2
     rm -f "$LOGS/tracking.stop.$$"; fi
   if (( st == 0 )) && [[ -n "$WATCH" ]]; then kill -USR1 "$WATCH"; wait "$WATCH" || st=$?; fi
-  $PY launch.py --command=end --status="$st" --new_run="$NEW_RUN" 9>&- || true   # however it ends (launch.py end)
+  $PY -m mu_grpo.launch --command=end --status="$st" --new_run="$NEW_RUN" 9>&- || true   # however it ends (mu_grpo/launch.py end)
   exit $st
 }
 trap on_exit EXIT
@@ -114,20 +114,20 @@ trap 'exit 130' INT              # a Ctrl-C: on_exit's line, not bash's death by
 share() {
   if (( NNODES == 1 )); then echo "$2"; return; fi
   kill -0 "$WATCH" 2>/dev/null || { echo "[node $NODE_RANK] this node's watch process has ended: stopping" >&2; exit 1; }
-  $PY nodes.py --command=share "${NODE_ARGS[@]}" --key="$1" --value="$2" 9>&-
+  $PY -m mu_grpo.nodes --command=share "${NODE_ARGS[@]}" --key="$1" --value="$2" 9>&-
 }
 echo "run $RUN: $PRESET preset, loss $LOSS; $( [[ $STAGE_END == drift ]] \
   && echo "stages that end on drift, the first of $UPDATES_PER_STAGE updates, until $TOTAL_UPDATES updates" \
   || echo "$STAGES stages × $UPDATES_PER_STAGE updates") of $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE; model $MODEL; GPUs $GPUS"
 
-# before any compute (launch.py start): node 0 builds the toy and lab tasks, fetches data, the others wait for it; MODEL
+# before any compute (mu_grpo/launch.py start): node 0 builds the toy and lab tasks, fetches data, the others wait for it; MODEL
 # a local directory; several nodes: all here with the same settings, model and data, then the trainers' network; START
-{ out=$($PY launch.py --command=start --logs="$LOGS" --coordinator="$MASTER_ADDR:$MASTER_PORT" 3>&1 >&4 9>&-) \
+{ out=$($PY -m mu_grpo.launch --command=start --logs="$LOGS" --coordinator="$MASTER_ADDR:$MASTER_PORT" 3>&1 >&4 9>&-) \
   || exit $?; } 4>&1; eval "$out"       # (its assignments on descriptor 3, its output on this script's stdout)
 # the trackers' follower: node 0 alone (its records are the run's), in a session of its own, so that a kill of this
-# script's process group leaves it its last pass and the trackers' close (tracking.py)
+# script's process group leaves it its last pass and the trackers' close (mu_grpo/tracking.py)
 if [[ "$REPORT_TO" != none ]] && (( NODE_RANK == 0 )); then
-  setsid $PY tracking.py --command=follow --run_dir="$RUN" --report_to="$REPORT_TO" --pid=$$ --group="$TRACKER_GROUP" \
+  setsid $PY -m mu_grpo.tracking --command=follow --run_dir="$RUN" --report_to="$REPORT_TO" --pid=$$ --group="$TRACKER_GROUP" \
       --stop_file="$LOGS/tracking.stop.$$" --settings="$SETTINGS" >> "$LOGS/tracking.log" 2>&1 9>&- &
   TRACKING=$!
   echo "[tracking] $REPORT_TO: every update, stage and evaluation as it is recorded ($LOGS/tracking.log)"
@@ -142,13 +142,13 @@ phase() {
   if [[ "$done" == 1 ]]; then echo "[$name] done already"; return; fi
   echo "[$name] $*"
   t0=$(date +%s.%N)
-  if ! { "$@" 2>&1 | tee "$LOGS/$name.log" | $PY -u launch.py --command=view; } 9>&-; then
+  if ! { "$@" 2>&1 | tee "$LOGS/$name.log" | $PY -u -m mu_grpo.launch --command=view; } 9>&-; then
     echo "[$name] failed; its whole output is in $LOGS/$name.log" >&2   # the lock stays with this script, not its children
     exit 1
   fi
   t1=$(date +%s.%N)
   (( NODE_RANK == 0 )) || return 0
-  $PY launch.py --command=row --name="$name" --stage="$stage" --start="$t0" --end="$t1"
+  $PY -m mu_grpo.launch --command=row --name="$name" --stage="$stage" --start="$t0" --end="$t1"
   touch "$RUN/.done/$name"
 }
 if [[ $(share done/all "$([[ -f "$RUN/.done/all" ]] && echo 1 || echo 0)") == 1 ]]; then
@@ -159,11 +159,11 @@ fi
 KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
 [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
 # minutes of checks before days of run, at the run's settings, before anything else; several nodes: node 0's
-[[ "$PREFLIGHT" == 0 ]] || (( NODE_RANK > 0 )) || KL="${KL_ARGS[*]}" $PY launch.py --command=preflight 9>&-
+[[ "$PREFLIGHT" == 0 ]] || (( NODE_RANK > 0 )) || KL="${KL_ARGS[*]}" $PY -m mu_grpo.launch --command=preflight 9>&-
 
-[[ "$RESIDENT" != true ]] || HANDOFF=$($PY launch.py --command=handoff)   # files if the preflight found IPC failing
+[[ "$RESIDENT" != true ]] || HANDOFF=$($PY -m mu_grpo.launch --command=handoff)   # files if the preflight found IPC failing
 # this attempt's start, a zero-length row: the time from the last record before it is not the run's (records.pauses)
-(( NODE_RANK > 0 )) || $PY launch.py --command=attempt
+(( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=attempt
 EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
            --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"
@@ -195,7 +195,7 @@ else TRAIN=($PY); fi
 if [[ "$PREFLIGHT_ONLY" == true ]]; then (( NODE_RANK > 0 )) || echo "the preflight and the initial evaluation only"; exit 0; fi
 if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed one stops the other); a rerun resumes:
                                      # the engine at the first stage without rollouts, the trainer at its last state
-  $PY launch.py --command=resident --logs="$RUN/logs" \
+  $PY -m mu_grpo.launch --command=resident --logs="$RUN/logs" \
       $PY generate.py --resident=true --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
       --prompts_per_stage="$PROMPTS_PER_STAGE" --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" \
       --policy_handoff="$HANDOFF" :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" \
@@ -203,12 +203,12 @@ if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed o
       --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --updates_per_stage="$UPDATES_PER_STAGE" --save_every="$SAVE_EVERY" \
       --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else
-  # stage s has μ = launch.py plan's updates_per_stage (records.StagePlan), until 0; several nodes: node 0's plan
+  # stage s has μ = mu_grpo/launch.py plan's updates_per_stage (records.StagePlan), until 0; several nodes: node 0's plan
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
-  plan=($($PY launch.py --command=plan --stage=0))     # this stage's μ and its prompts, μ × PROMPTS_PER_UPDATE
+  plan=($($PY -m mu_grpo.launch --command=plan --stage=0))     # this stage's μ and its prompts, μ × PROMPTS_PER_UPDATE
   while (( plan[0] > 0 )); do
     STAGE_DIR=$RUN/stage_$s
-    (( NODE_RANK > 0 )) || $PY tracking.py --command=where --run_dir="$RUN" --total_updates="$RUN_UPDATES" --stage=$s
+    (( NODE_RANK > 0 )) || $PY -m mu_grpo.tracking --command=where --run_dir="$RUN" --total_updates="$RUN_UPDATES" --stage=$s
     phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}" \
         --prompts_per_stage="${plan[1]}"
     phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
@@ -217,7 +217,7 @@ else
     if (( s > 0 && NODE_RANK == 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes
       rm -rf "$RUN/stage_$((s - 1))/train_state"                  # per parameter; stage s carries it on
     fi
-    NEXT=$( (( NODE_RANK > 0 )) || $PY launch.py --command=plan --stage=$((s + 1)) )   # a failure stops the run here
+    NEXT=$( (( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=plan --stage=$((s + 1)) )   # a failure stops the run here
     next=($(share "planned/$((s + 1))" "$NEXT"))
     if (( EVAL_EVERY > 0 && next[0] == 0 )); then    # the last policy (the others: the next stage's engines)
       phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
@@ -226,5 +226,5 @@ else
   done
 fi
 if (( NODE_RANK > 0 )); then echo "node $NODE_RANK: run $RUN done (node 0 summarizes it)"; exit 0; fi
-$PY plot.py --run_dir="$RUN" --summary=true | tee "$RUN/logs/summary.log"
+$PY tools/plot.py --run_dir="$RUN" --summary=true | tee "$RUN/logs/summary.log"
 touch "$RUN/.done/all"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The paper's Table 1 in one command: every model × method is one run_stages.sh run, then bench/table1.py's table of
+# The paper's Table 1 in one command: every model × method is one run_stages.sh run, then tools/table1.py's table of
 # their records beside the paper's numbers (table1.md, table1.json: every cell with its results row).
 #   bash table1.sh                          # the runs in turn on this box (a GPU box: 5 models × 4 methods)
 #   SCHEDULER=slurm bash table1.sh          # a cluster: one Slurm job per run, an array over slurm/table1.sbatch
-#   python bench/table1.py --runs_dir=runs/table1-paper     # the table of what has run so far, any time
+#   python tools/table1.py --runs_dir=runs/table1-paper     # the table of what has run so far, any time
 # Rerunning resumes: a finished run does nothing and a killed one resumes where it stopped (run_stages.sh); so does
 # resubmitting the array. Every variable below can be set from the environment; run_stages.sh's pass through.
 set -euo pipefail
@@ -23,11 +23,11 @@ ARRAY_LIMIT=${ARRAY_LIMIT:-}    # slurm: at most this many runs at once (the box
 #   TOTAL_UPDATES   every run's updates (TOTAL_UPDATES / μ stages of μ); EVAL_UPDATES: evaluated every so many
 #   RESIDENT_MAX_MU μ up to this run resident (RESIDENT=true): stages too short to pay a process start each, as the
 #                   paper's GRPO ran resident in verl
-if [[ "$PRESET" == auto ]]; then   # run_stages.sh's rule (launch.py preset: GPUs torch sees), here, not on a cluster
+if [[ "$PRESET" == auto ]]; then   # run_stages.sh's rule (mu_grpo/launch.py preset: GPUs torch sees), here, not on a cluster
   [[ "$SCHEDULER" != slurm ]] || { echo "SCHEDULER=slurm: give PRESET=paper (or lab): this host's GPUs are not the" \
                                         "compute nodes', and PRESET=auto would read this host's" >&2; exit 2; }
   export MU_GRPO_VENV=${MU_GRPO_VENV:-.venv}; bash setup.sh >&2
-  PRESET=$(PRESET=auto "$MU_GRPO_VENV/bin/python" launch.py --command=preset | sed -n 's/^PRESET=//p')
+  PRESET=$(PRESET=auto "$MU_GRPO_VENV/bin/python" -m mu_grpo.launch --command=preset | sed -n 's/^PRESET=//p')
   [[ "$PRESET" == paper ]] || PRESET=lab
 fi
 case "$PRESET" in
@@ -48,7 +48,7 @@ PY=$MU_GRPO_VENV/bin/python
 # the plan, checked before anything runs (the standard library alone: on a cluster's login node there is no venv, and
 # none is built there: each task's run_stages.sh sets up the environment of its own node's kind, setup.sh):
 # $OUT/prepare.txt, each model's preflight and initial evaluation, and $OUT/runs.txt, one run per line
-read -r m n < <(python3 bench/table1.py --command=plan --runs_dir="$OUT" --preset="$PRESET" --models="$MODELS" \
+read -r m n < <(python3 tools/table1.py --command=plan --runs_dir="$OUT" --preset="$PRESET" --models="$MODELS" \
     --methods="$METHODS" --total_updates="$TOTAL_UPDATES" --eval_updates="$EVAL_UPDATES" \
     --resident_max_mu="$RESIDENT_MAX_MU") || exit 2
 echo "table 1: $n runs ($MODELS × $METHODS, $TOTAL_UPDATES updates each) in $OUT, after $m preparation(s)"
@@ -58,7 +58,7 @@ case "$SCHEDULER" in
           slurm/table1.sbatch); job=${job%%;*}; job=${job##* }
     sbatch --array="0-$((n - 1))${ARRAY_LIMIT:+%$ARRAY_LIMIT}" --dependency="afterok:$job" \
         --export="ALL,TABLE1_RUNS=$OUT/runs.txt" $SBATCH_ARGS slurm/table1.sbatch
-    echo "submitted; once the jobs end (any time for the table so far): python bench/table1.py --runs_dir=$OUT" ;;
+    echo "submitted; once the jobs end (any time for the table so far): python tools/table1.py --runs_dir=$OUT" ;;
   local)
     bash setup.sh >&2
     for file in prepare.txt runs.txt; do
@@ -68,6 +68,6 @@ case "$SCHEDULER" in
         env ${RUNS[$i]} bash run_stages.sh || { echo "[table1] $file line $((i + 1)) failed; rerun to resume" >&2; exit 1; }
       done
     done
-    $PY bench/table1.py --runs_dir="$OUT" ;;
+    $PY tools/table1.py --runs_dir="$OUT" ;;
   *) echo "SCHEDULER must be local or slurm, got '$SCHEDULER'" >&2; exit 2 ;;
 esac

@@ -21,11 +21,11 @@ import torch
 from tqdm import tqdm
 import torch.distributed as dist
 
-import common
+from mu_grpo import common
 import loss as L
-import model as M
-import records
-import rollouts
+from mu_grpo import trainer_model as M
+from mu_grpo import records
+from mu_grpo import rollouts
 
 
 def log(*args):
@@ -148,7 +148,7 @@ def forward(model, stage, mb, temp, columns=None, with_entropy=False, bf16=None)
     """Current log-probs [b, T] (0 on padding) of micro-batch `mb`'s response tokens at temperature temp,
     with the packed tensors; mb None (a padding pass) runs response 0. Logits are computed only at
     response positions ([R, V], bf16 on GPU); token_logprobs upcasts them chunk by chunk. bf16: autocast to
-    bfloat16 (None: on one GPU, the trainer's rule; bench/gpu_check.py compares both)."""
+    bfloat16 (None: on one GPU, the trainer's rule; tools/gpu_check.py compares both)."""
     _, world, device = M.placement()
     x = pack(stage, mb if mb is not None else [0], columns or {})
     bf16 = device.type == "cuda" and world == 1 if bf16 is None else bf16

@@ -21,9 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+from mu_grpo import common  # noqa: E402
 import plot  # noqa: E402
-import records  # noqa: E402
+from mu_grpo import records  # noqa: E402
 
 command = "report"              # report | evaluate
 out = "runs/multistage"         # bench/multistage_runs.sh's OUT

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import common  # noqa: E402
+from mu_grpo import common  # noqa: E402
 import toy  # noqa: E402  (the tokenizer, model, warm start and writers are the toy's)
 
 # ----------------------------------------------------------------------------- hyperparameters

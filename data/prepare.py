@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common  # noqa: E402
+from mu_grpo import common  # noqa: E402
 import reward  # noqa: E402
 
 # name → (hub dataset, config, split); fields are found by the names tried in `to_row`. The hub commit

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+from mu_grpo import common  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the task: where it goes, its problems and their split (seed: the model's and the warm start's too)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import loss as L
-import model as M
+from mu_grpo import trainer_model as M
 
 M.choose_attention("varlen_sdpa", torch.device("cpu"))       # registers it with transformers
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -15,9 +14,9 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
-import launch  # noqa: E402
-import records  # noqa: E402
+from mu_grpo import common  # noqa: E402
+from mu_grpo import launch  # noqa: E402
+from mu_grpo import records  # noqa: E402
 from test_launch import TOY  # noqa: E402
 
 
@@ -58,7 +57,7 @@ def test_a_misspelt_knob_is_named_with_the_knob_it_is_close_to():
     # the frontier's and table's knobs (SEEDS, MUS), losses.sh's and presets.sh's (NAV_DELTA, LAB_DIR, LOSS_PRESETS)
     # are knobs of other launchers, not typos
     assert launch.misspelt_knobs(env) == [("UPDATE_PER_STAGE", "UPDATES_PER_STAGE"), ("GROUPSIZE", "GROUP_SIZE")]
-    proc = subprocess.run([sys.executable, "launch.py", "--command=settings"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mu_grpo.launch", "--command=settings"], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, **TOY, "UPDATE_PER_STAGE": "4"}, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == \
         "UPDATE_PER_STAGE=4 is not a knob: did you mean UPDATES_PER_STAGE? (run_stages.sh's variables)"
@@ -247,7 +246,7 @@ def test_a_file_cut_short_and_an_empty_one(tmp_path):
     with pytest.raises(ValueError, match=r"train.jsonl:1: truncated last line \(no newline\)"):
         common.load_problems(path)
     path.write_bytes(b"")
-    assert common.load_problems(path) == []        # launch.py: "has no problems", before any phase
+    assert common.load_problems(path) == []        # mu_grpo/launch.py: "has no problems", before any phase
 
 
 def test_an_unknown_script_flag_names_the_known_ones():
@@ -262,7 +261,7 @@ def test_an_unknown_script_flag_names_the_known_ones():
 def test_ctrl_c_in_a_phases_view_is_no_traceback():
     # the terminal's view of a phase (run_stages.sh's `phase`) gets the SIGINT of a Ctrl-C with the phase: it ends
     # with 130 and says nothing (run_stages.sh says the run resumes on a rerun)
-    proc = subprocess.Popen([sys.executable, "launch.py", "--command=view"], cwd=ROOT, stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "mu_grpo.launch", "--command=view"], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdin.write(b"a line\n")
     proc.stdin.flush()
@@ -276,15 +275,15 @@ def test_ctrl_c_in_a_phases_view_is_no_traceback():
 
 
 def test_a_run_ends_leaving_no_temporary_directory_and_a_refused_new_run_leaves_nothing(tmp_path):
-    import engine
-    import handoff
+    from mu_grpo import engine
+    from mu_grpo import handoff
     run = tmp_path / "run"
 
     def end(status, new_run):
         (run / ".done").mkdir(parents=True, exist_ok=True)
         for d in (engine.link_dir(run), handoff.transfer_socket(run, 0).parent):
             d.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "launch.py", "--command=end", f"--status={status}",
+        proc = subprocess.run([sys.executable, "-m", "mu_grpo.launch", "--command=end", f"--status={status}",
                                f"--new_run={new_run}"], cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "RUN": str(run), "NODE_RANK": "0"}, timeout=60)
         assert proc.returncode == 0 and not engine.link_dir(run).exists()

@@ -1,12 +1,12 @@
-"""benchmarks.py, the evaluation protocol, in process and by hand (no engine): benchmark sets, samples per problem,
+"""mu_grpo/benchmarks.py, the evaluation protocol, in process and by hand (no engine): benchmark sets, samples per problem,
 avg@k, pass@k and avg@k's standard error, the rows and sample files a policy's graded samples give, the results
 table a rerun updates in place, the engines' parts read back."""
 import math
 
 import pytest
 
-import benchmarks
-import common
+from mu_grpo import benchmarks
+from mu_grpo import common
 
 
 def test_benchmark_sets_are_read_from_the_data_dir_and_cut_to_max_problems(tmp_path):

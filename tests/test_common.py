@@ -1,8 +1,8 @@
-"""common.py: overrides, prompt windows, strict JSONL, atomic files."""
+"""mu_grpo/common.py: overrides, prompt windows, strict JSONL, atomic files."""
 import pytest
 
-import common
-import engine
+from mu_grpo import common
+from mu_grpo import engine
 
 
 def test_shuffled_window_covers_each_epoch_once_then_reshuffles():

@@ -1,13 +1,13 @@
-"""engine.py's contract, in process (no engine is started): GPU groups and environments per engine, lengths a model
+"""mu_grpo/engine.py's contract, in process (no engine is started): GPU groups and environments per engine, lengths a model
 cannot hold, one compile cache per run. The evaluation protocol's tests are test_benchmarks.py's."""
 import os
 from pathlib import Path
 
 import pytest
 
-import common
-import engine
-import processes
+from mu_grpo import common
+from mu_grpo import engine
+from mu_grpo import processes
 from conftest import needs_vllm
 
 
@@ -75,16 +75,17 @@ def test_the_models_limit_is_derived_as_vllm_derives_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,flags", [
-    ("generate.py", ["--data=/nonexistent.jsonl", "--run_dir=/nonexistent"]),
-    ("evaluate.py", ["--benchmarks=heldout", "--data_dir=/nonexistent"]),
-    ("preflight.py", ["--data=/nonexistent.jsonl", "--out=/nonexistent/preflight.json"]),
+    (["generate.py"], ["--data=/nonexistent.jsonl", "--run_dir=/nonexistent"]),
+    (["evaluate.py"], ["--benchmarks=heldout", "--data_dir=/nonexistent"]),
+    (["-m", "mu_grpo.preflight"], ["--data=/nonexistent.jsonl", "--out=/nonexistent/preflight.json"]),
 ])
 def test_every_script_refuses_lengths_its_model_cannot_hold_before_anything_else(tmp_path, script, flags):
     # `python evaluate.py --policy=<a lab policy>` without the run's length flags took the scripts' defaults (1536 +
     # 2560) and ended in vLLM's 40-line pydantic traceback; now one line, before data, engines or files
-    from conftest import run_script
+    from conftest import run_script, whole_checkpoint
     policy = write_config(tmp_path / "lab", max_position_embeddings=2048)
-    proc = run_script(script, f"--policy={policy}", *flags, check=False, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"})
+    whole_checkpoint(policy)             # (the policy's own check comes first: common.require_policy)
+    proc = run_script(*script, f"--policy={policy}", *flags, check=False, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "0"})
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()
     assert len(last) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

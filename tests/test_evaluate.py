@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-import benchmarks
-import common
-import nodes
+from mu_grpo import benchmarks
+from mu_grpo import common
+from mu_grpo import nodes
 from conftest import whole_checkpoint, ROOT
 
 # a: problem 0 right in 1 of 2 samples, problem 1 in none → avg@2 = 0.25, pass@2 = 0.5; b: problem 0 right in both,
@@ -129,7 +129,8 @@ def test_one_rule_says_which_policies_are_evaluated(monkeypatch, tmp_path, every
 NODE = """
 import json, sys, types
 samples, sys.argv = json.loads(sys.argv[2]), ["evaluate.py", *json.loads(sys.argv[1])]
-import benchmarks, evaluate
+import evaluate
+from mu_grpo import benchmarks
 benchmarks.time = evaluate.time = types.SimpleNamespace(time=lambda: 4600.0, perf_counter=lambda: 5.0)
 order = [("a", 0), ("a", 1), ("b", 0)]
 evaluate.sample_and_grade = lambda policies, ev, rank, n: ([

@@ -1,4 +1,4 @@
-"""frontier.sh and bench/frontier.py: a reduced frontier on the toy (μ = 2 resident, μ = 4 processes per phase, and
+"""frontier.sh and tools/frontier.py: a reduced frontier on the toy (μ = 2 resident, μ = 4 processes per phase, and
 the drift rule), killed and resumed, whose table's numbers are the runs' own records."""
 import json
 import math
@@ -67,7 +67,7 @@ def killed_frontier(toy, tmp_path_factory):
     left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in processes_with(f"RUN={out}/")
             if Path(f"/proc/{pid}/cmdline").exists()}
     assert not left, f"a run's process outlived the stopped frontier: {left}"
-    partial = run_script("bench/frontier.py", f"--runs_dir={out}", "--baseline=grpo:2", f"--out={tmp_path / 'partial'}")
+    partial = run_script("tools/frontier.py", f"--runs_dir={out}", "--baseline=grpo:2", f"--out={tmp_path / 'partial'}")
     stopped = {"finished": finished, "partial": partial.stdout,
                "partial_runs": set(json.loads((tmp_path / "partial" / "frontier.json").read_text())["runs"])}
     run_frontier(env)                                                    # resumed one run at a time (JOBS=1)
@@ -137,10 +137,10 @@ def test_a_killed_frontier_resumes_and_its_table_is_the_runs_records(killed_fron
 @needs_vllm
 def test_the_notebook_draws_a_frontier_from_its_records(killed_frontier, tmp_path, monkeypatch):
     # the notebook's cells, in order, in a kernel's stead: run from a notebooks/ folder beside bench/ (as in the
-    # repository), with a Jupyter kernel's command line (bench/frontier.py must not read it as its own)
+    # repository), with a Jupyter kernel's command line (tools/frontier.py must not read it as its own)
     out, _ = killed_frontier
     (tmp_path / "notebooks").mkdir()
-    (tmp_path / "bench").symlink_to(ROOT / "bench")
+    (tmp_path / "tools").symlink_to(ROOT / "tools")
     monkeypatch.chdir(tmp_path / "notebooks")
     monkeypatch.setattr(sys, "argv", ["ipykernel_launcher.py", "-f", str(tmp_path / "kernel.json")])
     monkeypatch.setattr(sys, "path", list(sys.path))             # the cells' path setup is undone after the test
@@ -189,7 +189,7 @@ def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_sw
                                                                                                capsys):
     # the preflight's stage of 1024 updates: generation 1.0 h, optimization 0.5 h. 4096 updates: 4 such stages of
     # compute (6 h) at any μ; μ = 4 adds 1024 switches, μ = 1024 four: at 180 s each 51.2 h and 0.2 h
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tools"))
     import frontier                              # its --total_updates=4096 --costs=0,180
     monkeypatch.setattr(frontier, "total_updates", 4096)
     monkeypatch.setattr(frontier, "costs_s", [0.0, 180.0])
@@ -226,10 +226,11 @@ def stubbed_frontier(tmp_path, **env):
     """frontier.sh in a copy of the tree whose run_stages.sh only records its settings (and setup.sh does nothing):
     what frontier.sh asks of each run and preflight, in seconds."""
     tree = tmp_path / "tree"
-    (tree / "bench").mkdir(parents=True, exist_ok=True)      # (a second run: the same tree, its builds kept)
-    (tree / "data").mkdir(exist_ok=True)
-    for name in ("frontier.sh", "losses.sh", "common.py", "plot.py", "records.py", "rollouts.py", "processes.py",
-                 "pool.py", "bench/frontier.py", "bench/regimes.py", "bench/sweep.py"):
+    for d in ("tools", "mu_grpo", "data"):                      # (a second run: the same tree, its builds kept)
+        (tree / d).mkdir(parents=True, exist_ok=True)
+    for name in ("frontier.sh", "losses.sh", "mu_grpo/__init__.py", "mu_grpo/common.py", "tools/plot.py",
+                 "mu_grpo/records.py", "mu_grpo/rollouts.py", "mu_grpo/processes.py", "mu_grpo/pool.py",
+                 "tools/frontier.py", "tools/regimes.py", "tools/sweep.py"):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "setup.sh").write_text("exit 0\n")
     (tree / "run_stages.sh").write_text(STUB_RUN_STAGES + STUB_PROBE)
@@ -265,7 +266,7 @@ def test_the_paper_frontier_runs_one_preflight_per_box_shape_and_splits_the_gpus
 
 
 def test_the_gpus_are_split_evenly_between_jobs_or_refused():
-    import pool
+    from mu_grpo import pool
     assert pool.gpu_slices(4, 2, None) == ["0,1", "2,3"]
     assert pool.gpu_slices(4, 4, "GPU-a,GPU-b,GPU-c,GPU-d") == ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
     assert pool.gpu_slices(2, 1, "3,5") == ["3,5"]
@@ -343,7 +344,7 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
 
 
 def test_the_t_tests_p_value_and_holms_correction_against_closed_forms(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import plot
     # closed forms: df 1 is Cauchy, p = 1 − (2/π)·atan|t|; df 2, p = 1 − |t|/√(t² + 2); the tabled 97.5 % points give 0.05
     for t in (0.3, 1.0, 2.5, 12.706):
@@ -361,7 +362,7 @@ def test_the_t_tests_p_value_and_holms_correction_against_closed_forms(monkeypat
 
 
 def test_a_95_percent_t_interval_and_the_verdicts_by_hand(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import plot
     import regimes
     # [1, 2, 3, 4]: mean 2.5, sd √(5/3) = 1.2910, t(0.975, df 3) = 3.182: half-width 3.182 · 1.2910 / 2 = 2.0540
@@ -385,7 +386,7 @@ def test_a_95_percent_t_interval_and_the_verdicts_by_hand(monkeypatch):
 
 
 def test_the_comparisons_are_paired_by_build_and_seed_and_split_by_regime(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import regimes
     final = {("grpo", 4): {("build0", "seed0"): 0.10, ("build0", "seed1"): 0.12, ("build2", "seed0"): 0.80,
                            ("build2", "seed1"): 0.78, ("build7", "seed0"): 0.5},
@@ -405,7 +406,7 @@ def test_the_comparisons_are_paired_by_build_and_seed_and_split_by_regime(monkey
 
 
 def test_the_papers_claims_are_made_at_each_large_mu_and_say_how_many_stages_it_ran(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import regimes
     # 256 updates each: μ = 64 is four stages (the paper's shape), μ = 256 one stage on the initial policy's rollouts
     final = {("grpo", 4): [0.6, 0.7], ("grpo", 64): [0.5, 0.4], ("grpo", 256): [0.2, 0.3],
@@ -423,7 +424,7 @@ def test_the_papers_claims_are_made_at_each_large_mu_and_say_how_many_stages_it_
 
 
 def test_the_rule_keeps_the_first_builds_of_each_regime_in_candidate_order(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import regimes
     assert [regimes.regime_name(i, c) for i, c in ((0.02, 0.03), (0.14, 0.1), (0.14, 0.099), (0.5, 0.3))] == \
         ["stalls", "learns", "stalls", "saturated"]
@@ -447,7 +448,7 @@ def test_the_rule_keeps_the_first_builds_of_each_regime_in_candidate_order(monke
 
 
 def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_without_a_papers_sign(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import regimes
     # relaxed-low (μ-GRPO's lower clip alone) against grpo and μ-GRPO at μ = 4: differences −0.05, −0.07 (mean −0.06,
     # sd 0.01414, df 1: half-width 12.706 · 0.01414 / √2 = 0.1271) and +0.01, −0.01 (mean 0: not shown)
@@ -475,7 +476,7 @@ def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_witho
 
 
 def test_runs_evaluated_at_other_update_counts_are_averaged_at_each_runs_last_evaluation_before_it(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import frontier
     # two drift runs evaluated at their stage ends: (updates, seconds, accuracy)
     a = [(0, 0.0, 0.1), (37, 50.0, 0.2), (72, 100.0, 0.3), (256, 300.0, 0.5)]
@@ -489,7 +490,7 @@ def test_runs_evaluated_at_other_update_counts_are_averaged_at_each_runs_last_ev
 def test_the_points_are_each_loss_at_each_mu_and_a_preset_with_nav_once_per_delta(monkeypatch):
     # a preset has NAV when its flags follow NAV_DELTA (losses.sh), whatever its name; drift runs every stage's
     # evaluation from DRIFT_FIRST; a fixed μ is evaluated every EVAL_UPDATES updates, after every stage when larger
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import sweep
     for name, value in dict(losses="grpo mu-grpo relaxed-no-nav nav-T", nav_deltas="1e-4 0.1", mus="4 64 drift",
                             points="", baseline="grpo:4", key_points="", total_updates="128", eval_updates="32",
@@ -511,7 +512,7 @@ def test_the_points_are_each_loss_at_each_mu_and_a_preset_with_nav_once_per_delt
 
 
 def test_the_runs_are_the_key_points_everywhere_then_the_sweep_on_its_builds(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import sweep
     monkeypatch.setattr(sweep, "seeds", "0 1")
     monkeypatch.setattr(sweep, "sweep_seeds", "0")

@@ -175,7 +175,7 @@ def test_truncated_sampling_is_refused_for_training(toy, tmp_path):
 def test_finish_reasons_stay_distinct():
     from types import SimpleNamespace
 
-    import sampling
+    from mu_grpo import sampling
     reasons = [sampling.finish_reason(SimpleNamespace(finish_reason=r))
                for r in ("stop", "length", "abort", None, "odd")]
     assert reasons == ["stop", "length", "abort", "abort", "error"]        # optimize.py refuses the last three
@@ -231,12 +231,12 @@ def test_a_signal_to_generate_stops_the_engine_processes(toy, tmp_path, signum):
 
 
 def test_response_texts_match_vllms_detokenizer(toy):
-    # generate.py asks vLLM for no text (detokenize=False) and decodes each shard once (sampling.py); the texts must
+    # generate.py asks vLLM for no text (detokenize=False) and decodes each shard once (mu_grpo/sampling.py); the texts must
     # be what vLLM's incremental detokenizer gives: special tokens dropped, a trailing incomplete UTF-8
     # sequence (a response cut off inside a character) left out
     from transformers import AutoTokenizer
 
-    import sampling
+    from mu_grpo import sampling
     tok = AutoTokenizer.from_pretrained(toy / "model")
     ids = tok.encode(" \\boxed{7}", add_special_tokens=False)
     euro = tok.encode("€", add_special_tokens=False)   # 3 bytes; the byte-level vocabulary has no merge for it
@@ -280,13 +280,13 @@ def test_the_per_request_seed_is_a_knob_that_stays_on_by_default(monkeypatch):
     # engine, shard or resumed attempt generates it; --per_request_seed=false leaves sampling to the engine's seed
     # (vLLM's batched sampler: vllm/v1/sample/ops/topk_topp_sampler.py random_sample draws one row at a time for
     # seeded requests) and is recorded in the stage's plan, so a rerun with the other setting is refused
-    import common
-    import sampling
+    from mu_grpo import common
+    from mu_grpo import sampling
     monkeypatch.setattr(common, "build_prompt_ids", lambda tokenizer, problem, template, chat: [1, 2, 3])
     monkeypatch.setattr(common, "stop_token_ids", lambda tokenizer, chat: [0])      # no tokenizer is needed (None)
     rows = [{"id": f"p{i}", "problem": str(i), "answer": str(i)} for i in range(3)]
     g = import_generate(monkeypatch, "--seed=7", "--run_dir=/nonexistent")
-    # the engine's requests take the seed setting from the stage's plan, as generate.py hands it to sampling.py
+    # the engine's requests take the seed setting from the stage's plan, as generate.py hands it to mu_grpo/sampling.py
     kept, params, skipped = sampling.shard_requests(g.shard_job(2, "policy", 3), None, rows, [4, 5, 6])
     assert g.per_request_seed is True
     assert [p.seed for p in params] == [common.sample_seed(7, 2, pos) for pos in (4, 5, 6)]
@@ -307,7 +307,7 @@ def test_resident_evaluation_samples_with_evaluate_pys_seed_whatever_the_trainin
                                "--eval_benchmarks=test", "--results=unused.jsonl")
     monkeypatch.setattr(sys, "argv", ["evaluate.py", f"--data_dir={toy}", "--benchmarks=test"])
     sys.modules.pop("evaluate", None)
-    import common
+    from mu_grpo import common
     import evaluate
     resident, alone = generate.evaluation(), evaluate.evaluation()
     assert resident.seed == alone.seed == 0

@@ -1,4 +1,4 @@
-"""handoff.py, in process: the resident processes' protocol (announce, a dead or missing partner, policies handed
+"""mu_grpo/handoff.py, in process: the resident processes' protocol (announce, a dead or missing partner, policies handed
 over, the engines' rows), where policies go (/dev/shm or the run's disk) and the engines' share of a GPU."""
 import json
 import os
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-import common
-import handoff
-import processes
+from mu_grpo import common
+from mu_grpo import handoff
+from mu_grpo import processes
 
 
 def test_a_partner_that_announced_is_watched_and_a_dead_one_is_named(tmp_path):
@@ -21,8 +21,8 @@ def test_a_partner_that_announced_is_watched_and_a_dead_one_is_named(tmp_path):
     trainer = handoff.Partner(tmp_path, "trainer")
     trainer.check_partner()                                   # alive: nothing happens
     # a partner that died: a process that announced itself and exited
-    code = f"import handoff; handoff.Partner({str(tmp_path)!r}, 'engine').announce()"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(handoff.__file__))
+    code = f"from mu_grpo import handoff; handoff.Partner({str(tmp_path)!r}, 'engine').announce()"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(handoff.__file__)))
     t0 = time.monotonic()
     with pytest.raises(SystemExit, match=r"the engine process \(pid \d+\) has died"):
         trainer.wait(lambda: False, poll_s=0.01)
@@ -75,7 +75,7 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
 def test_the_file_hand_over_saves_where_the_engines_load_and_publishes_the_next_stages_size(tmp_path):
     # a drift-free fixed run of 3 stages × μ = 4, 8 prompts per update: the policy trained on stage 0 generates stage 1
     # (4 × 8 = 32 prompts), the one trained on stage 2 none (the run is over)
-    import records
+    from mu_grpo import records
     run, fast = tmp_path / "run", tmp_path / "fast"
     handover = handoff.PolicyHandover(handoff.Partner(run, "trainer"), records.StagePlan(4, stages=3), 8, is_main=True)
     handover.use_files(fast)
@@ -186,7 +186,7 @@ def test_a_resumed_trainer_saves_its_policy_again_after_releasing_memory_or_with
         args = ["optimize.py", "--resident=true", f"--run_dir={run}", f"--stages={stages}", f"--policy={toy / 'model'}",
                 "--updates_per_stage=1", "--policy_handoff=files", *FAST]     # no engine answers a transfer here
         return [sys.executable, "-c",
-                "import runpy, sys, handoff, model as M\n"
+                "import runpy, sys\nfrom mu_grpo import handoff, trainer_model as M\n"
                 f"def event(what): open({str(events)!r}, 'a').write(what + '\\n')\n"
                 "release, publish, build = M.release_memory, handoff.Partner.publish_policy, M.build\n"
                 "M.release_memory = lambda: (event('released'), release())[1]\n"

@@ -1,4 +1,4 @@
-"""The CPU lab (data/lab.py, data/lab_fork.py, ablate.sh, plot.py --ablation_dir, diagnose.py): the tasks, the
+"""The CPU lab (data/lab.py, data/lab_fork.py, ablate.sh, tools/plot.py --ablation_dir, tools/diagnose.py): the tasks, the
 table, and a reduced ablation with its diagnostics."""
 import json
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, needs_vllm, read_lines, run_script
 
-sys.path.insert(0, str(ROOT / "data"))
+sys.path[:0] = [str(ROOT / "data"), str(ROOT / "tools")]
 import lab  # noqa: E402
 import lab_fork  # noqa: E402
 import plot  # noqa: E402
@@ -109,7 +109,7 @@ def test_the_held_out_set_is_new_problems_of_every_length(small_lab):
 def test_kappa_ratio_and_net_push_around_the_first_wrong_token_by_hand(small_lab, monkeypatch):
     # one group of three: a correct response (A = +1) and two that leave the worked solution at token f = 5 (A = -1/2
     # each); ratios are set by hand through the checkpoint's log-probs (behavior log-probs all 0)
-    monkeypatch.setattr(sys, "argv", ["diagnose.py"])
+    monkeypatch.setattr(sys, "argv", ["tools/diagnose.py"])
     sys.modules.pop("diagnose", None)
     import diagnose
     from transformers import AutoTokenizer
@@ -142,7 +142,7 @@ def test_kappa_ratio_and_net_push_around_the_first_wrong_token_by_hand(small_lab
 
 
 def test_diagnose_reports_kappa_at_the_delta_each_replay_trained_with(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["diagnose.py"])
+    monkeypatch.setattr(sys, "argv", ["tools/diagnose.py"])
     sys.modules.pop("diagnose", None)
     import diagnose
 
@@ -249,7 +249,7 @@ def test_reduced_ablation_produces_the_curves_figures_table_and_diagnostics(tmp_
     assert all(f"| {v} | 1 |" in table for v in ("grpo", "mu-grpo"))
     # the mechanism diagnostics on the saved checkpoints (the pipeline: every share is a share, push is finite)
     # at the replays' own δ (NAV_DELTA=0.5, read from their optimize_config.json), also for grpo's, which had none
-    run_script("diagnose.py", f"--ablation_dir={out}", "--variants=grpo,mu-grpo", "--updates=0,4", "--groups=4")
+    run_script("tools/diagnose.py", f"--ablation_dir={out}", "--variants=grpo,mu-grpo", "--updates=0,4", "--groups=4")
     rows = json.loads((out / "plots" / "diagnostics.json").read_text())   # the numbers: test_kappa_ratio_and_net_push_around_the_first_wrong_token_by_hand
     assert [(r["variant"], r["updates"], r["nav_delta"]) for r in rows] == \
         [("grpo", 0, 0.5), ("grpo", 4, 0.5), ("mu-grpo", 0, 0.5), ("mu-grpo", 4, 0.5)]
@@ -293,73 +293,9 @@ def test_the_lab_build_is_the_same_whichever_kernels_the_cpu_would_pick(tmp_path
     assert digests[0] == digests[1]
 
 
-def _stage_audit(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["stage_audit.py"])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    sys.modules.pop("stage_audit", None)
-    import stage_audit
-    return stage_audit
-
-
-def test_the_stage_audit_recomputes_answers_and_texts_by_hand(small_lab, monkeypatch):
-    audit = _stage_audit(monkeypatch)
-    assert audit.chain_value("Compute 7 + 8 - 5 + 9 step by step.") == 19
-    assert audit.chain_value("Compute 13 - 3 + 5 + 1 step by step.") == 16
-    # its worked texts are the builder's without slips (an independent writer of the same task)
-    row = lab.problem_row(7, [("+", 8), ("-", 5), ("+", 9)])
-    solution, detour = audit.worked_texts(row["problem"])
-    options = dict(fork="start", detour="restate", p_slip=0.0)
-    assert solution == lab_fork.demonstration(row, random.Random(0), p_detour=0.0, **options)
-    assert detour == lab_fork.demonstration(row, random.Random(0), p_detour=1.0, **options)
-    # the probed tokens spell each step's result (15, 10, 19), in the solution and in the detour
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(small_lab / "model")
-    for text in (solution, detour):
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        spelled = [tokenizer.decode([enc["input_ids"][i] for i in p]).strip()
-                   for p in audit.result_positions(enc["offset_mapping"], text)]
-        assert spelled == ["15", "10", "19"]
-    probe = audit.probe_policy(str(small_lab / "model"), [row["problem"]])
-    assert all(0 < v <= 1 for v in probe.values())
-
-
-def test_the_stage_audit_finds_a_planted_pairing_reward_and_advantage_fault(tmp_path, monkeypatch):
-    audit = _stage_audit(monkeypatch)
-    monkeypatch.setattr(audit, "max_responses", 0)
-    stage = tmp_path / "stage_0"
-    (stage / "rollouts").mkdir(parents=True)
-    problem = "Compute 7 + 8 - 5 + 9 step by step."
-    # one group of four: two right (\\boxed{19}), two wrong; rewards 1, 1, 0, 0: mean 0.5, sample std 0.57735,
-    # advantages ±0.5 / 0.57735 = ±0.866025
-    responses = [" \\boxed{19}", " \\boxed{ 19}", " \\boxed{18}", " Answer: 19"]
-    rows = [{"prompt_id": "p", "group": 0, "prompt": problem, "answer": "19", "response": r, "reward": w,
-             "advantage": a, "finish_reason": "stop", "response_token_ids": [5] * 3, "behavior_logprobs": [0.0] * 3,
-             "reward_info": {"reason": "correct" if w else "wrong"}}
-            for r, w, a in zip(responses, (1.0, 1.0, 0.0, 0.0), (0.866025, 0.866025, -0.866025, -0.866025))]
-    manifest = {"stage": 0, "policy": str(tmp_path / "no_policy"), "plan": {"temperature": 1.0}}
-
-    def audit_of(rows):
-        (stage / "rollouts" / "shard_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (stage / "rollouts" / "manifest.json").write_text(json.dumps(manifest))
-        return audit.audit_stage(stage, [], [])
-
-    clean = audit_of(rows)
-    assert (clean["gold_pairing_ok"], clean["rewards_differing"]) == (1.0, 0)
-    assert clean["advantage_max_error"] < 1e-5 and clean["mean_reward"] == 0.5 and clean["groups_with_variance"] == 1
-    faulty = [dict(r) for r in rows]
-    faulty[0]["answer"] = "18"          # paired with another problem's answer
-    faulty[2]["reward"] = 1.0           # graded right though it is wrong
-    faulty[3]["advantage"] = -0.5       # not the group's normalization
-    found = audit_of(faulty)
-    assert found["gold_pairing_ok"] == 0.75 and found["rewards_differing"] == 1
-    # the advantages are recomputed from the stored rewards (1, 1, 1, 0: mean 0.75, sd 0.5, so 0.5, 0.5, 0.5, −1.5):
-    # off by 0.366, 0.366, 1.366 (response 2's stored −0.866 against 0.5, the largest) and 1.0
-    assert found["advantage_max_error"] == pytest.approx(1.366025, abs=1e-4)
-
-
 def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["paired.py"])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import paired
     a = {("build1", "seed0"): {"final": 0.6}, ("build1", "seed1"): {"final": 0.7}, ("build0", "seed0"): {"final": 0.2},
          ("build2", "seed0"): {"final": 0.9}}
@@ -374,14 +310,3 @@ def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
     assert rows["all"]["pairs"] == 3
     assert (rows["all"]["mean"], rows["all"]["low"], rows["all"]["high"]) == pytest.approx((0.2833, -0.4445, 1.0111), abs=1e-3)
 
-
-def test_the_stage_audit_averages_training_metrics_over_windows_of_run_updates(monkeypatch):
-    audit = _stage_audit(monkeypatch)
-    monkeypatch.setattr(audit, "window", 2)
-    rows = [{"run_update": u, "nav/vetoed_frac": v, "ratio/kl": 0.1 * u, "entropy": None}
-            for u, v in enumerate([0.0, 0.2, 0.4, 0.6, 1.0])]
-    out = audit.training_windows(rows)
-    assert [r["updates"] for r in out] == ["0–1", "2–3", "4–4"]
-    assert [r["nav/vetoed_frac"] for r in out] == pytest.approx([0.1, 0.5, 1.0])
-    assert [r["ratio/kl"] for r in out] == pytest.approx([0.05, 0.25, 0.4])
-    assert out[0]["entropy"] is None and out[0]["grpo_clip/lower_frac"] is None     # never logged: no mean

@@ -1,4 +1,4 @@
-"""launch.py, run_stages.sh's machinery: every knob checked against one table, the defaults resolved once, the stage
+"""mu_grpo/launch.py, run_stages.sh's machinery: every knob checked against one table, the defaults resolved once, the stage
 plan, the run directory's lock and the resident pair's supervision (fast, in process or with tiny child processes)."""
 import errno
 import json
@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
-import launch  # noqa: E402
+from mu_grpo import launch  # noqa: E402
 
 # the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve)
 TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "--clip_low=0", "RUN": "", "MODEL": "data/toy/model",
@@ -108,7 +108,7 @@ def test_fractions_that_are_shares():
 
 
 def run_launch(*args, env=None, **kw):
-    return subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mu_grpo.launch", *args], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120, **kw)
 
 
@@ -159,13 +159,13 @@ def test_the_handoff_command_falls_back_to_files_only_where_the_preflight_did(tm
 
 
 def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
-    # run_stages.sh's preflight line (launch.py --command=preflight) at a 4-GPU box's shape, resident: the engines,
-    # trainer ranks, hand-off, the trainer's flags and the run's lengths reach preflight.py, PREFLIGHT_ARGS last
+    # run_stages.sh's preflight line (mu_grpo/launch.py --command=preflight) at a 4-GPU box's shape, resident: the engines,
+    # trainer ranks, hand-off, the trainer's flags and the run's lengths reach mu_grpo/preflight.py, PREFLIGHT_ARGS last
     k, problem = launch.resolve({**TOY, "RUN": "runs/box", "ENGINES": "2", "TRAIN_RANKS": "2", "RESIDENT": "true",
                                  "GRAD_CKPT": "true", "PREFLIGHT": "1", "PREFLIGHT_ARGS": "--prompts=8 --updates=2",
                                  "DRIFT_ARGS": "--drift_min_updates=4 --drift_min_updates=6"})
     assert problem is None
-    # (RESIDENT_GPU_MEMORY: the share launch.py --command=start gives for auto, exported before the preflight runs)
+    # (RESIDENT_GPU_MEMORY: the share mu_grpo/launch.py --command=start gives for auto, exported before the preflight runs)
     monkeypatch.setattr(os, "environ", {**k, **launch.derived(k), "KL": "--kl_coef=0", "RESIDENT_GPU_MEMORY": "0.1"})
     asked = []
     monkeypatch.setattr(subprocess, "run", lambda argv, **kw: asked.append(argv) or subprocess.CompletedProcess(argv, 0))
@@ -173,18 +173,18 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
         launch.preflight_command()
     assert done.value.code is None
     (argv,) = asked
-    assert argv[1] == "preflight.py" and argv[-2:] == ["--prompts=8", "--updates=2"]
-    flags = dict(a.split("=", 1) for a in argv[2:])
+    assert argv[1:3] == ["-m", "mu_grpo.preflight"] and argv[-2:] == ["--prompts=8", "--updates=2"]
+    flags = dict(a.split("=", 1) for a in argv[3:])
     assert {f: flags[f] for f in ("--out", "--engines", "--train_ranks", "--resident", "--policy_handoff",
                                   "--max_response_tokens", "--estimate_stage_prompts", "--drift_min_updates")} == {
         "--out": "runs/box/preflight.json", "--engines": "2", "--train_ranks": "2", "--resident": "true",
         "--policy_handoff": "transfer", "--max_response_tokens": "16", "--estimate_stage_prompts": "128",   # 8 · 16
         "--drift_min_updates": "6"}                                                  # the trainer's: the last given
     assert flags["--optimize_args"] == "--gradient_checkpointing=true --clip_low=0 --kl_coef=0"
-    # every flag one preflight.py takes, every value one it allows: its strict overrides and checks run on import
-    monkeypatch.setattr(sys, "argv", argv[1:])
-    monkeypatch.delitem(sys.modules, "preflight", raising=False)
-    import preflight
+    # every flag one mu_grpo/preflight.py takes, every value one it allows: its strict overrides and checks run on import
+    monkeypatch.setattr(sys, "argv", ["preflight.py", *argv[3:]])
+    monkeypatch.delitem(sys.modules, "mu_grpo.preflight", raising=False)
+    preflight = __import__("importlib").import_module("mu_grpo.preflight")
     assert (preflight.n_engines, preflight.n_ranks, preflight.resident, preflight.prompts) == (2, 2, True, 8)
 
 
@@ -201,7 +201,7 @@ def test_the_start_up_gives_its_assignments_on_descriptor_3_and_the_runs_start_o
     (run / ".done").mkdir(parents=True)
     env = {**os.environ, **TOY, "MODEL": str(model), "TRAIN_DATA": str(data), "RUN": str(run), "NNODES": "1",
            "NODE_RANK": "0", "JOIN_TIMEOUT": "10", "RESIDENT": "false", "RESIDENT_GPU_MEMORY": "auto", "GPUS": "0"}
-    line = f'{{ out=$("{sys.executable}" launch.py --command=start 3>&1 >&4) || exit $?; }} 4>&1; echo "[$out]"'
+    line = f'{{ out=$("{sys.executable}" -m mu_grpo.launch --command=start 3>&1 >&4) || exit $?; }} 4>&1; echo "[$out]"'
     runs = [subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
             for _ in range(2)]
     start = (run / ".done" / "start").read_text().strip()
@@ -224,19 +224,19 @@ def test_the_lock_tells_another_holder_from_a_filesystem_without_locks(tmp_path,
     with open(lock, "w") as held:
         import fcntl
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        proc = subprocess.run(f'exec 9>"{lock}"; "{sys.executable}" launch.py --command=lock', shell=True, cwd=ROOT,
+        proc = subprocess.run(f'exec 9>"{lock}"; "{sys.executable}" -m mu_grpo.launch --command=lock', shell=True, cwd=ROOT,
                               capture_output=True, text=True, env={**os.environ, **env})
     assert proc.returncode == 1 and "another run_stages.sh is running" in proc.stderr
-    # held by the shell once launch.py has ended: a second taker is refused while the first shell lives
+    # held by the shell once mu_grpo/launch.py has ended: a second taker is refused while the first shell lives
     holding = tmp_path / "holding"
-    first = subprocess.Popen(f'exec 9>"{lock}"; "{sys.executable}" launch.py --command=lock && touch "{holding}" '
+    first = subprocess.Popen(f'exec 9>"{lock}"; "{sys.executable}" -m mu_grpo.launch --command=lock && touch "{holding}" '
                              f'&& sleep 60', shell=True, cwd=ROOT, env={**os.environ, **env})
     try:
         deadline = time.time() + 60
         while not holding.exists() and first.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert holding.exists()
-        second = subprocess.run(f'exec 9>"{lock}"; "{sys.executable}" launch.py --command=lock', shell=True,
+        second = subprocess.run(f'exec 9>"{lock}"; "{sys.executable}" -m mu_grpo.launch --command=lock', shell=True,
                                 cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
         assert second.returncode == 1 and "another run_stages.sh is running" in second.stderr
     finally:
@@ -314,7 +314,7 @@ def test_a_resident_gpu_run_sizes_the_engines_share_from_its_checkpoint_and_gpu(
     import torch
     from safetensors.torch import save_file
 
-    import handoff
+    from mu_grpo import handoff
     model = tmp_path / "model"
     model.mkdir()
     save_file({"w": torch.zeros(100, 10), "b": torch.zeros(10)}, str(model / "model.safetensors"))

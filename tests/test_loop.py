@@ -1,4 +1,4 @@
-"""The whole loop (run_stages.sh) on the toy task; evaluate.py and plot.py; data/prepare.py."""
+"""The whole loop (run_stages.sh) on the toy task; evaluate.py and tools/plot.py; data/prepare.py."""
 import json
 import math
 import os
@@ -64,7 +64,7 @@ def test_toy_loop_end_to_end(finished_run):
     for name, s in (("eval_-1", 0), ("eval_0", 1)):
         generate = next(t for t in rows if t["name"] == f"generate_{s}")
         assert generate["start"] < parts[name]["start"] < parts[name]["end"] < generate["end"]
-    import records
+    from mu_grpo import records
     split = records.time_split(records.load_run(finished_run))
     assert split["evaluation"] == pytest.approx(sum(t["seconds"] for t in rows if t["phase"] == "eval"))
     top = [t for t in rows if "process" not in t]
@@ -73,8 +73,8 @@ def test_toy_loop_end_to_end(finished_run):
                                                - split["generation"] - split["training"])
     samples = read_lines(finished_run / "eval_samples" / "stage_1" / "test.jsonl")
     assert len(samples) == 4 * results[-1]["problems"]
-    import engine
-    assert not engine.link_dir(finished_run).exists()          # the run's engine link went with it (launch.py end)
+    from mu_grpo import engine
+    assert not engine.link_dir(finished_run).exists()          # the run's engine link went with it (mu_grpo/launch.py end)
 
 
 @pytest.mark.slow
@@ -123,7 +123,7 @@ def test_finished_run_rerun_does_nothing(toy, finished_run):
 # ----------------------------------------------------------------------------- the box's shape on the CPU
 
 # a 4×H200 box's control flow: vLLM engines in child processes (one per GPU there), FSDP2 over torchrun ranks (gloo
-# here). Its preflight at this shape: tests/test_preflight.py (preflight.py itself, resident), test_launch.py (the
+# here). Its preflight at this shape: tests/test_preflight.py (mu_grpo/preflight.py itself, resident), test_launch.py (the
 # flags run_stages.sh gives it) and test_frontier.py (run_stages.sh running it); not here, where it would add ~4 minutes
 BOX = {"ENGINES": "2", "TRAIN_RANKS": "2"}
 
@@ -300,7 +300,7 @@ def test_two_localhost_nodes_from_a_cold_start_end_where_one_node_does_and_a_dea
     assert "2 nodes joined" in out and "2 trainer ranks on 2 nodes reached each other over gloo" in out, out[-3000:]
     assert not (run_dir / ".done" / "optimize_0").exists()
     assert_none_left(run_dir)
-    from nodes import fingerprint
+    from mu_grpo.nodes import fingerprint
     assert fingerprint(clone / "data" / "toy" / "model") == fingerprint(toy / "model")   # box_run's initial policy
     node1 = start_node(env, 1, clone)        # both rerun, node 1 first again: the run resumes
     node0 = start_node(env, 0, clone)
@@ -324,7 +324,7 @@ def test_two_localhost_nodes_from_a_cold_start_end_where_one_node_does_and_a_dea
     timeline = read_lines(run_dir / "timeline.jsonl")
     assert [t["name"] for t in timeline] == ["attempt", "eval_-1", "generate_0", "attempt", "optimize_0", "eval_0"]
     assert timeline[1]["process"] == "generate"     # the initial policy's, by generate_0's engines, one per node
-    import records
+    from mu_grpo import records
     assert records.pauses({"timeline": timeline}) == [(timeline[2]["end"], timeline[3]["start"])]
     assert (run_dir / "logs" / "node1" / "eval_0.log").exists() and (run_dir / ".done" / "all").exists()
 
@@ -363,7 +363,7 @@ def test_a_node_pointed_at_a_run_directory_the_other_cannot_see_is_refused_befor
 @pytest.mark.slow
 @needs_vllm
 def test_plot_renders_every_figure(finished_run, tmp_path):
-    proc = run_script("plot.py", f"--run_dir={finished_run}", f"--out_dir={tmp_path}", "--summary=true")
+    proc = run_script("tools/plot.py", f"--run_dir={finished_run}", f"--out_dir={tmp_path}", "--summary=true")
     names = {p.name for p in tmp_path.glob("*.png")}
     assert names == {"accuracy_vs_hours.png", "training_update.png", "nav_warning.png", "clip_fractions.png",
                      "mismatch_per_stage.png"}
@@ -447,7 +447,7 @@ def test_toy_builder_model_loads_in_transformers_and_vllm(toy):
     AutoModelForCausalLM.from_pretrained(toy / "model")
     tok = AutoTokenizer.from_pretrained(toy / "model")
     assert tok.padding_side == "left" and tok.eos_token == "</s>"
-    code = ("import engine; llm = engine.make_llm(%r, seed=0, max_model_len=64); "
+    code = ("from mu_grpo import engine; llm = engine.make_llm(%r, seed=0, max_model_len=64); "
             "print(len(llm.generate([{'prompt_token_ids': [1, 5, 6]}], use_tqdm=False)[0].outputs))" % str(toy / "model"))
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("1"), proc.stderr[-2000:]
@@ -459,7 +459,7 @@ def test_notebook_cells_run_on_a_finished_run(finished_run, tmp_path, monkeypatc
     nb = json.loads((ROOT / "notebooks" / "results.ipynb").read_text())
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["pytest"])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))    # the frontier cell's bench/frontier.py (no frontier here)
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))    # the frontier cell's tools/frontier.py (no frontier here)
     namespace = {}
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
@@ -508,7 +508,7 @@ def test_training_data_without_answers_fails_before_any_phase(toy, tmp_path):
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=300)
     assert proc.returncode == 2 and "has no field 'answer'" in proc.stderr
-    assert not (tmp_path / "run").exists()        # a refused new run leaves nothing (launch.py end)
+    assert not (tmp_path / "run").exists()        # a refused new run leaves nothing (mu_grpo/launch.py end)
 
 
 @pytest.mark.slow
@@ -702,7 +702,7 @@ def test_resident_run_equals_the_process_per_phase_run(toy, box_run, resident_ru
     assert {r["name"] for r in rows if r["phase"] == "eval"} == {"eval_-1", "eval_0", "eval_1"}
     assert not (resident_run / "stage_0" / "train_state").exists()          # released once stage 1's was written
     assert (resident_run / "stage_1" / "train_state" / "progress.json").exists()
-    import handoff
+    from mu_grpo import handoff
     assert not any(d.exists() for d in handoff.policy_locations(resident_run))   # no policy went through files
     assert not handoff.transfer_buffers(resident_run)                         # the transfer's buffers are gone
     assert "policies are handed over through vLLM's weight-transfer API (mu-grpo-shm, 2 engine(s))" in (
@@ -710,7 +710,7 @@ def test_resident_run_equals_the_process_per_phase_run(toy, box_run, resident_ru
     # every hand-off: its seconds and rate in the trainer's rows, each engine's seconds and bytes in its own
     assert all(r["handoff"] == "transfer" and r["handoff_seconds"] > 0 and r["handoff_gb_per_s"] > 0 for r in trainer)
     assert all(engines[1, e]["handoff_bytes"] == engines[1, 1 - e]["handoff_bytes"] > 0 for e in (0, 1))
-    summary = run_script("plot.py", f"--run_dir={resident_run}", "--summary=true", f"--out_dir={resident_run / 'p'}")
+    summary = run_script("tools/plot.py", f"--run_dir={resident_run}", "--summary=true", f"--out_dir={resident_run / 'p'}")
     assert "resident processes: start-up" in summary.stdout
 
 
@@ -723,7 +723,7 @@ def test_the_transfer_hand_off_gives_the_run_of_the_file_hand_off(resident_files
     assert_same_stages(resident_run, resident_files_run)
     logs = (resident_files_run / "logs" / "engine.log").read_text()
     assert "as it handed it over" not in logs and "as it handed it over" in (resident_run / "logs" / "engine.log").read_text()
-    import handoff
+    from mu_grpo import handoff
     assert not any(d.exists() for d in handoff.policy_locations(resident_files_run))   # cleared at the run's end
 
 
@@ -768,7 +768,7 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
     # within seconds; the rerun ends where an unbroken one did (run_stages.sh and everything under it killed at once:
     # resident_files_run)
     import random
-    import handoff
+    from mu_grpo import handoff
     run_dir = tmp_path / "run"
     env = {**os.environ, **loop_env(toy, run_dir), **BOX, "RESIDENT": "true"}
     seed = random.randrange(10**6)

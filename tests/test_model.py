@@ -1,4 +1,4 @@
-"""model.py, in process: the saved policy is the trainer's weights in the initial dtype and loads back, tied
+"""mu_grpo/trainer_model.py, in process: the saved policy is the trainer's weights in the initial dtype and loads back, tied
 embeddings stay one parameter, what the resident trainer keeps while the engine is awake, and the message of a
 process group that cannot start."""
 import json
@@ -9,9 +9,9 @@ from conftest import read_lines
 import pytest
 import torch
 
-import common
-import checkpoint
-import model as M
+from mu_grpo import common
+from mu_grpo import checkpoint
+from mu_grpo import trainer_model as M
 
 
 def test_released_gradients_are_gone_not_zeroed():
@@ -126,13 +126,13 @@ def test_adamw_state_made_before_the_first_activation_gives_the_same_updates_bit
 
 @pytest.mark.slow
 def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path, monkeypatch):
-    # bench/gpu_check.py, the trainer's path on a lent GPU, at its CPU size: optimize.py on a synthetic stage, bf16
+    # tools/gpu_check.py, the trainer's path on a lent GPU, at its CPU size: optimize.py on a synthetic stage, bf16
     # against float32 (CPU autocast, and FSDP2's bf16 parameters on one gloo rank), the hash on the device against the
     # CPU's, the packed buffer hashed in a second process (shared memory here, CUDA IPC on a GPU). One table, its JSON
     import importlib.util
     import sys
     from conftest import ROOT, run_script
-    proc = run_script("bench/gpu_check.py", "--shape=tiny", "--mean_prompt_tokens=16", "--mean_response_tokens=24",
+    proc = run_script("tools/gpu_check.py", "--shape=tiny", "--mean_prompt_tokens=16", "--mean_response_tokens=24",
                       "--max_response_tokens=48", "--micro_batch_tokens=1024", "--updates=2", f"--out_dir={tmp_path}")
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["passed"] and report["device"] == "CPU"
@@ -146,8 +146,8 @@ def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path, monkeyp
     # each update's FLOPs are those of the groups it trained (its row's "groups", optimize.py's seeded schedule): their
     # tokens are the row's own count; the file's first minibatch (the old reading) is another
     monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     stage = tmp_path / "stage-tiny"

@@ -1,4 +1,4 @@
-"""The paper's five models (models.py): each one's settings chosen with MODEL= alone, and its prompt rendered by a
+"""The paper's five models (model_cards.py): each one's settings chosen with MODEL= alone, and its prompt rendered by a
 tokenizer carrying its chat template (tokenizer_config.json's, reduced to its branches for one user message without
 tools) exactly as its model card shows it; a tokenizer that renders another is refused in one line."""
 import os
@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-import models
+from mu_grpo import model_cards
 from conftest import whole_checkpoint, ROOT
 
 LLAMA_3_2 = (  # meta-llama/Llama-3.2-3B-Instruct
@@ -67,15 +67,15 @@ def tokenizer(template, family):
     return fast
 
 
-@pytest.mark.parametrize("name", list(models.MODELS))
+@pytest.mark.parametrize("name", list(model_cards.MODELS))
 def test_each_models_prompt_renders_as_its_model_card_shows(name):
     template, family = CASES[name]
     tok = tokenizer(template, family)
-    own = models.MODELS[name]["settings"]["TEMPLATE"]
+    own = model_cards.MODELS[name]["settings"]["TEMPLATE"]
     hub = {"Llama-3.2-3B-Instruct": "meta-llama", "DeepSeek-R1-Distill-Qwen-7B": "deepseek-ai"}.get(name, "Qwen")
-    assert models.check_prompt(tok, f"{hub}/{name}", own) is None
-    assert models.check_prompt(tok, f"/models/{name.lower()}/", own) is None      # a local copy of the same name
-    prompt = models.rendered(tok, own)
+    assert model_cards.check_prompt(tok, f"{hub}/{name}", own) is None
+    assert model_cards.check_prompt(tok, f"/models/{name.lower()}/", own) is None      # a local copy of the same name
+    prompt = model_cards.rendered(tok, own)
     assert prompt.count("Please reason step by step") == 1       # the instruction once: Qwen2.5-Math's system prompt
     assert prompt.count(tok.bos_token or "\0") <= 1             # one BOS (the template writes it; no second one)
 
@@ -83,7 +83,7 @@ def test_each_models_prompt_renders_as_its_model_card_shows(name):
 def test_llamas_prompt_does_not_change_with_the_date():
     # the template writes today's date (strftime_now) unless given one: pinned, the same prompt any day
     tok = tokenizer(LLAMA_3_2, "llama")
-    assert "Today Date: 26 Jul 2024\n" in models.rendered(tok, "chat")
+    assert "Today Date: 26 Jul 2024\n" in model_cards.rendered(tok, "chat")
 
 
 @pytest.mark.parametrize("model,template,family,given,line", [
@@ -98,21 +98,21 @@ def test_llamas_prompt_does_not_change_with_the_date():
     ("my/model", QWEN3, "qwen", "chat-system", "TEMPLATE=chat-system: my/model's chat template has no system prompt"),
 ])
 def test_a_wrong_template_is_refused_in_one_line(model, template, family, given, line):
-    problem = models.check_prompt(tokenizer(template, family), model, given)
+    problem = model_cards.check_prompt(tokenizer(template, family), model, given)
     assert problem is not None and line in problem and "\n" not in problem
 
 
 def test_another_template_than_the_models_own_is_named_and_run(capsys):
     tok = tokenizer(QWEN2_5_MATH, "qwen")
-    assert models.check_prompt(tok, "Qwen/Qwen2.5-Math-7B", "chat") is None
+    assert model_cards.check_prompt(tok, "Qwen/Qwen2.5-Math-7B", "chat") is None
     assert capsys.readouterr().err == ("TEMPLATE=chat for Qwen2.5-Math-7B, whose model card's prompt is "
                                        "TEMPLATE=chat-system's: run as given\n")
     # its instruction twice: the system prompt's and the user turn's
-    assert models.rendered(tok, "chat").count("Please reason step by step") == 2
+    assert model_cards.rendered(tok, "chat").count("Please reason step by step") == 2
 
 
 def defaults(env):
-    proc = subprocess.run([os.environ["MU_GRPO_VENV"] + "/bin/python", "models.py"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([os.environ["MU_GRPO_VENV"] + "/bin/python", "-m", "mu_grpo.model_cards"], cwd=ROOT, capture_output=True,
                           text=True, env={**{k: v for k, v in os.environ.items() if k not in ("MAX_RESPONSE", "TEMPLATE",
                                                                                               "MAX_PROMPT")}, **env})
     assert proc.returncode == 0, proc.stderr
@@ -129,7 +129,7 @@ def test_a_models_settings_are_chosen_by_its_name_and_the_environment_wins():
 
 
 def test_run_stages_start_up_refuses_a_wrong_template_before_any_compute(tmp_path, capsys):
-    import launch
+    from mu_grpo import launch
     model = tmp_path / "DeepSeek-R1-Distill-Qwen-7B"
     model.mkdir()
     whole_checkpoint(model)                                   # a whole checkpoint but for its tokenizer's template
@@ -151,7 +151,7 @@ def test_each_models_lengths_fit_its_positions():
     # config.json max_position_embeddings (model cards): Qwen2.5-Math-7B's 4,096 is the one the paper's lengths fill
     positions = {"Llama-3.2-3B-Instruct": 131072, "Qwen2.5-Math-7B": 4096, "Qwen3-1.7B-Base": 32768,
                  "Qwen3-8B-Base": 32768, "DeepSeek-R1-Distill-Qwen-7B": 131072}
-    for name, entry in models.MODELS.items():
+    for name, entry in model_cards.MODELS.items():
         s = entry["settings"]
         assert int(s["MAX_PROMPT"]) + int(s["MAX_RESPONSE"]) <= positions[name]
-    assert sum(int(v) for k, v in models.MODELS["Qwen2.5-Math-7B"]["settings"].items() if k.startswith("MAX")) == 4096
+    assert sum(int(v) for k, v in model_cards.MODELS["Qwen2.5-Math-7B"]["settings"].items() if k.startswith("MAX")) == 4096

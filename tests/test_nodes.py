@@ -1,4 +1,4 @@
-"""Several nodes (nodes.py): the store the nodes meet in, the checks before any compute, the watch that stops every
+"""Several nodes (mu_grpo/nodes.py): the store the nodes meet in, the checks before any compute, the watch that stops every
 node when one is gone; the trainer's per-rank log-prob parts; the engines' environment. The whole loop on two
 localhost "nodes" is in test_loop.py (beside the one-node run it must equal)."""
 import datetime
@@ -17,9 +17,9 @@ import pytest
 
 from conftest import ROOT
 
-import engine  # noqa: E402
-import nodes  # noqa: E402
-import rollouts  # noqa: E402
+from mu_grpo import engine  # noqa: E402
+from mu_grpo import nodes  # noqa: E402
+from mu_grpo import rollouts  # noqa: E402
 
 
 def free_port():
@@ -86,7 +86,7 @@ def test_a_store_of_one_node_gives_the_answers_one_node_gives(tmp_path):
 
 
 def join(rank, where, run_dir, model, settings):
-    return subprocess.Popen([sys.executable, "nodes.py", "--command=join", "--nnodes=2", f"--node_rank={rank}",
+    return subprocess.Popen([sys.executable, "-m", "mu_grpo.nodes", "--command=join", "--nnodes=2", f"--node_rank={rank}",
                              f"--coordinator={where}", "--join_timeout_s=60", f"--run_dir={run_dir}",
                              f"--model={model}", f"--data={model / 'train.jsonl'}", f"--settings={settings}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -100,7 +100,7 @@ def make_model(path, weights):
     return path
 
 
-@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
+@pytest.mark.slow     # mu_grpo/nodes.py's own processes (each imports torch for its store)
 def test_join_accepts_nodes_that_agree_and_refuses_one_line_per_difference(tmp_path):
     where = f"127.0.0.1:{free_port()}"
     store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)     # node 0's watch process serves it in a run
@@ -141,7 +141,7 @@ def test_the_fingerprint_is_the_bytes_not_the_path(tmp_path):
 
 def fake_run(rank, where, tail, dead_after_s=2, errors=""):
     """A stand-in for run_stages.sh on one node: its watch process beside a shell that does `tail`."""
-    watch = (f"{sys.executable} nodes.py --command=watch --nnodes=2 --node_rank={rank} --coordinator={where} "
+    watch = (f"{sys.executable} -m mu_grpo.nodes --command=watch --nnodes=2 --node_rank={rank} --coordinator={where} "
              f"--dead_after_s={dead_after_s} --join_timeout_s=60 --pid=$$ --errors={errors}")
     return subprocess.Popen(["bash", "-c", f"{watch} & w=$!; {tail}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -166,7 +166,7 @@ def wait_until_both_beat(where, timeout=120):
         time.sleep(0.1)
 
 
-@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
+@pytest.mark.slow     # mu_grpo/nodes.py's own processes (each imports torch for its store)
 def test_nodes_that_end_well_leave_together():
     where = f"127.0.0.1:{free_port()}"
     runs = [fake_run(r, where, "sleep 4; kill -USR1 $w; wait $w") for r in (0, 1)]
@@ -174,7 +174,7 @@ def test_nodes_that_end_well_leave_together():
     assert [p.returncode for p in runs] == [0, 0], outs
 
 
-@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
+@pytest.mark.slow     # mu_grpo/nodes.py's own processes (each imports torch for its store)
 @pytest.mark.parametrize("how,reason", [("killed", "node 1 stopped answering"),
                                         ("failed", "node 1 failed: its run_stages.sh ended with an error")])
 def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason, tmp_path):
@@ -196,7 +196,7 @@ def test_a_node_that_is_gone_stops_the_other_within_seconds(how, reason, tmp_pat
     assert took < 2 + 5 + 5       # dead_after_s, the grace before SIGKILL, a few beats (killed: no heartbeat for 2 s)
 
 
-@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
+@pytest.mark.slow     # mu_grpo/nodes.py's own processes (each imports torch for its store)
 def test_a_node_that_ends_before_node_0_is_up_is_reported_with_its_own_error_line(tmp_path):
     # node 1 starts first and fails at once (as run_stages.sh did on a model path node 0 had not built yet); its watch
     # is still waiting for node 0's store then. Once node 0 is up, node 1's watch tells it, with node 1's own last
@@ -219,12 +219,12 @@ def test_a_node_that_ends_before_node_0_is_up_is_reported_with_its_own_error_lin
     assert f"[node 0] node 1 failed: its run_stages.sh ended with an error: {error}: stopping" in err, err
 
 
-@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
+@pytest.mark.slow     # mu_grpo/nodes.py's own processes (each imports torch for its store)
 def test_other_nodes_wait_for_node_0_to_say_the_model_and_data_are_ready():
     where = f"127.0.0.1:{free_port()}"
     store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)     # node 0's watch process serves it in a run
     ready = lambda rank, timeout_s, value: subprocess.Popen(  # noqa: E731
-        [sys.executable, "nodes.py", "--command=ready", "--nnodes=2", f"--node_rank={rank}", f"--coordinator={where}",
+        [sys.executable, "-m", "mu_grpo.nodes", "--command=ready", "--nnodes=2", f"--node_rank={rank}", f"--coordinator={where}",
          f"--join_timeout_s={timeout_s}", f"--value={value}"], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     node1 = ready(1, 2, 0)                    # node 0 never says so: node 1 gives up after join_timeout_s, in one line
@@ -247,12 +247,12 @@ def collective(rank, port, more_env=None, timeout_s=20):
     with torchrun's variables: world 2, one rank per "node"."""
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(more_env or {})}
-    return subprocess.Popen([sys.executable, "nodes.py", "--command=collective", "--nnodes=2", f"--node_rank={rank}",
+    return subprocess.Popen([sys.executable, "-m", "mu_grpo.nodes", "--command=collective", "--nnodes=2", f"--node_rank={rank}",
                              f"--collective_timeout_s={timeout_s}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
+@pytest.mark.slow     # mu_grpo/nodes.py's own processes (each imports torch for its store)
 def test_the_trainers_network_is_checked_in_seconds_with_one_line_naming_the_likely_cause():
     port = free_port()
     ranks = [collective(r, port) for r in (0, 1)]
@@ -280,7 +280,7 @@ def test_the_process_group_is_bound_to_the_ranks_device(monkeypatch):
     # (torch/distributed/distributed_c10d.py barrier): cuda:2 for global rank 2 on a second node whose ranks use
     # cuda:0 and cuda:1. GPU-only in effect; here the call optimize.py makes through model.start_process_group
     import torch
-    import model as M
+    from mu_grpo import trainer_model as M
     calls = []
     monkeypatch.setattr(M.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
     monkeypatch.setattr(M, "barrier", lambda: None)
@@ -289,7 +289,7 @@ def test_the_process_group_is_bound_to_the_ranks_device(monkeypatch):
     assert [(backend, kw["device_id"]) for backend, kw in calls] == [("nccl", torch.device("cuda", 1)), ("gloo", None)]
 
 
-@pytest.mark.slow     # nodes.py's own processes (each imports torch for its store)
+@pytest.mark.slow     # mu_grpo/nodes.py's own processes (each imports torch for its store)
 def test_a_frozen_node_0_stops_the_others_though_its_connection_stays_open():
     # SIGSTOP: node 0's store neither answers nor closes its connections (a host gone off the network), so node 1's
     # store calls block; its watch's guard stops it after dead_after_s

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-import common
+from mu_grpo import common
 import loss as L
-import checkpoint
-import model as M
-import rollouts
+from mu_grpo import checkpoint
+from mu_grpo import trainer_model as M
+from mu_grpo import rollouts
 from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
 
 G = 4
@@ -432,7 +432,7 @@ def test_every_stage_saves_the_initial_models_dtype(toy, tmp_path):
 def test_stages_of_different_lengths_are_counted_from_the_records(toy, stage, tmp_path):
     # stage 0: 2 updates; stage 1 continues its train state for 3; stage 2 continues it with AdamW reset
     # (--optimizer_boundary=reset) for 2. The run's count goes on through all three, AdamW's and the warmup restart at the reset, and
-    # every reader (the next stage, plot.py, evaluate.py's rows) takes the counts from the records
+    # every reader (the next stage, tools/plot.py, evaluate.py's rows) takes the counts from the records
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     # the later stages train on copies of stage 0's rollouts, not on their own policy's: the trainer's stop on
     # rollouts its policy did not generate (tests/test_weights.py) is off
@@ -458,7 +458,7 @@ def test_stages_of_different_lengths_are_counted_from_the_records(toy, stage, tm
     assert [m["lr"] for m in reset] == pytest.approx([1e-3 / 4, 2e-3 / 4])
     record = common.policy_record(tmp_path / "stage_2" / "policy")
     assert (record["stage_updates"], record["run_updates"], record["optimizer_updates"]) == (2, 7, 2)
-    import records
+    from mu_grpo import records
     assert [m["run_update"] for m in records.load_run(tmp_path)["metrics"]] == list(range(7))
     results = tmp_path / "results.jsonl"
     policies = ",".join(str(tmp_path / f"stage_{s}" / "policy") for s in range(3))

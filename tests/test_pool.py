@@ -1,4 +1,4 @@
-"""pool.py: tasks JOBS at a time, each slot on its share of the cores; a failure or a signal stops them all."""
+"""mu_grpo/pool.py: tasks JOBS at a time, each slot on its share of the cores; a failure or a signal stops them all."""
 import os
 import signal
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import pool
+from mu_grpo import pool
 from conftest import ROOT
 
 
@@ -60,7 +60,7 @@ def test_a_failed_task_stops_the_others_and_is_named_with_its_log(tmp_path):
 def test_the_command_line_marks_each_task_done_and_a_rerun_skips_it(tmp_path):
     count = tmp_path / "count"
     lines = f"one echo 1 >> {count}\ntwo echo 2 >> {count}\n"
-    args = [sys.executable, "pool.py", "--jobs=2", f"--logs={tmp_path / 'logs'}", f"--done={tmp_path / 'done'}"]
+    args = [sys.executable, "-m", "mu_grpo.pool", "--jobs=2", f"--logs={tmp_path / 'logs'}", f"--done={tmp_path / 'done'}"]
     for _ in range(2):
         proc = subprocess.run(args, input=lines, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -74,7 +74,7 @@ def test_a_sigterm_to_the_pool_stops_every_task_it_started(tmp_path):
     started = tmp_path / "started"
     marker = f"301.{os.getpid()}"        # the sleeps' command line, to find them
     lines = "".join(f"t{i} touch {started}.{i}; sleep {marker}\n" for i in range(2))
-    proc = subprocess.Popen([sys.executable, "pool.py", "--jobs=2", f"--logs={tmp_path}", f"--done={tmp_path / 'd'}"],
+    proc = subprocess.Popen([sys.executable, "-m", "mu_grpo.pool", "--jobs=2", f"--logs={tmp_path}", f"--done={tmp_path / 'd'}"],
                             stdin=subprocess.PIPE, cwd=ROOT, text=True)
     proc.stdin.write(lines)
     proc.stdin.close()

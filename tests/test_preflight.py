@@ -1,7 +1,8 @@
-"""preflight.py on the toy model on CPU: every check's code path runs (GPU-only ones are SKIPPED), the run's
+"""mu_grpo/preflight.py on the toy model on CPU: every check's code path runs (GPU-only ones are SKIPPED), the run's
 optimize flags reach the miniature, a pass is cached, the miniature's weights are deleted, and each check FAILS
 on the fault it exists for (a wrong temperature, a stale save, a train state not loaded, sequences that see
 each other, a response that runs past its turn)."""
+import importlib
 import json
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ pytestmark = needs_vllm
 
 
 def preflight(toy, out, *extra, check=True):
-    return run_script("preflight.py", f"--policy={toy / 'model'}", f"--data={toy / 'train.jsonl'}", f"--out={out}",
+    return run_script("-m", "mu_grpo.preflight", f"--policy={toy / 'model'}", f"--data={toy / 'train.jsonl'}", f"--out={out}",
                       "--gpus=0", "--prompts=8", "--group_size=4", "--updates=2", "--max_prompt_tokens=64",
                       "--max_response_tokens=12", "--micro_batch_tokens=4096", "--prompt_template={problem}",
                       "--estimate_stage_prompts=64", *extra, check=check)
@@ -40,10 +41,10 @@ def passed(toy, tmp_path_factory):
 
 @pytest.fixture
 def check_functions(monkeypatch):
-    """preflight.py's check functions, imported with the CPU thresholds."""
+    """mu_grpo/preflight.py's check functions, imported with the CPU thresholds."""
     monkeypatch.setattr(sys, "argv", ["preflight.py", "--gpus=0"])
-    sys.modules.pop("preflight", None)
-    import preflight as P
+    sys.modules.pop("mu_grpo.preflight", None)
+    P = importlib.import_module("mu_grpo.preflight")
     return P
 
 
@@ -67,14 +68,14 @@ def test_preflight_passes_on_the_toy_model_with_its_table(passed):
             "resident hand-off: every engine generated a shard of a 4-prompt stage"} <= gated
     assert "| stop tokens" in proc.stdout and "ESTIMATE for a stage of 64 prompts" in proc.stdout
     assert report["figures"]["train_tokens_per_s"] > 0 and report["figures"]["grader_responses_per_s"] > 0
-    # what frontier.sh's estimate reads (bench/frontier.py estimate): a stage's hours of generation and training
+    # what frontier.sh's estimate reads (tools/frontier.py estimate): a stage's hours of generation and training
     hours = report["figures"]["estimated_hours_per_stage"]
     assert hours["generate"] > 0 and hours["optimize"] > 0
     # both engines generated (a stage of 8 prompts, smaller than one shard: before, one engine did it all)
     assert report["figures"]["engines_ran"] == report["figures"]["engines"] == 2
     assert report["figures"]["train_ranks"] == 2 and 0 < report["figures"]["batch_saturation"] < 1
     assert "disk" in status and status["disk"] == {"PASS"}
-    # the stage-0 agreement kept whatever the checks say: what bench/table1.py --command=agreement lays side by side
+    # the stage-0 agreement kept whatever the checks say: what tools/table1.py --command=agreement lays side by side
     agreement = report["figures"]["agreement"]
     gate = next(r for r in report["checks"] if r["check"] == "engine/trainer agreement: mean |Δ log p| at update 0")
     assert agreement["mean_abs_log_ratio"] == gate["value"] and agreement["bound_mean"] == gate["threshold"]
@@ -93,7 +94,7 @@ def test_the_runs_optimize_flags_reach_the_miniature_and_its_weights_are_deleted
     assert off["gradient_checkpointing"] is False                  # the check's own setting wins over the run's
     assert json.loads(out.read_text())["key"]["settings"]["optimize_args"] == run_flags(toy).split("=", 1)[1]
     assert not list(work.rglob("*.safetensors")) and not list(work.rglob("train_state*"))
-    import handoff
+    from mu_grpo import handoff
     assert not any(d.exists() for d in handoff.policy_locations(work / "resident"))   # the hand-off dirs (/dev/shm) too
     assert (work / "stage_0" / "rollouts" / "manifest.json").exists() and (work / "logs" / "optimize_0.log").exists()
 
@@ -150,7 +151,7 @@ def test_the_round_trip_fails_on_a_stale_save_and_on_a_train_state_not_loaded(to
 @pytest.mark.slow
 @pytest.mark.parametrize("fault,gated", [
     # the attention treats the packed row as one causal sequence: in the other order a sequence sees other ones
-    ("import model; model.sequence_bounds = lambda position_ids, n: [0, n]", ["PASS", "FAIL", "FAIL"]),
+    ("from mu_grpo import trainer_model as model; model.sequence_bounds = lambda position_ids, n: [0, n]", ["PASS", "FAIL", "FAIL"]),
     # no fault, but a rounding that depends on the GEMM's shape (rows in the micro-batch), as bf16 kernels' tiling
     # does on a GPU: packed vs alone moves every token by ~1e-3 (gated before, that failed a healthy box); the
     # same micro-batch in two orders has one shape, so it rounds alike
@@ -256,7 +257,7 @@ def test_a_failed_phase_is_named_by_its_own_last_line_not_torchruns(check_functi
 
 def fake_resident_run(run_dir, engine_rows, trainer_rows=()):
     """The files resident_checks reads: the hand-off flag, stage 1's manifest and saved policy, the timeline."""
-    import handoff
+    from mu_grpo import handoff
     handoff.Partner(run_dir, "trainer").publish_policy(0, "x", "y", "fp", run_updates=1, next_stage_prompts=4)
     (run_dir / "stage_1" / "rollouts").mkdir(parents=True)
     (run_dir / "stage_1" / "rollouts" / "manifest.json").write_text(json.dumps(
@@ -337,8 +338,8 @@ def test_the_transfer_is_measured_per_engine_and_a_failed_one_falls_back_to_file
 def test_the_cached_pass_is_keyed_on_every_setting_and_every_source_file(monkeypatch, tmp_path):
     def key(*argv):
         monkeypatch.setattr(sys, "argv", ["preflight.py", "--gpus=0", *argv])
-        sys.modules.pop("preflight", None)
-        import preflight as P
+        sys.modules.pop("mu_grpo.preflight", None)
+        P = importlib.import_module("mu_grpo.preflight")
         monkeypatch.setattr(P.common, "policy_fingerprint", lambda model: "fp")
         return P.cache_key("model")
     base = key()
@@ -347,10 +348,11 @@ def test_the_cached_pass_is_keyed_on_every_setting_and_every_source_file(monkeyp
                     "--prompt_template={problem}!", "--engines=2", "--train_ranks=2", "--resident=true"):
         assert key(setting) != base, setting
     assert key("--force=true") == base                      # whether to go on after a FAIL is not what passed
-    import preflight as P
-    for name in ("engine.py", "handoff.py", "losses.sh", "data/toy.py", "requirements.txt", "requirements-cpu.txt"):
+    P = importlib.import_module("mu_grpo.preflight")
+    for name in ("mu_grpo/engine.py", "mu_grpo/handoff.py", "losses.sh", "data/toy.py", "requirements.txt", "requirements-cpu.txt"):
         copy = tmp_path / name.replace("/", "_")
-        for f in [*P.ROOT.glob("*.py"), *P.ROOT.glob("*.sh"), *P.ROOT.glob("data/*.py"), *P.ROOT.glob("requirements*.txt")]:
+        for f in [*P.ROOT.glob("*.py"), *P.ROOT.glob("*.sh"), *P.ROOT.glob("mu_grpo/*.py"), *P.ROOT.glob("data/*.py"),
+                  *P.ROOT.glob("requirements*.txt")]:
             (copy / f.relative_to(P.ROOT)).parent.mkdir(parents=True, exist_ok=True)
             (copy / f.relative_to(P.ROOT)).write_bytes(f.read_bytes())
         assert P.code_version(copy) == P.code_version(P.ROOT)
@@ -376,7 +378,7 @@ def test_the_disk_row_fails_when_the_run_cannot_keep_its_stages(check_functions,
     monkeypatch.setattr(check_functions, "stages", 2)
     monkeypatch.setattr(check_functions, "estimate_stage_prompts", 10)
     monkeypatch.setattr(check_functions, "group_size", 5)
-    import model as M
+    from mu_grpo import trainer_model as M
     n = M.parameter_count(toy / "model")
     # 2 stages × (10 × 5 responses × 1000 B + n × 4 B fp32 policy) + 2 train states × 12 n B
     need = 2 * (50 * 1000 + 4 * n) + 24 * n
@@ -394,13 +396,13 @@ def disk_need(check_functions, toy, tmp_path, monkeypatch, shm=True, **settings)
     import collections
     import shutil as sh
 
-    import model as M
+    from mu_grpo import trainer_model as M
     monkeypatch.setattr(check_functions, "work", tmp_path / "work")
     (tmp_path / "work" / "stage_0" / "rollouts").mkdir(parents=True, exist_ok=True)
     (tmp_path / "work" / "stage_0" / "rollouts" / "shard_00000.jsonl").write_bytes(b"x" * 4000)   # 1000 B/response
     monkeypatch.setattr(check_functions, "run_dir", str(tmp_path / "run"))
     monkeypatch.setattr(M, "parameter_count", lambda model: 10**8)
-    import handoff
+    from mu_grpo import handoff
     monkeypatch.setattr(handoff, "fast_dir", lambda run, policy_bytes: (
         handoff.shm_root() / "x" if shm else handoff.state_dir(run) / "policies", "room for two" if shm else "no room"))
     for k, v in settings.items():
@@ -478,8 +480,8 @@ def test_the_cached_pass_is_keyed_on_the_libraries_requirements_flash_attn_and_g
 
     def key(*argv):
         monkeypatch.setattr(sys, "argv", ["preflight.py", *argv])
-        sys.modules.pop("preflight", None)
-        import preflight as P
+        sys.modules.pop("mu_grpo.preflight", None)
+        P = importlib.import_module("mu_grpo.preflight")
         monkeypatch.setattr(P.common, "policy_fingerprint", lambda model: "fp")
         return P.cache_key("model")
     base = key("--gpus=0")

@@ -1,4 +1,4 @@
-"""processes.py, with real processes (sleeps, shells and tiny Pythons; a few seconds in all): a process named by pid
+"""mu_grpo/processes.py, with real processes (sleeps, shells and tiny Pythons; a few seconds in all): a process named by pid
 and start time, liveness, stopping a tree with a grace period, the engine workers' start, stop and death with
 their parent."""
 import contextlib
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-import processes
+from mu_grpo import processes
 from conftest import ROOT
 
 
@@ -133,8 +133,8 @@ def test_a_tree_is_stopped_only_if_its_root_is_still_the_process_recorded(tmp_pa
 
 
 def test_the_process_that_stops_a_tree_it_is_in_is_spared():
-    # nodes.py's watch runs below the run_stages.sh it stops
-    code = ("import os, processes; below = processes.descendants(os.getppid()); "
+    # mu_grpo/nodes.py's watch runs below the run_stages.sh it stops
+    code = ("import os; from mu_grpo import processes; below = processes.descendants(os.getppid()); "
             "processes.stop_tree(os.getppid(), grace_s=0.5); print(os.getpid(), *below)")
     root = subprocess.Popen(["bash", "-c", f"sleep 300 & {sys.executable} -c \"{code}\"; sleep 300"], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -151,7 +151,7 @@ def test_the_process_that_stops_a_tree_it_is_in_is_spared():
 
 def test_a_child_is_terminated_when_its_parent_dies():
     # the parent starts a sleep that is to end with it, says its pid, and is SIGKILLed
-    code = ("import functools, os, signal, subprocess, processes; "
+    code = ("import functools, os, signal, subprocess; from mu_grpo import processes; "
             "p = subprocess.Popen(['sleep', '300'], preexec_fn=functools.partial(processes.terminate_with_parent, "
             "os.getpid())); print(p.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     parent = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=20)

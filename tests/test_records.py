@@ -1,4 +1,4 @@
-"""records.py, the run's records in one place: run_stages.sh's timeline rows through its one writer, a resident attempt's
+"""mu_grpo/records.py, the run's records in one place: run_stages.sh's timeline rows through its one writer, a resident attempt's
 row (at its end, or at the next start when it was killed) and the one wall-clock rule (time_split with pauses) on
 hand-made timelines (fast)."""
 import sys
@@ -9,8 +9,8 @@ from conftest import ROOT
 from test_launch import TOY, run_launch
 
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
-import records  # noqa: E402
+from mu_grpo import common  # noqa: E402
+from mu_grpo import records  # noqa: E402
 
 
 def test_run_stages_rows_are_written_by_records_one_writer(tmp_path):
@@ -56,7 +56,7 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
             {"phase": "generate", "name": "generate_1", "stage": 1, "start": 210, "end": 240, "process": "engine"},
             {"phase": "optimize", "name": "optimize_1", "stage": 1, "start": 240, "end": 270, "process": "trainer"},
             {"phase": "eval", "name": "eval_1", "stage": 1, "start": 270, "end": 290, "seconds": 20, "process": "engine"}]
-    def attempt_marker(t):      # run_stages.sh's zero-length row, written before launch.py starts the attempt
+    def attempt_marker(t):      # run_stages.sh's zero-length row, written before mu_grpo/launch.py starts the attempt
         common.append_jsonl(tmp_path / "timeline.jsonl", {"phase": "attempt", "name": "attempt", "stage": -1, "start": t,
                                                          "end": t, "seconds": 0, "process": "run_stages.sh"})
     attempt_marker(100)
@@ -68,7 +68,7 @@ def test_a_killed_resident_attempt_gets_its_row_at_the_next_start_and_the_time_s
         (tmp_path / f"stage_{s}" / "rollouts").mkdir(parents=True)
         common.atomic_write_json(tmp_path / f"stage_{s}" / "rollouts" / "manifest.json", {"generation_seconds": generation})
         common.atomic_write_lines(tmp_path / f"stage_{s}" / "metrics.jsonl", [{"seconds": x} for x in training])
-    attempt_marker(200)                            # the rerun: run_stages.sh's row, then launch.py's resident_command,
+    attempt_marker(200)                            # the rerun: run_stages.sh's row, then mu_grpo/launch.py's resident_command,
     records.close_killed_attempt(tmp_path)          # which first closes the killed attempt at its own last row (150)
     for r in rows[4:]:
         common.append_jsonl(tmp_path / "timeline.jsonl", {**r, "seconds": r.get("seconds", r["end"] - r["start"])})

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import reward as R
+from mu_grpo import grading as G
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -303,7 +304,7 @@ def hang_on_marker(response, gold, dataset=None, timeout_s=None):
 def test_pool_kills_a_hanging_item_and_finishes_the_rest():
     items = [(boxed(str(i)), str(i)) for i in range(6)] + [("HANG", "1")] + [(boxed("7"), "8")]
     t0 = time.perf_counter()
-    results = R.grade_batch(items, workers=2, timeout_s=1.0, reward_fn=hang_on_marker)
+    results = G.grade_batch(items, workers=2, timeout_s=1.0, reward_fn=hang_on_marker)
     assert time.perf_counter() - t0 < 20
     assert [r for r, _ in results] == [1.0] * 6 + [0.0, 0.0]
     assert results[6][1]["reason"] == "timeout"
@@ -318,31 +319,31 @@ def pid_as_reward(response, gold, dataset=None, timeout_s=None):
 
 def test_pool_workers_serve_every_call_and_a_killed_one_is_replaced():
     # starting a worker costs more than grading thousands of answers: the workers stay for the next call
-    R.stop_graders()
-    first = {i["pid"] for _, i in R.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
-    second = {i["pid"] for _, i in R.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
+    G.stop_graders()
+    first = {i["pid"] for _, i in G.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
+    second = {i["pid"] for _, i in G.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
     assert len(first) == 2 and second == first
     # a worker killed on a timeout is replaced for this call and the next; another reward_fn, same workers
-    results = R.grade_batch([("HANG", "1")] + [(boxed("1"), "1")] * 4, workers=2, timeout_s=1.0,
+    results = G.grade_batch([("HANG", "1")] + [(boxed("1"), "1")] * 4, workers=2, timeout_s=1.0,
                             reward_fn=hang_on_marker)
     assert [r for r, _ in results] == [0.0, 1.0, 1.0, 1.0, 1.0] and results[0][1]["reason"] == "timeout"
-    third = {i["pid"] for _, i in R.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
+    third = {i["pid"] for _, i in G.grade_batch([("a", "1")] * 20, workers=2, reward_fn=pid_as_reward)}
     assert len(third) == 2 and len(third & first) == 1
-    R.stop_graders()
-    assert R._pool == []
+    G.stop_graders()
+    assert G._pool == []
 
 
 def test_pool_takes_a_partial_as_reward_fn():
     # generate.py passes functools.partial(grade, format_bonus=...): it must travel to the workers
     import functools
-    results = R.grade_batch([(boxed("6"), "5"), ("no box", "5"), (boxed("5"), "5")], workers=2,
+    results = G.grade_batch([(boxed("6"), "5"), ("no box", "5"), (boxed("5"), "5")], workers=2,
                             reward_fn=functools.partial(R.grade, format_bonus=0.1))
     assert [r for r, _ in results] == [0.1, 0.0, 1.0]
 
 
 def test_pool_matches_in_process_grading_in_order():
     items = [{"response": boxed(p), "gold": g, "dataset": d} for g, p, d, _ in CASES[:40]]
-    pooled = R.grade_batch(items, workers=2, timeout_s=5.0)
+    pooled = G.grade_batch(items, workers=2, timeout_s=5.0)
     local = [R.grade(it["response"], it["gold"], it["dataset"]) for it in items]
     assert [r for r, _ in pooled] == [r for r, _ in local]
     assert [i["reason"] for _, i in pooled] == [i["reason"] for _, i in local]
@@ -357,6 +358,6 @@ def test_pool_matches_in_process_grading_in_order():
 def test_every_gold_answer_grades_itself_correct(name):
     rows = [json.loads(line) for line in open(SHARED / f"{name}.jsonl")][:200]
     items = [(boxed(r["answer"]), r["answer"], r["source"]) for r in rows]
-    results = R.grade_batch(items, workers=2, timeout_s=10.0)
+    results = G.grade_batch(items, workers=2, timeout_s=10.0)
     wrong = [(r["answer"], info["reason"]) for r, (reward, info) in zip(rows, results) if reward != 1.0]
     assert len(wrong) <= 0.02 * len(rows), wrong[:20]

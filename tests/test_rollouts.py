@@ -1,4 +1,4 @@
-"""rollouts.py's contract, in process: the stage directory's names, a killed writer's leftovers, the columns built
+"""mu_grpo/rollouts.py's contract, in process: the stage directory's names, a killed writer's leftovers, the columns built
 from the JSONL (and rebuilt when it changes), a complete stage read back, and bad files named by file and line."""
 import json
 import os
@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-import common
-import records
-import rollouts
+from mu_grpo import common
+from mu_grpo import records
+from mu_grpo import rollouts
 
 
 def response(group, sample_idx, prompt, ids, logprobs, reward, advantage):

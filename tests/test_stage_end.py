@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import records
+from mu_grpo import records
 from conftest import built_once, kill_when, needs_vllm, read_lines, run_script
 
 

@@ -1,4 +1,4 @@
-"""table1.sh and bench/table1.py: the plan (runs.txt), the table's arithmetic on runs timed by hand, the Slurm array's
+"""table1.sh and tools/table1.py: the plan (runs.txt), the table's arithmetic on runs timed by hand, the Slurm array's
 command lines, and (slow) the toy standing in for a model, one run killed and resumed, every cell back to its row."""
 import json
 import math
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, kill_when, needs_vllm, read_lines
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools"))
 import table1  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def test_the_plan_is_every_model_by_every_method_at_equal_updates(monkeypatch, t
 
 
 def test_every_papers_resident_run_saves_a_resume_point_every_two_of_its_hours(monkeypatch, tmp_path):
-    numbers = json.loads((ROOT / "bench" / "table1_paper.json").read_text())["models"]
+    numbers = json.loads((ROOT / "tools" / "table1_paper.json").read_text())["models"]
     hours = {(m, method): r["t_total_h"] for m, rows in numbers.items() for method, r in rows.items()}
     _, runs = plan_with(monkeypatch, tmp_path, hours, models=" ".join(
         ["meta-llama/Llama-3.2-3B-Instruct", "Qwen/Qwen2.5-Math-7B", "Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-8B-Base",
@@ -119,7 +119,7 @@ def test_the_tables_numbers_by_hand(tmp_path):
     paper.write_text(json.dumps({"source": "hand", "benchmarks": ["b1", "b2"], "models": {"M": {     # in percent
         "grpo:4": {"b1": 45.0, "b2": 25.0, "mean": 35.0, "t_rollout_h": 8.0, "t_total_h": 12.0},
         "mu-grpo:8": {"b1": 47.0, "b2": 27.0, "mean": 37.0, "t_rollout_h": 4.0, "t_total_h": 10.0}}}}))
-    proc = subprocess.run([sys.executable, "bench/table1.py", f"--runs_dir={runs}", f"--paper={paper}"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "tools/table1.py", f"--runs_dir={runs}", f"--paper={paper}"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((runs / "table1.json").read_text())["org/M"]
@@ -215,7 +215,7 @@ def test_toy_models_table_killed_resumed_and_every_cell_traced(toy, tmp_path):
 def test_the_papers_numbers_are_its_table_and_text():
     # each AVG. is its five benchmarks' mean, to the table's rounding; the text's mean speed-ups of μ-GRPO μ = 1024 over
     # GRPO μ = 4 across the five models: 1.82× rollout, 1.53× total (arXiv 2605.17570v1)
-    paper = json.loads((ROOT / "bench" / "table1_paper.json").read_text())
+    paper = json.loads((ROOT / "tools" / "table1_paper.json").read_text())
     models = paper["models"]
     assert list(models) == ["Llama-3.2-3B-Instruct", "Qwen2.5-Math-7B", "Qwen3-1.7B-Base", "Qwen3-8B-Base",
                             "DeepSeek-R1-Distill-Qwen-7B"]
@@ -235,7 +235,7 @@ def test_the_cost_estimate_from_a_preflights_throughputs(tmp_path):
     # (20 h for every μ), plus c per stage: GRPO μ = 4's 1024 stages at c = 20 s add 1024 × 20 / 3600 = 5.69 h
     report = tmp_path / "preflight.json"
     report.write_text(json.dumps({"figures": {"estimated_hours_per_stage": {"generate": 2.0, "optimize": 3.0}}}))
-    out = subprocess.run([sys.executable, "bench/frontier.py", f"--estimate_from={report}", "--total_updates=4096",
+    out = subprocess.run([sys.executable, "tools/frontier.py", f"--estimate_from={report}", "--total_updates=4096",
                           "--preflight_updates=1024", "--estimate_points=grpo:4 mu-grpo:1024", "--costs=0,20"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[-2:] == ["| grpo:4 | 1024 | 20.00 | 25.69 |", "| mu-grpo:1024 | 4 | 20.00 | 20.02 |"]

@@ -1,4 +1,4 @@
-"""Watching a run (issue 44): the trackers fed from the run's records (tracking.py), read back with TensorBoard's own
+"""Watching a run (issue 44): the trackers fed from the run's records (mu_grpo/tracking.py), read back with TensorBoard's own
 reader and from W&B's offline run files; the missing-package refusal; the stage line with its ETA. A real run killed in
 every phase and resumed, read back with the functions here: tests/test_loop.py (it shares box_run's run)."""
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import common
-import tracking
+from mu_grpo import common
+from mu_grpo import tracking
 from conftest import ROOT
 
 
@@ -145,7 +145,7 @@ def test_an_evaluation_inside_a_generate_phase_counts_as_evaluation_time(tmp_pat
 def test_with_no_tracker_nothing_is_written_or_imported(tmp_path):
     run = tmp_path / "run"
     write_records(run, 1)
-    code = ("import sys, tracking; tracking.follow(sys.argv[1], 'none', {}, 0); "
+    code = ("import sys; from mu_grpo import tracking; tracking.follow(sys.argv[1], 'none', {}, 0); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'tensorboard', 'torch')))")
     proc = subprocess.run([sys.executable, "-c", code, str(run)], cwd=ROOT, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"

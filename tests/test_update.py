@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import common
+from mu_grpo import common
 import loss as L
-import model as M
-import rollouts
+from mu_grpo import trainer_model as M
+from mu_grpo import rollouts
 import update
 
 G = 4

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-import common
-import engine
+from mu_grpo import common
+from mu_grpo import engine
 import loss as L
 from conftest import needs_vllm
 
@@ -97,8 +97,8 @@ def test_a_held_parameter_the_record_does_not_name_stops_the_engine():
 def test_the_trainer_records_the_hashes_of_what_it_saves(toy, tmp_path):
     # save_policy's record (hashed on the gathered tensors, in the engines' dtype) equals a recomputation from the
     # saved files; from a bf16 checkpoint the engines' float32 copies are hashed, not the bf16 bits
-    import checkpoint
-    import model as M
+    from mu_grpo import checkpoint
+    from mu_grpo import trainer_model as M
     for dtype in (torch.float32, torch.bfloat16):
         net = M.build(toy / "model", attention="sdpa")
         out = tmp_path / str(dtype)
@@ -120,7 +120,7 @@ def test_an_engine_holding_other_weights_than_it_was_given_is_named(toy, tmp_pat
 
     from safetensors.torch import load_file, save_file
 
-    import checkpoint
+    from mu_grpo import checkpoint
     policies = {}
     for name, shift in (("a", 0.0), ("b", 1e-3)):
         d = tmp_path / name
@@ -182,9 +182,9 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
     # engine 1's behavior log-probs 2e-3 nats per token off (as a stale or otherwise sampled engine's would be) are
     # twice the CPU bound; engine 0's agree to float32 noise. The run's first measured stage (no stage 0 record): the
     # bound is absolute, and the stop names the engine and the stage
-    import model as M
+    from mu_grpo import trainer_model as M
     import optimize
-    import rollouts
+    from mu_grpo import rollouts
     import update
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", shift)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
@@ -230,9 +230,9 @@ def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_poli
     # stage 3 of a run whose stage 0 measured 1e-4 nats/token: engine 1's 2e-3 shift is above max(1e-3, 10 × 1e-4).
     # With stage 0's entropy equal to the stage's it stops; with 4× the stage's, the policy has collapsed: the stage
     # goes on, recorded
-    import model as M
+    from mu_grpo import trainer_model as M
     import optimize
-    import rollouts
+    from mu_grpo import rollouts
     import update
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", 2e-3)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
@@ -263,13 +263,13 @@ def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_poli
 
 STALE = {
     # resident, HANDOFF=files: the engine's in-place load silently does nothing, so it keeps serving the policy it had
-    "resident": "import engine; engine.load_policy = lambda llm, path, kv_cache=True: 0.0",
+    "resident": "from mu_grpo import engine; engine.load_policy = lambda llm, path, kv_cache=True: 0.0",
     # resident, HANDOFF=transfer at the box's shape: every trainer rank's transport leaves the final norm out of the
     # hand-off, so the engines keep the initial model's
     "transfer": ("import transfer; ship = transfer.ShmTrainer._ship; transfer.ShmTrainer._ship = "
                  "lambda self, chunk: ship(self, [c for c in chunk if c[0] != 'model.norm.weight'])"),
     # a phase per process: the engine of stage 1 is built on the initial model, not on stage 0's policy
-    "per-phase": ("import engine, os; make = engine.make_llm; engine.make_llm = lambda policy, **kw: "
+    "per-phase": ("import os; from mu_grpo import engine; make = engine.make_llm; engine.make_llm = lambda policy, **kw: "
                   "make(os.environ['MODEL'] if 'stage_0' in str(policy) else policy, **kw)"),
 }
 

@@ -1,0 +1,653 @@
+"""run_stages.sh's machinery, in Python where it can be tested fast; the shell keeps what a researcher reads (the knobs,
+the presets, the generate → optimize → evaluate loop). run_stages.sh exports its knobs (`set -a`) and calls:
+
+    python -m mu_grpo.launch --command=preset     PRESET=auto resolved by the GPUs torch sees (paper on a GPU box, else toy)
+    python -m mu_grpo.launch --command=settings   every knob checked against one table (SETTINGS) before any phase runs, the
+                                          defaults resolved: shell assignments run_stages.sh evals, SETTINGS among
+                                          them (every knob, KEY=value lines: what the nodes' join compares and the
+                                          trackers' config)
+    python -m mu_grpo.launch --command=lock       the run directory's lock, on run_stages.sh's descriptor 9
+    python -m mu_grpo.launch --command=start --logs=DIR --coordinator=ADDR:PORT   the start-up, every node, before any
+                                          compute: node 0 builds the preset's task and policy and fetches the paper's
+                                          data while the others wait for its word; a hub MODEL resolved to its local
+                                          copy, TRAIN_DATA read, the resident engines' GPU share checked; on several
+                                          nodes their join and the trainers' ranks reaching each other; the run's
+                                          start time. Its assignments go to descriptor 3, its output to stdout
+    python -m mu_grpo.launch --command=preflight  mu_grpo/preflight.py at the run's settings
+    python -m mu_grpo.launch --command=handoff    resident: the hand-off the run uses (HANDOFF, or files after the preflight's
+                                          fallback)
+    python -m mu_grpo.launch --command=plan --stage=S   μ of stage S and its prompts (records.StagePlan), 0 0 once the run
+                                          is over
+    python -m mu_grpo.launch --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
+                                          supervised: a failed one stops the other; timed into timeline.jsonl
+    python -m mu_grpo.launch --command=view       a phase's output (stdin) on the terminal without the libraries' chatter
+    python -m mu_grpo.launch --command=row --name=N --stage=S --start=T0 --end=T1   node 0: a phase's row in timeline.jsonl
+    python -m mu_grpo.launch --command=attempt    node 0: this attempt's start row in timeline.jsonl (mu_grpo/records.py)
+    python -m mu_grpo.launch --command=end --status=S --new_run=B   as the run ends: its engines' links and sockets in the
+                                          temporary directory removed, a refused new run removed, a stopped run's line
+
+Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
+"""
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mu_grpo import common
+from mu_grpo import model_cards
+from mu_grpo import processes
+from mu_grpo import records
+
+# ----------------------------------------------------------------------------- hyperparameters
+command = ""                    # one of the commands above
+stage = 0                       # plan: the stage whose μ is asked
+logs = ""                       # resident, start: the directory of the logs (engine.log, trainer.log, collective.log)
+coordinator = "127.0.0.1:29500"  # start: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
+name = ""                       # row: the phase's name (eval_init, generate_0, ...; its kind: the part before the last _)
+start = 0.0                     # row: when the phase started and ended (Unix seconds)
+end = 0.0
+status = 0                      # end: run_stages.sh's exit status
+new_run = False                 # end: whether this attempt made the run directory
+# -----------------------------------------------------------------------------
+STOP_GRACE_S = 10.0             # resident: seconds a stopped partner has to end before SIGKILL
+
+
+# ----------------------------------------------------------------------------- the settings table
+
+NUMBER = re.compile(r"[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?")      # fullmatch
+
+
+def whole(least=0):
+    def rule(name, v):
+        if not re.fullmatch(r"0|[1-9][0-9]*", v):      # no leading zero: bash would read 016 as octal 14
+            return f"{name} must be a whole number, got '{v}'"
+        if int(v) < least:
+            return f"{name} must be at least {least}, got '{v}'"
+    return rule
+
+
+def number(name, v):
+    if not NUMBER.fullmatch(v):
+        return f"{name} must be a non-negative number, got '{v}'"
+
+
+def positive(name, v):
+    if not NUMBER.fullmatch(v) or float(v) <= 0:
+        return f"{name} must be a positive number, got '{v}'"
+
+
+def boolean(name, v):
+    if v not in ("true", "false"):
+        return f"{name} must be true or false, got '{v}'"
+
+
+def one_of(*allowed):
+    def rule(name, v):
+        if v not in allowed:
+            return f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got '{v}'"
+    return rule
+
+
+def share_or_auto(name, v):
+    if v != "auto" and not (re.fullmatch(r"0?\.[0-9]+|1(\.0*)?", v) and float(v) > 0):
+        return f"{name} must be auto or a fraction in (0, 1], got '{v}'"
+
+
+def anything(name, v):
+    return None
+
+
+def betas(name, v):
+    parts = v.split(",")
+    if len(parts) != 2 or not all(NUMBER.fullmatch(b) and float(b) < 1 for b in parts):
+        return f"{name} must be two numbers in [0, 1), β1,β2 (e.g. 0.9,0.999), got '{v}'"
+
+
+def temperature(name, v):          # vLLM's own rule (vllm/sampling_params.py, SamplingParams._verify_args)
+    if not NUMBER.fullmatch(v) or float(v) > 2:
+        return f"{name} must be a number in [0, 2], got '{v}'"
+
+
+def top_p(name, v):                # (0, 1], vLLM's own rule (vllm/sampling_params.py, SamplingParams._verify_args)
+    if not NUMBER.fullmatch(v) or not 0 < float(v) <= 1:
+        return f"{name} must be a number in (0, 1], got '{v}'"
+
+
+def optional(rule):
+    """rule, or empty: the knob's home (a script's block) decides."""
+    return lambda name, v: rule(name, v) if v else None
+
+
+# every knob of run_stages.sh (its own and its presets'), with the rule its value must follow; "own": the node's own (it
+# may differ between nodes), left out of SETTINGS, which every node's must equal node 0's (mu_grpo/nodes.py join)
+SETTINGS = {
+    "PRESET": (one_of("paper", "toy", "lab", "lab-fork"),), "LOSS": (anything,), "LOSS_ARGS": (anything,),
+    "RUN": (anything,), "MODEL": (anything,), "TRAIN_DATA": (anything,), "EVAL_DATA_DIR": (anything,),
+    "BENCHMARKS": (anything,), "TEMPLATE": (one_of(*model_cards.TEMPLATES),),
+    # the stages
+    "STAGES": (whole(1),), "UPDATES_PER_STAGE": (whole(1),), "PROMPTS_PER_UPDATE": (whole(1),),
+    "GROUP_SIZE": (whole(2),), "STAGE_END": (one_of("fixed", "drift"),), "TOTAL_UPDATES": (whole(1),),
+    "DRIFT_GROWTH": (positive,), "DRIFT_MAX_UPDATES": (whole(1),), "DRIFT_ARGS": (anything,),
+    # sampling and optimization
+    "LR": (number,), "WARMUP": (whole(),), "KL_COEF": (number,), "MAX_PROMPT": (whole(1),),
+    "MAX_RESPONSE": (whole(1),), "TEMPERATURE": (temperature,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,),
+    "OPTIMIZER_BOUNDARY": (optional(one_of("carry", "reset")),), "ADAM_BETAS": (optional(betas),),
+    "STAGE_WARMUP": (optional(whole()),), "SAVE_POLICY_EVERY": (optional(whole()),),
+    "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
+    # evaluation and saving
+    "EVAL_K": (whole(1),), "EVAL_TEMPERATURE": (temperature,), "EVAL_TOP_P": (top_p,), "EVAL_EVERY": (whole(),),
+    "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,), "EVAL_CACHE": (anything,),
+    # the box
+    "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
+    "RESIDENT_GPU_MEMORY": (share_or_auto,), "HANDOFF": (one_of("transfer", "files"),),
+    "PREFLIGHT": (one_of("auto", "0", "1", "force"),),
+    "PREFLIGHT_ARGS": (anything, "own"), "PREFLIGHT_ONLY": (boolean,),
+    # several nodes
+    "NNODES": (whole(1),), "NODE_RANK": (whole(), "own"), "MASTER_ADDR": (anything, "own"),
+    "MASTER_PORT": (whole(),),
+    "JOIN_TIMEOUT": (whole(), "own"), "DEAD_AFTER": (whole(), "own"), "COLLECTIVE_TIMEOUT": (whole(1), "own"),
+    "HSDP": (boolean,),
+    # tracking
+    "REPORT_TO": (anything, "own"), "TRACKER_GROUP": (anything, "own"),     # node 0 reports
+}
+
+
+# the knobs a rerun of a run may change (besides each node's own): how it runs, is watched, saved and when it is
+# evaluated, not what it computes; every other knob is the run's own once a phase has finished (run_settings.json)
+RERUN_SAFE = {"RUN", "EVAL_EVERY", "SAVE_EVERY", "KEEP_TRAIN_STATES", "SAVE_POLICY_EVERY", "EVAL_CACHE", "GPUS",
+              "ENGINES", "TRAIN_RANKS", "RESIDENT", "RESIDENT_GPU_MEMORY", "HANDOFF", "PREFLIGHT", "PREFLIGHT_ONLY",
+              "NNODES", "MASTER_PORT", "HSDP", "MICRO_BATCH_TOKENS", "GRAD_CKPT"}
+EXTENDABLE = ("STAGES", "TOTAL_UPDATES")    # a rerun may raise these: the run goes on to its new length
+RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
+PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: records.StagePlan's defaults
+# the phase scripts' blocks are the run's too (a default edited between attempts changes it), but for these knobs of
+# theirs: where and how it runs, its guards and saves, and the settings the loop always passes (the knobs above)
+PHASE_SCRIPTS = {
+    "generate.py": {"policy", "data", "run_dir", "stage", "prompts_per_stage", "grader_workers", "grader_timeout_s",
+                    "gpus", "engines", "tensor_parallel", "gpu_memory_utilization", "worker_rank", "resident",
+                    "policy_handoff", "eval_every", "results", "run_start", "eval_parts", "nnodes", "node_rank",
+                    "coordinator", "shard_prompts"},
+    "optimize.py": {"stage_dir", "policy", "out", "init_state", "save_train_state", "release_init_state",
+                    "micro_batch_tokens", "gradient_checkpointing", "attn_implementation", "hsdp", "checkpoint_every",
+                    "save_policy_every", "max_nonfinite", "engine_mismatch_bound", "agreement_growth",
+                    "collapse_entropy_ratio", "agreement_responses", "check_packing", "resident", "run_dir", "stages",
+                    "total_updates", "save_every", "policy_handoff", "engines", "handoff_buffer_mb"},
+    "evaluate.py": {"policy", "max_problems", "grader_workers", "grader_timeout_s", "results", "cache", "samples_dir",
+                    "stage", "run_start", "gpus", "tensor_parallel", "gpu_memory_utilization", "engines",
+                    "worker_rank", "parts_dir", "nnodes", "node_rank", "coordinator"},
+}
+
+
+def run_settings(k):
+    """What makes a run what it is: every knob but each node's own and RERUN_SAFE, and the phase scripts' blocks but
+    their safe knobs ({"knobs": ..., "<script>": ...}); recorded at its first attempt (records.RUN_SETTINGS)."""
+    knobs = {n: k[n] for n, (_, *own) in SETTINGS.items() if not own and n not in RERUN_SAFE}
+    scripts = {name: {key: v for key, v in common.script_defaults(name).items() if key not in safe}
+               for name, safe in PHASE_SCRIPTS.items()}
+    return {"knobs": knobs, **scripts}
+
+
+def setting_changes(recorded, now):
+    """(changed, extended): the settings of `now` that differ from `recorded` as "NAME old → new" (a script's as
+    "optimize.py lr ..."), and whether the only changes raise EXTENDABLE knobs (the run goes on to its new length)."""
+    changed, raised = [], False
+    for part in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(part, {}), now.get(part, {})
+        for key in sorted(set(old) | set(new), key=str):
+            a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+            if a == b:
+                continue
+            if part == "knobs" and key in EXTENDABLE and str(a).isdigit() and str(b).isdigit() and int(b) > int(a):
+                raised = True
+                continue
+            changed.append(f"{'' if part == 'knobs' else part + ' '}{key} {a!r} → {b!r}" if part != "knobs"
+                           else f"{key} {a} → {b}")
+    return changed, raised
+
+
+def rerun_check(k):
+    """The run directory's record against this attempt's settings, before any compute: assignments run_stages.sh
+    evals. A run with a finished phase keeps its settings (a change is refused in one line naming each); a longer one
+    goes on (EXTEND: a finished run's end marker goes); an attempt after one that finished nothing starts afresh
+    (FRESH: the failed attempt's partial outputs go, none of them a result)."""
+    run = Path(k["RUN"])
+    path = run / records.RUN_SETTINGS
+    if not path.exists():
+        return {"FRESH": "0", "EXTEND": "0"}
+    recorded, now = json.loads(path.read_text()), run_settings(k)
+    changed, raised = setting_changes(recorded, now)
+    finished = [p.name for p in (run / ".done").glob("*") if p.name != "start"] if (run / ".done").is_dir() else []
+    if not finished:
+        return {"FRESH": "1" if changed or raised else "0", "EXTEND": "0"}
+    if changed:
+        refuse(f"RUN={run} was run with other settings: {'; '.join(changed)}. Rerun with its settings "
+               f"({path}), or choose a new RUN (what a rerun may change: docs/running.md)")
+    return {"FRESH": "0", "EXTEND": "1" if raised else "0"}
+
+
+def misspelt_knobs(environment):
+    """Variables of the environment that are no knob of any launcher but close to one of run_stages.sh's (a typo the
+    run would ignore): [(name, the knob)]."""
+    import difflib  # only the settings check looks for typos
+    known = set(SETTINGS) | set(RENAMED) | launcher_knobs()
+    return [(name, close[0]) for name in environment if name.isupper() and name not in known
+            and (close := difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.85))]
+
+
+def launcher_knobs():
+    """Every variable the shell scripts here read as a knob (NAME=${NAME:-...}, : "${NAME:=...}") or set for the
+    others (run_stages.sh's exports among them), so that a frontier's or a table's knobs are no typos of the run's."""
+    names = set()
+    for script in Path(__file__).resolve().parents[1].glob("*.sh"):
+        names |= set(re.findall(r"\b([A-Z][A-Z0-9_]*)=", script.read_text()))
+    return names
+
+
+def resolve(knobs):
+    """The knobs (name → the shell's value, every one of SETTINGS) checked and their defaults resolved, in one pass:
+    (the resolved knobs, the first problem or None). An empty value is a default still to resolve."""
+    k = dict(knobs)
+    gpus = int(k["GPUS"]) if re.fullmatch(r"[0-9]+", k.get("GPUS", "")) else 0
+    defaults = {"ENGINES": str(max(gpus, 1)), "TRAIN_RANKS": str(max(gpus, 1)), "SAVE_EVERY": k.get("EVAL_EVERY", ""),
+                "RUN": f"runs/{k.get('PRESET')}-{k.get('LOSS')}", "KL_COEF": "0"}
+    for name, value in defaults.items():
+        k[name] = k.get(name) or value
+    for name, (rule, *_) in SETTINGS.items():
+        if name not in k:
+            return k, f"{name} is not set (run_stages.sh sets every knob)"
+        if name in PLAN_DEFAULTS and not k[name]:
+            continue
+        if problem := rule(name, k[name]):
+            return k, problem
+    plan = stage_plan(k)               # the plan's defaults, resolved where the plan is
+    k["TOTAL_UPDATES"], k["DRIFT_MAX_UPDATES"] = str(plan.total_updates), str(plan.drift_max_updates)
+    if gpus > 0:
+        for name in ("ENGINES", "TRAIN_RANKS"):
+            if int(k[name]) > gpus:
+                return k, f"{name}={k[name]} is more than GPUS={gpus} (one engine, one trainer rank per GPU)"
+    nnodes, node_rank = int(k["NNODES"]), int(k["NODE_RANK"])
+    if node_rank >= nnodes:
+        return k, f"NODE_RANK must be in 0..{nnodes - 1} (NNODES={nnodes}), got {node_rank}"
+    if k["RESIDENT"] == "true" and nnodes > 1:
+        return k, (f"RESIDENT=true runs on one node (its hand-off goes through one machine's /dev/shm); use "
+                   f"RESIDENT=false on {nnodes} nodes")
+    if k["EVAL_CACHE"] and nnodes > 1:
+        return k, f"EVAL_CACHE reuses evaluations on one node; leave it empty on {nnodes} nodes"
+    # CUDA IPC hands each rank's buffer to the engine worker on the same GPU (handles keyed by the GPU's UUID:
+    # vllm/distributed/weight_transfer/ipc_engine.py, receive_weights): an engine GPU without a trainer rank gets no
+    # weights (the first hand-off fails), and a rank's buffer on a GPU without an engine is never opened, so torch's
+    # IPC reference count never frees it (a buffer per hand-off). run_stages.sh's engines are one GPU each
+    if k["RESIDENT"] == "true" and k["HANDOFF"] == "transfer" and gpus and k["ENGINES"] != k["TRAIN_RANKS"]:
+        return k, (f"HANDOFF=transfer hands each trainer rank's weights to the engine on its GPU (CUDA IPC): every "
+                   f"trainer rank's GPU needs an engine and every engine's GPU a trainer rank, so ENGINES must equal "
+                   f"TRAIN_RANKS, got ENGINES={k['ENGINES']} and TRAIN_RANKS={k['TRAIN_RANKS']}; or HANDOFF=files")
+    # vLLM samples greedily below a temperature of 1e-5 (vllm/sampling_params.py _SAMPLING_EPS), one response per
+    # prompt (_verify_greedy_sampling: "n must be 1 when using greedy sampling")
+    if float(k["TEMPERATURE"]) < 1e-5:
+        return k, (f"TEMPERATURE={k['TEMPERATURE']} samples greedily, one response per prompt: a group of GROUP_SIZE="
+                   f"{k['GROUP_SIZE']} needs TEMPERATURE > 0 (the paper's 1.0)")
+    if float(k["EVAL_TEMPERATURE"]) < 1e-5 and int(k["EVAL_K"]) > 1:
+        return k, (f"EVAL_TEMPERATURE={k['EVAL_TEMPERATURE']} samples greedily, one response per problem: EVAL_K="
+                   f"{k['EVAL_K']} needs EVAL_TEMPERATURE > 0, or EVAL_K=1")
+    if k["PREFLIGHT"] == "auto":
+        k["PREFLIGHT"] = "1" if k["PRESET"] == "paper" else "0"
+    if k["PREFLIGHT_ONLY"] == "true" and k["PREFLIGHT"] == "0" and not (k["EVAL_CACHE"] and k["EVAL_EVERY"] != "0"):
+        return k, ("PREFLIGHT_ONLY=true stops after the preflight and the initial evaluation kept in EVAL_CACHE, and "
+                   "this runs neither: use PREFLIGHT=1 (or an EVAL_CACHE)")
+    return k, None
+
+
+def stage_plan(k):
+    return records.StagePlan(int(k["UPDATES_PER_STAGE"]), int(k["STAGES"]), k["STAGE_END"],
+                              total_updates=int(k["TOTAL_UPDATES"] or 0), drift_growth=float(k["DRIFT_GROWTH"]),
+                              drift_max_updates=int(k["DRIFT_MAX_UPDATES"] or 0))
+
+
+def derived(k):
+    """The numbers and paths the loop uses, computed from the resolved knobs."""
+    node0, plan = k["NODE_RANK"] == "0", stage_plan(k)
+    return {"PROMPTS_PER_STAGE": str(plan.prompts_at(k["RUN"], 0, int(k["PROMPTS_PER_UPDATE"]))),
+            "RUN_UPDATES": str(plan.run_updates),
+            "LOGS": k["RUN"] + ("/logs" if node0 else f"/logs/node{k['NODE_RANK']}"),
+            "LOCK": k["RUN"] + ("/.lock" if node0 else f"/.lock.node{k['NODE_RANK']}"),
+            "SETTINGS": "".join(f"{n}={k[n]}\n" for n, (_, *node) in SETTINGS.items() if not node),
+            "TEMPLATE_FLAG": " ".join(template_args(k["TEMPLATE"]))}
+
+
+def assignments(values):
+    return "\n".join(f"{name}={shlex.quote(value)}" for name, value in values.items())
+
+
+def refuse(line):
+    """A bad setting: one line on stderr, exit status 2 (run_stages.sh's "refused before any phase")."""
+    print(line, file=sys.stderr)
+    sys.exit(2)
+
+
+def settings_command():
+    for old, new in RENAMED.items():    # a knob's old name: ignored, it would leave the setting unsaid
+        if old in os.environ:
+            refuse(f"{old}={os.environ[old]}: the knob is {new} now")
+    for name, knob in misspelt_knobs(os.environ):
+        refuse(f"{name}={os.environ[name]} is not a knob: did you mean {knob}? (run_stages.sh's variables)")
+    knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
+    k, problem = resolve(knobs)
+    if problem:
+        refuse(problem)
+    if k["REPORT_TO"] != "none":
+        from mu_grpo import tracking  # the trackers' module: only the settings step reads it
+        try:
+            tracking.check(k["REPORT_TO"])
+        except SystemExit as e:
+            refuse(str(e))
+    print(assignments({**k, **derived(k), **rerun_check(k)}))
+
+
+def lock_command():
+    """run_stages.sh's lock on its run directory, taken on the descriptor 9 it opened (flock locks the open file, which
+    the script keeps after this process ends). Another holder, and a filesystem without locks (Lustre mounted without
+    -o flock: "No locks available"), are told apart."""
+    try:
+        fcntl.flock(9, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        sys.exit(f"another run_stages.sh is running on {os.environ['RUN']} (it holds {os.environ['LOCK']}); wait for it "
+                 f"or choose another RUN")
+    except OSError as e:
+        sys.exit(f"cannot lock {os.environ['LOCK']} ({e.strerror}): RUN's filesystem may not support locks (Lustre: "
+                 f"mount it with -o flock), or choose a RUN on another filesystem")
+
+
+def preset_command():
+    """The preset (auto: paper with GPUs, else toy) and, for the presets that use it, the GPUs torch sees (VISIBLE_GPUS:
+    the paper preset's default GPUS). The CPU presets skip torch's count: importing torch for it is about 2.5 s of
+    every run_stages.sh start."""
+    preset = os.environ.get("PRESET", "auto")
+    if preset not in ("auto", "paper"):
+        if preset not in ("toy", "lab", "lab-fork"):
+            refuse(f"PRESET must be auto, paper, toy, lab or lab-fork, got '{preset}'")
+        print(assignments({"PRESET": preset}))
+        return
+    visible = common.gpu_count()
+    if preset == "auto":
+        preset = "paper" if visible > 0 else "toy"
+        print(f"PRESET=auto: using the '{preset}' preset ("
+              f"{f'{visible} GPU(s) found' if preset == 'paper' else 'no GPU found'})", file=sys.stderr)
+    if preset == "paper" and visible == 0:
+        refuse(f"PRESET=paper needs GPUs and torch sees none here (CUDA_VISIBLE_DEVICES="
+               f"'{os.environ.get('CUDA_VISIBLE_DEVICES', '')}'); on a CPU machine use PRESET=toy or PRESET=lab")
+    print(assignments({"PRESET": preset, "VISIBLE_GPUS": str(visible)}))
+
+
+def run_or_exit(cmd):
+    """A step's command, its own output on the terminal; its failure ends this one with its status."""
+    if status := subprocess.run(cmd).returncode:
+        sys.exit(status)
+
+
+def build_command():
+    """Node 0, before the others look: the toy and lab tasks and their warm-started policies built where the preset's
+    MODEL is missing, the paper's training data fetched, and on several nodes the benchmarks evaluate.py would fetch
+    on every node at once."""
+    e = os.environ
+    builder = {"toy": "data/toy.py", "lab": "data/lab.py", "lab-fork": "data/lab_fork.py"}.get(e["PRESET"])
+    built = builder and Path(builder).with_suffix("") / "model"          # the preset's own policy: data/<task>/model
+    if built and e["MODEL"] == str(built) and not (built / "config.json").exists():
+        run_or_exit([sys.executable, builder, f"--out_dir={built.parent}"])
+    if e["PRESET"] == "paper" and not Path(e["TRAIN_DATA"]).exists():
+        run_or_exit([sys.executable, "data/prepare.py", "--name=deepscaler", f"--out={e['TRAIN_DATA']}"])
+    if int(e["NNODES"]) > 1:
+        from mu_grpo import benchmarks  # only the build step fetches benchmarks
+        benchmarks.benchmark_sets(e["BENCHMARKS"].split(","), e["EVAL_DATA_DIR"])
+
+
+def start_up_command():
+    """Every node, before any compute: node 0 builds or fetches the model and data (build_command) while the others
+    wait for its word (mu_grpo/nodes.py ready: started first, they would find nothing at those paths yet, and take a directory
+    not built yet for a hub name); the model and data prepared (prepared); on several nodes, all of them checked to
+    have the same settings, model and data (mu_grpo/nodes.py join), then the trainers' network (collective_command); the
+    run's start, node 0's. The assignments run_stages.sh evals go to descriptor 3 (stdout stays the terminal's)."""
+    e, several, node0 = os.environ, int(os.environ["NNODES"]) > 1, os.environ["NODE_RANK"] == "0"
+    node_flags = [f"--nnodes={e['NNODES']}", f"--node_rank={e['NODE_RANK']}", f"--coordinator={coordinator}",
+                  f"--join_timeout_s={e['JOIN_TIMEOUT']}"]
+    if node0:
+        settle_record()
+        build_command()
+    is_dir = "1" if Path(e["MODEL"]).is_dir() else "0"
+    if several:         # node 0's word: on another node a directory may not be visible yet
+        is_dir = nodes_command("ready", *node_flags, f"--value={is_dir}", capture=True)
+    with contextlib.redirect_stdout(sys.stderr):      # the libraries' output
+        values = prepared({**e, "MODEL_IS_DIR": is_dir})
+    if several:
+        data = ",".join([e["TRAIN_DATA"], *(f"{e['EVAL_DATA_DIR']}/{b}.jsonl" for b in e["BENCHMARKS"].split(","))])
+        nodes_command("join", *node_flags, f"--run_dir={e['RUN']}", f"--model={values['MODEL']}", f"--data={data}",
+                      f"--settings={e['SETTINGS']}")
+        collective_command()
+    marker = Path(e["RUN"]) / ".done" / "start"
+    if node0 and not marker.exists():
+        marker.write_text(f"{int(time.time())}\n")
+    values["START"] = marker.read_text().strip() if node0 else ""
+    if several:
+        values["START"] = nodes_command("share", *node_flags, "--key=start", f"--value={values['START']}", capture=True)
+    with open(3, "w") as out:
+        out.write(assignments(values) + "\n")
+
+
+def settle_record():
+    """Node 0, under the run's lock: FRESH (rerun_check), the partial outputs of an attempt that finished no phase
+    removed (said); EXTEND, a finished run's end marker removed so that it goes on (said); the run's settings recorded
+    where none are."""
+    e, run = os.environ, Path(os.environ["RUN"])
+    if e.get("FRESH") == "1":
+        gone = [p for p in run.iterdir() if p.name not in ("logs", ".lock") and not p.name.startswith(".lock.")]
+        print(f"[run] the last attempt on {run} finished no phase and had other settings: its partial outputs "
+              f"({', '.join(sorted(p.name for p in gone))}) are cleared", flush=True)
+        for p in gone:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (run / ".done").mkdir()
+    if e.get("EXTEND") == "1" and (run / ".done" / "all").exists():
+        (run / ".done" / "all").unlink()
+        print(f"[run] {run} goes on to STAGES={e['STAGES']} (TOTAL_UPDATES={e['TOTAL_UPDATES']})", flush=True)
+    record = run / records.RUN_SETTINGS
+    if e.get("FRESH") == "1" or e.get("EXTEND") == "1" or not record.exists():
+        common.atomic_write_json(record, run_settings(e))
+
+
+def nodes_command(name, *flags, capture=False):
+    """mu_grpo/nodes.py's command `name`; its failure ends this one with its status. capture: returns what it printed."""
+    proc = subprocess.run([sys.executable, "-m", "mu_grpo.nodes", f"--command={name}", *flags], text=True,
+                          stdout=subprocess.PIPE if capture else None)
+    if proc.returncode:
+        sys.exit(proc.returncode)
+    return proc.stdout.strip() if capture else None
+
+
+def prepared(env):
+    model = env["MODEL"]
+    if env["MODEL_IS_DIR"] == "0":      # a hub name (node 0's word on several nodes: mu_grpo/nodes.py ready)
+        model = common.local_dir(model)     # downloaded once (on each node); every phase reads the local copy
+    try:
+        common.require_policy(model, "MODEL", given=env["MODEL"])
+    except SystemExit as e:
+        refuse(str(e))
+    try:
+        rows = common.load_problems(env["TRAIN_DATA"])
+    except (OSError, ValueError) as e:
+        refuse(f"TRAIN_DATA={env['TRAIN_DATA']} is not a prepared problem file (see data/prepare.py): {e}")
+    if not rows:
+        refuse(f"TRAIN_DATA={env['TRAIN_DATA']} has no problems (see data/prepare.py)")
+    if env["TEMPLATE"] in ("chat", "chat-system") or model_cards.known(env["MODEL"]):   # the prompt its model card shows
+        from transformers import AutoTokenizer      # (2-3 s: not for the toy and lab tasks' plain prompts)
+        if (problem := model_cards.check_prompt(AutoTokenizer.from_pretrained(model), env["MODEL"], env["TEMPLATE"])):
+            refuse(problem)
+    share = env["RESIDENT_GPU_MEMORY"]
+    if env["RESIDENT"] == "true" and int(env["GPUS"]) > 0:   # the engines' share must leave the trainer its memory
+        import torch              # (2 s, and mu_grpo/trainer_model.py's: only on a resident GPU run, not for every phase's row)
+
+        from mu_grpo import handoff  # handoff, model: only on a resident GPU run
+        from mu_grpo import trainer_model as M
+        share = str(handoff.check_engine_share(M.parameter_count(model), env["TRAIN_RANKS"], share, env["KL_COEF"],
+                                               torch.cuda.get_device_properties(0).total_memory))
+    elif share == "auto":
+        share = "0.1"            # a CPU engine's own (engine.make_llm): there the share is unused
+    return {"MODEL": model, "RESIDENT_GPU_MEMORY": share}
+
+
+def plan_command(s):
+    """Stage s's μ and its prompts (both 0 once the run is over)."""
+    plan, run = stage_plan(os.environ), os.environ["RUN"]
+    print(plan.updates_per_stage_at(run, s), plan.prompts_at(run, s, int(os.environ["PROMPTS_PER_UPDATE"])))
+
+
+def preflight_command():
+    """mu_grpo/preflight.py at the run's settings (its miniature's size: PREFLIGHT_ARGS); KL: the trainer's KL flags."""
+    e = os.environ
+    drift_min = re.findall(r"--drift_min_updates=[0-9]+", e["DRIFT_ARGS"])[-1:]      # the trainer's μ_min, if given
+    sys.exit(subprocess.run([
+        sys.executable, "-m", "mu_grpo.preflight", f"--policy={e['MODEL']}", f"--data={e['TRAIN_DATA']}",
+        f"--out={e['RUN']}/preflight.json", f"--run_dir={e['RUN']}", f"--gpus={e['GPUS']}", f"--engines={e['ENGINES']}",
+        f"--train_ranks={e['TRAIN_RANKS']}", f"--stages={e['STAGES']}", f"--micro_batch_tokens={e['MICRO_BATCH_TOKENS']}",
+        f"--max_prompt_tokens={e['MAX_PROMPT']}", f"--max_response_tokens={e['MAX_RESPONSE']}",
+        f"--optimize_args=--gradient_checkpointing={e['GRAD_CKPT']} {e['LOSS_ARGS']} {e['KL']}",
+        f"--temperature={e['TEMPERATURE']}", f"--group_size={e['GROUP_SIZE']}",
+        f"--force={'true' if e['PREFLIGHT'] == 'force' else 'false'}",
+        f"--estimate_stage_prompts={e['PROMPTS_PER_STAGE']}", f"--resident={e['RESIDENT']}",
+        f"--resident_gpu_memory={e['RESIDENT_GPU_MEMORY']}", f"--updates_per_stage={e['UPDATES_PER_STAGE']}",
+        f"--stage_end={e['STAGE_END']}", f"--total_updates={e['TOTAL_UPDATES']}",
+        f"--drift_max_updates={e['DRIFT_MAX_UPDATES']}", f"--save_every={e['SAVE_EVERY']}",
+        f"--keep_train_states={e['KEEP_TRAIN_STATES']}", f"--policy_handoff={e['HANDOFF']}", *drift_min,
+        *template_args(e["TEMPLATE"]),
+        *e["PREFLIGHT_ARGS"].split()]).returncode or None)
+
+
+def handoff_command():
+    """The hand-off a resident run uses (printed): HANDOFF, or files when the run's preflight found the weight transfer
+    failing on this box and fell back (preflight.json, figures.policy_handoff), which one line on stderr says."""
+    e = os.environ
+    report = Path(e["RUN"]) / "preflight.json"
+    fell_back = e["HANDOFF"] == "transfer" and report.exists() and \
+        json.loads(report.read_text()).get("figures", {}).get("policy_handoff") == "files"
+    if fell_back:
+        print(f"HANDOFF=transfer: the preflight found the weight transfer failing on this box ({report}); the policies "
+              f"are handed over as files", file=sys.stderr)
+    print("files" if fell_back else e["HANDOFF"])
+
+
+def template_args(template):
+    """The prompt template flag of generate.py, evaluate.py and mu_grpo/preflight.py: plain and chat-system, the problem alone
+    (model_cards.py TEMPLATES)."""
+    return ["--prompt_template={problem}"] if model_cards.prompt_template(template) == "{problem}" else []
+
+
+def collective_command():
+    """The trainers' network, right after the nodes' join and not in the first update: every rank of every node
+    (torchrun at MASTER_PORT + 1, optimize.py's backend and devices: mu_grpo/nodes.py collective) all-reduces one number within
+    COLLECTIVE_TIMEOUT; `timeout` bounds a hang. On a failure, one line (a rank's own, else this one)."""
+    env, (addr, port) = os.environ, coordinator.rsplit(":", 1)
+    timeout_s, log_path = int(env["COLLECTIVE_TIMEOUT"]), Path(logs) / "collective.log"
+    with open(log_path, "w") as log:
+        status = subprocess.run(
+            ["timeout", "-k", "10", str(2 * timeout_s + 30), sys.executable, "-m", "torch.distributed.run",
+             f"--nnodes={env['NNODES']}", f"--node_rank={env['NODE_RANK']}", f"--nproc_per_node={env['TRAIN_RANKS']}",
+             f"--master_addr={addr}", f"--master_port={int(port) + 1}", f"--rdzv_conf=timeout={timeout_s}",
+             "-m", "mu_grpo.nodes", "--command=collective", f"--nnodes={env['NNODES']}", f"--node_rank={env['NODE_RANK']}",
+             f"--coordinator={coordinator}", f"--collective_timeout_s={timeout_s}"],
+            stdout=log, stderr=subprocess.STDOUT).returncode
+    text = log_path.read_text(errors="replace")
+    if status != 0:
+        line = next((x for x in text.splitlines() if "process group across" in x), None) or (
+            f"node {env['NODE_RANK']}: the trainers' ranks did not all reach each other within {timeout_s} s "
+            f"(torchrun's rendezvous at {addr}:{int(port) + 1}, then one all-reduce): likely a blocked port or the "
+            f"wrong interface (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)")
+        print(f"{line} (whole output: {log_path})", file=sys.stderr)
+        sys.exit(1)
+    for line in text.splitlines():
+        if "reached each other" in line and env["NODE_RANK"] == "0":
+            print(line)
+
+
+# ----------------------------------------------------------------------------- the terminal
+
+
+def view_command():
+    try:
+        common.terminal_view(sys.stdin.buffer, sys.stdout.buffer)
+    except KeyboardInterrupt:       # Ctrl-C reaches the whole foreground group: the phase stops, this says nothing
+        sys.exit(130)
+
+
+def end_command():
+    """As run_stages.sh ends, however it ends (exit `status`): the run's engine links and weight-transfer sockets in
+    the temporary directory removed (engine.link_dir, handoff.transfer_socket); a new run refused before its first
+    phase (status 2) removed, so that nothing is left of it; after a Ctrl-C or SIGTERM, the line saying how it goes
+    on."""
+    from mu_grpo import engine  # (light: vLLM is imported inside its functions)
+    from mu_grpo import handoff
+    run = os.environ["RUN"]
+    for d in (engine.link_dir(run), handoff.transfer_socket(run, 0).parent):
+        shutil.rmtree(d, ignore_errors=True)
+    if status == 2 and new_run and os.environ.get("NODE_RANK", "0") == "0":
+        shutil.rmtree(run, ignore_errors=True)
+    if status in (130, 143):
+        print(f"[run] stopped: rerun the same command to resume {run} where it stopped", file=sys.stderr)
+
+
+def row_command():
+    """A phase's row in the run's timeline (run_stages.sh's `phase`, node 0)."""
+    records.append(os.environ["RUN"], {"phase": name.rsplit("_", 1)[0], "name": name, "stage": stage, "start": start,
+                                       "end": end})
+
+
+# ----------------------------------------------------------------------------- resident mode
+
+
+def resident_command(argv):
+    """The engine process and the trainer for every stage (RESIDENT=true): a failed one stops the other (and what it
+    started); a rerun resumes (the engine at the first stage without a manifest, the trainer at the last train state
+    saved). Timed into timeline.jsonl as one row per attempt (records.attempt_row)."""
+    from mu_grpo import handoff  # only the resident step reads the hand-off
+    if "::" not in argv:
+        raise SystemExit("--command=resident: ENGINE COMMAND :: TRAINER COMMAND")
+    cut = argv.index("::")
+    commands = {"engine": argv[:cut], "trainer": argv[cut + 1:]}
+    run_dir = Path(os.environ["RUN"])
+    handoff.reset(run_dir)
+    records.close_killed_attempt(run_dir)
+    print(f"[resident] the engine process ({os.environ['ENGINES']} engine(s)) and the trainer "
+          f"({os.environ['TRAIN_RANKS']} rank(s)) for every stage: {run_dir}/logs/engine.log, trainer.log", flush=True)
+    t0 = time.time()
+    records.resident_started(run_dir, t0)
+    ended = "stopped"                    # by a Ctrl-C
+    try:
+        failed, codes = processes.run_together(
+            commands, {role: Path(logs) / f"{role}.log" for role in commands}, grace_s=STOP_GRACE_S,
+            view=lambda stream: common.terminal_view(stream, sys.stdout.buffer))
+        ended = "failed" if failed else "completed"
+    finally:    # a Ctrl-C too: the handed-over policies (up to two, 15 GB each at 7B, in /dev/shm) are not kept, a
+        handoff.clear_policies(run_dir)     # resumed trainer hands its policy over again from its files
+        records.attempt_row(run_dir, t0, time.time(), ended)
+    if failed:
+        print(f"[resident] failed (the {failed} exited with {codes[failed]}); see {run_dir}/logs/engine.log "
+              f"and trainer.log; rerun to resume", file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]          # this script's flags, then (resident) the two commands
+    n_own = next((i for i, a in enumerate(argv) if not a.startswith("--")), len(argv))
+    common.apply_overrides(globals(), argv[:n_own])
+    rest = argv[n_own:]
+    commands = {"lock": lock_command, "preset": preset_command, "settings": settings_command, "start": start_up_command,
+                "preflight": preflight_command, "handoff": handoff_command,
+                "plan": lambda: plan_command(stage),
+                "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
+                "end": end_command,
+                "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}
+    common.check_choice("command", command, tuple(commands))
+    commands[command]()

@@ -1,0 +1,369 @@
+"""The run's records, read and timed in one place: timeline.jsonl (its one writer, append) and the sums every reader
+takes from a run directory's records (one wall-clock rule: time_split, with pauses; the accuracy curve; the seconds
+to each evaluation; an ETA's measured seconds). tools/plot.py, mu_grpo/tracking.py, mu_grpo/launch.py, bench/ and notebooks/results.ipynb
+read through it.
+
+timeline.jsonl, one row per timed span: {"phase", "name", "stage", "start", "end", "seconds"} (Unix seconds), written
+by run_stages.sh (mu_grpo.launch --command=row: each phase; --command=attempt: an attempt's zero-length start row), by
+mu_grpo/launch.py (a resident attempt's top row, attempt_row), by the resident processes (handoff.Partner.timeline) and by
+generate.py (the evaluation its engines make before a stage): rows that carry "process", parts of a top row (their
+attempt's, their generate phase's). It is also the home of the run directory's names (a stage's
+rollouts/ files: mu_grpo/rollouts.py), of the stage plan (StagePlan: each stage's μ, read from the records), of where training
+on a stage ends (StageEnd: its stage_end.json) and of where a stage's training starts and writes (StageProgress).
+"""
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+from mu_grpo import common
+
+
+# ----------------------------------------------------------------------------- the run directory's names
+# Every script reads and writes a run directory through these names; this module owns them (docs/design.md §2):
+#   <run>/stage_<s>/rollouts/       generate.py: shard_<k>.jsonl, columns/, plan.json, manifest.json (mu_grpo/rollouts.py)
+#   <run>/stage_<s>/policy/         optimize.py: the policy trained on stage s (and evaluated)
+#   <run>/stage_<s>/train_state/    optimize.py: fp32 weights, AdamW, counts (the next stage starts from it)
+#   <run>/stage_<s>/metrics.jsonl   optimize.py: one row per update; beside it stage_end.json
+#   <run>/results.jsonl, eval_samples/   evaluate.py: one row per (stage, benchmark), the graded samples
+#   <run>/timeline.jsonl            one row per phase, and timeline.attempt.json (TIMELINE, ATTEMPT below)
+# and the directories their owners name: resident/ (mu_grpo/handoff.py), .nodes/ (mu_grpo/nodes.py), tracking/ (mu_grpo/tracking.py), logs/
+# and .done/ (run_stages.sh, whose loop, the part a researcher reads, spells stage_<s>/policy and train_state/ itself)
+ROLLOUTS = "rollouts"
+MANIFEST = "manifest.json"      # in rollouts/, written last: its presence means the stage is complete (mu_grpo/rollouts.py)
+PLAN = "plan.json"              # in rollouts/: the settings the stage was started with (a rerun with others is refused)
+POLICY = "policy"
+TRAIN_STATE = "train_state"
+METRICS = "metrics.jsonl"
+RESULTS = "results.jsonl"
+EVAL_SAMPLES = "eval_samples"
+STAGE_END = "stage_end.json"    # beside the stage's metrics.jsonl: where training on it ended and why
+TIMELINE = "timeline.jsonl"
+RUN_SETTINGS = "run_settings.json"     # what makes the run what it is, from its first attempt (mu_grpo/launch.py run_settings)
+ATTEMPT = "timeline.attempt.json"   # a resident pair's start, until its top row is in the timeline (attempt_row)
+
+
+def stage_dir(run_dir, s):
+    """Stage s's directory in a run."""
+    return Path(run_dir) / f"stage_{s}"
+
+
+def stage_dirs(run_dir):
+    """[(s, its directory)] of every stage directory in a run, in stage order."""
+    found = [(int(p.name[6:]), p) for p in Path(run_dir).glob("stage_*") if p.name[6:].isdigit()]
+    return sorted(found)
+
+
+# ----------------------------------------------------------------------------- the stage plan
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """How a run's stages are sized: μ (updates_per_stage) of each stage, the one rule run_stages.sh's loop, the
+    resident trainer and the preflight follow. stage_end="fixed": `stages` stages of `updates_per_stage` updates.
+    stage_end="drift": stage 0 of `updates_per_stage`; after a stage that ended on the drift warning after u
+    updates, ceil(drift_growth · u) (the warning came at u: the next stage plans a little past it); after one that
+    trained on all its μ minibatches without a warning, 2μ; at least the μ_min below which no stage ends (its
+    record's drift_min_updates), at most drift_max_updates, never past the run's total_updates. Read from the
+    records alone (stage_<s>/stage_end.json), so a rerun plans the same stages."""
+    updates_per_stage: int              # μ: fixed, every stage's; drift, the first stage's
+    stages: int                         # fixed: the run's stages (drift: total_updates' default)
+    stage_end: str = "fixed"            # fixed | drift
+    total_updates: int = 0              # drift: the run's updates (0: stages × updates_per_stage)
+    drift_growth: float = 1.25
+    drift_max_updates: int = 0          # drift: the largest μ a stage is planned with (0: 4 × updates_per_stage)
+
+    def __post_init__(self):
+        if self.stage_end not in ("fixed", "drift"):
+            raise ValueError(f"stage_end must be fixed or drift, got {self.stage_end!r}")
+        if not self.total_updates:
+            object.__setattr__(self, "total_updates", self.stages * self.updates_per_stage)
+        if not self.drift_max_updates:
+            object.__setattr__(self, "drift_max_updates", 4 * self.updates_per_stage)
+
+    @property
+    def run_updates(self):
+        """The updates of the whole run."""
+        return self.stages * self.updates_per_stage if self.stage_end == "fixed" else self.total_updates
+
+    def prompts_at(self, run_dir, s, prompts_per_update):
+        """The prompts stage s generates: its μ minibatches of prompts_per_update prompts each (0 once the run is
+        over). run_stages.sh's loop, the resident trainer's hand-over and the preflight's estimate all take it here."""
+        return self.updates_per_stage_at(run_dir, s) * prompts_per_update
+
+    def updates_per_stage_at(self, run_dir, s):
+        """μ of stage s, 0 once the run is over."""
+        if self.stage_end == "fixed":
+            return self.updates_per_stage if s < self.stages else 0
+        if s == 0:
+            return min(self.updates_per_stage, self.total_updates)
+        path = stage_dir(run_dir, s - 1) / STAGE_END
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: stage {s - 1} has not been trained on, so stage {s} has no "
+                                    f"size")
+        end = json.loads(path.read_text())
+        size = math.ceil(self.drift_growth * end["updates"]) if end["reason"] == "drift" else 2 * end["generated_updates"]
+        return max(0, min(max(end["drift_min_updates"], size), self.drift_max_updates,
+                          self.total_updates - end["run_updates"]))
+
+    def may_end_run(self, s, run_updates_before, updates_per_stage):
+        """Whether stage s (of that μ, after run_updates_before updates) may be the run's last: the last fixed
+        stage, or a drift stage that reaches the run's updates unless it ends early."""
+        if self.stage_end == "fixed":
+            return s == self.stages - 1
+        return run_updates_before + updates_per_stage >= self.total_updates
+
+
+@dataclasses.dataclass(frozen=True)
+class StageEnd:
+    """Where training on a stage ends (docs/design.md §4): after all its minibatches (fixed), or (drift) before the
+    first update u ≥ min_updates at which the drift warning is on: the moving average of 1 − E[ρ | A<0] over the
+    last `window` updates that had an A<0 token, above `threshold`. Decided from the metrics rows' E[ρ | A<0], so a
+    resumed stage ends where the unbroken one did; its record (STAGE_END) is what StagePlan sizes the next stage by."""
+    rule: str = "fixed"                 # fixed | drift
+    window: int = 16
+    threshold: float = 0.01
+    min_updates: int = 16
+
+    def warning(self, neg_ratios):
+        """The warning after these updates (their E[ρ | A<0], None or NaN for a minibatch without an A<0 token):
+        (the moving average, or None before there are `window` of them; whether it exceeds the threshold)."""
+        seen = [v for v in neg_ratios if v is not None and math.isfinite(v)][-self.window:]
+        if self.window < 1 or len(seen) < self.window:
+            return None, False
+        average = sum(1.0 - v for v in seen) / len(seen)
+        return average, average > self.threshold
+
+    def ends_before(self, u, neg_ratios):
+        """Whether the stage ends before update u, given updates 0..u−1's E[ρ | A<0]."""
+        return self.rule == "drift" and u >= self.min_updates and self.warning(neg_ratios)[1]
+
+    def record(self, stage, done, generated, neg_ratios, unused_groups):
+        """The stage's STAGE_END row, less the run's counts: where it ended (`done` of its `generated` updates) and
+        why, the drift signal there, and the groups generated for it but never trained on."""
+        average, warned = self.warning(neg_ratios)
+        return {"stage": stage, "reason": "drift" if done < generated else "all minibatches", "updates": done,
+                "generated_updates": generated, "stage_end": self.rule, "drift_signal": average,
+                "drift_warning": warned, "drift_window": self.window, "drift_threshold": self.threshold,
+                "drift_min_updates": self.min_updates, "unused_prompts": len(unused_groups),
+                "unused_groups": unused_groups}
+
+
+@dataclasses.dataclass
+class StageProgress:
+    """Where training on a stage starts and where its outputs go (optimize.py's train_stage)."""
+    out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go next to it
+    updates_per_stage: int      # μ: the stage's minibatches (its updates unless it ends on drift)
+    start: int = 0              # the first update to run (a resumed stage: its state's)
+    before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (mu_grpo/trainer_model.py's records)
+    start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
+    save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
+    policy_dirs: tuple = None   # where the final policy goes (None: out_dir; (): nowhere, a resident transfer's stage
+                                # without a save due)
+    after: dict = None          # the counts this stage ends at, set by train_stage (a resident run's next `before`)
+
+    def counts(self, done):
+        """The run's and AdamW's update counts after `done` updates of this stage."""
+        return {k: n + done for k, n in self.before.items()}
+
+    @property
+    def work_dir(self):
+        return self.out_dir.parent
+
+    @property
+    def state_dir(self):
+        return self.work_dir / TRAIN_STATE
+
+    @property
+    def metrics_path(self):
+        return self.work_dir / METRICS
+
+
+def metrics_row(stage, groups, place, m, seconds, extra):
+    """An update's row of METRICS (optimize.py's train_stage): its place (`place`: update u, in the stage, and its
+    staleness; in the run; in AdamW's life; its lr), its minibatch (`groups`, the stage's rollouts.Stage), loss.metrics'
+    values `m` (the engine/trainer mismatch at update 0 only), `extra`, timing."""
+    batch = stage.groups[groups].ravel()
+    tokens = int((stage.prompt_len[batch] + stage.response_len[batch]).sum())
+    row = {**place, "reward/mean": float(stage.reward[batch].mean()),
+           "minibatch/zero_variance_frac": float(stage.zero_variance[groups].mean()),
+           "groups": [stage.group_keys[i] for i in groups],     # which prompts (stage positions)
+           **extra, "time": time.time(), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    row.update({k: v for k, v in m.items() if place["update"] == 0 or not k.startswith("mismatch/")})
+    return {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
+
+
+# ----------------------------------------------------------------------------- writing
+
+def append(run_dir, row, **more):
+    """Append a row (phase, name, stage, start, end, ...) to <run_dir>/timeline.jsonl with its seconds, then `more`."""
+    common.append_jsonl(Path(run_dir) / TIMELINE, {**row, "seconds": row["end"] - row["start"], **more})
+
+
+def attempt_started(run_dir, t):
+    """run_stages.sh's start, a zero-length row: the time from the last record before it is not the run's (pauses)."""
+    append(run_dir, {"phase": "attempt", "name": "attempt", "stage": -1, "start": t, "end": t}, process="run_stages.sh")
+
+
+def resident_started(run_dir, t):
+    """A resident attempt's start marker: its row (attempt_row) is written when it ends, or at the next start."""
+    common.atomic_write_json(Path(run_dir) / ATTEMPT, {"start": t})
+
+
+def attempt_row(run_dir, start, end, ended):
+    """A resident attempt's top row in timeline.jsonl (its processes' rows are parts of it: time_split), then its
+    start marker removed: how it ended (completed, failed, stopped by a Ctrl-C, or killed: a SIGKILL or SIGTERM leaves
+    no time to write the row, close_killed_attempt writes it at the next start) and the last stage trained."""
+    last = sum((d / STAGE_END).exists() for _, d in stage_dirs(run_dir)) - 1
+    append(run_dir, {"phase": "resident", "name": "resident", "stage": last, "start": start, "end": end}, ended=ended)
+    (Path(run_dir) / ATTEMPT).unlink(missing_ok=True)
+
+
+def close_killed_attempt(run_dir):
+    """An attempt killed before it wrote its row (its start marker is still there) gets its row now, ending at the
+    last row its processes wrote: what it did after that was lost, and is not timed, as the wait before this rerun
+    is not (time_split). Without it the run's wall-clock would start at the last attempt while its records
+    (rollouts, updates, evaluations) cover the killed ones too."""
+    marker = Path(run_dir) / ATTEMPT
+    if not marker.exists():
+        return
+    start = json.loads(marker.read_text())["start"]
+    timeline = read(run_dir)
+    # its processes' rows: not run_stages.sh's "attempt" row, which the rerun writes before this runs
+    attempt_row(run_dir, start, max([t["end"] for t in timeline if t["start"] >= start and t["phase"] != "attempt"],
+                                    default=start), "killed")
+
+
+# ----------------------------------------------------------------------------- reading
+
+def read(run_dir):
+    """The run's timeline rows ([] before its first)."""
+    path = Path(run_dir) / TIMELINE
+    return common.read_jsonl(path) if path.exists() else []
+
+
+def _rows(path):
+    return common.read_jsonl(path) if Path(path).exists() else []
+
+
+def load_run(path):
+    """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
+    path = Path(path)
+    metrics, manifests, stage_ends = [], {}, {}
+    for _, stage_dir in stage_dirs(path):
+        s = int(stage_dir.name.split("_")[1])
+        for row in _rows(stage_dir / METRICS):
+            metrics.append({**row, "stage": s})
+        if (stage_dir / STAGE_END).exists():      # where training on the stage ended, and why
+            stage_ends[s] = json.loads((stage_dir / STAGE_END).read_text())
+        if (stage_dir / ROLLOUTS / MANIFEST).exists():
+            manifests[s] = json.loads((stage_dir / ROLLOUTS / MANIFEST).read_text())
+    for row in _rows(path / METRICS):   # an ablation replay: optimize.py --out=<path>/policy
+        metrics.append(row)
+    return {"name": path.name, "results": _rows(path / RESULTS), "timeline": _rows(path / TIMELINE),
+            "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
+
+
+def accuracy_by_stage(run):
+    """[(stage, the run's updates (the evaluated policy's record), hours, mean avg@k over benchmarks)] in stage
+    order."""
+    by_stage = {}
+    for r in run["results"]:
+        by_stage.setdefault(r["stage"], []).append(r)
+    return [(s, rows[0]["updates"], max(r["hours"] for r in rows),
+             sum(r["avg_at_k"] for r in rows) / len(rows)) for s, rows in sorted(by_stage.items())]
+
+
+def phase_summary(run):
+    """Seconds per phase kind, total, and the share spent outside generation and training compute. The rows that
+    carry "process" are parts of a top row, not counted again in the total: a resident run's two processes' count in
+    evaluation and the components; a generate phase's evaluation moves its seconds from the phase's kind to eval."""
+    per_kind, parts = {}, {}
+    for t in run["timeline"]:
+        if t.get("process") == "generate":    # its engines' evaluation, inside a generate phase: the phase's time is
+            per_kind["generate"] = per_kind.get("generate", 0.0) - t["seconds"]     # the evaluation's, not generation's
+            per_kind[t["phase"]] = per_kind.get(t["phase"], 0.0) + t["seconds"]
+            continue
+        kinds = parts if "process" in t else per_kind
+        kinds[t["phase"]] = kinds.get(t["phase"], 0.0) + t["seconds"]
+    total = sum(per_kind.values())
+    generation = sum(m.get("generation_seconds", 0.0) for m in run["manifests"].values())
+    training = sum(m.get("seconds") or 0.0 for m in run["metrics"])
+    evaluation = per_kind.get("eval", 0.0) + parts.get("eval", 0.0)
+    overhead = (total - evaluation - generation - training) / max(total - evaluation, 1e-9)
+    return per_kind, total, generation, training, overhead
+
+
+def time_split(run):
+    """A run's wall-clock in seconds, taken apart: generation (the engines' sampling, manifest generation_seconds),
+    training (the updates, metrics seconds), evaluation, switching (the rest of the phases: process and engine
+    starts, loads, saves, hand-offs, grading tails) and idle (between phases: the wall-clock no phase covers).
+    The five add up to the wall-clock; stages: how many stages paid a switch. A resumed run's wall-clock leaves out
+    its pauses (nothing of it ran then)."""
+    _, total, generation, training, _ = phase_summary(run)
+    evaluation = sum(t["seconds"] for t in run["timeline"] if t["phase"] == "eval")
+    top = [t for t in run["timeline"] if "process" not in t]          # a resident run's attempts, or the phases
+    first, last = (min(t["start"] for t in top), max(t["end"] for t in top)) if top else (0.0, 0.0)
+    wall = last - first - sum(max(0.0, min(to, last) - max(since, first)) for since, to in pauses(run))
+    return {"wall": wall, "generation": generation, "training": training, "evaluation": evaluation,
+            "switching": total - evaluation - generation - training, "idle": wall - total,
+            "stages": len(run["manifests"])}
+
+
+def pauses(run):
+    """[(from, to)]: when nothing of a resumed run ran, however long the rerun waited: from the last record before an
+    attempt's start (run_stages.sh's zero-length "attempt" row) to it, and from a resident attempt's end (its row:
+    records.attempt_row; a killed one's ends at its last record) to the next start (runs recorded before the
+    attempt rows). What a killed phase or attempt did after its last record is lost with the wait."""
+    rows = sorted(run["timeline"], key=lambda t: t["start"])
+    top = [t for t in rows if "process" not in t]
+    found = [(t["end"], later["start"]) for t, later in zip(top, top[1:]) if t["phase"] == "resident"]
+    for i, t in enumerate(rows):
+        if t["phase"] == "attempt" and i > 0:
+            found.append((max(r["end"] for r in rows[:i]), t["start"]))
+    merged = []
+    for since, to in sorted(p for p in found if p[1] > p[0]):      # the two kinds overlap on a resident run
+        if merged and since <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], to))
+        else:
+            merged.append((since, to))
+    return merged
+
+
+def resident_parts(run):
+    """A resident run's switching costs from its processes' timeline rows, in seconds: start-up (the slowest of
+    the processes' starts: the trainer's, the engine process's, each engine's own), weight reloads and engine sleeps (each engine writes its own row per stage; the
+    engines work side by side, so a stage costs its slowest engine's), the trainer's saves."""
+    rows = [t for t in run["timeline"] if "process" in t]
+    starts = [t["seconds"] for t in rows if t["phase"] == "start"]
+
+    def slowest_per_stage(key):
+        per_stage = {}
+        for t in rows:
+            if t["phase"] == "engine":
+                per_stage[t["stage"]] = max(per_stage.get(t["stage"], 0.0), t.get(key) or 0.0)
+        return sum(per_stage.values())
+    return {"start-up": max(starts + [t.get("start_seconds") or 0.0 for t in rows if t["phase"] == "engine"], default=0.0),
+            "reload": slowest_per_stage("reload_seconds"),
+            "save": sum(t.get("save_seconds", 0.0) for t in rows if t["process"] == "trainer"),
+            "sleep": slowest_per_stage("sleep_seconds")}
+
+
+def evaluation_seconds(run):
+    """{stage: seconds from the run's start to its evaluation}, earlier evaluations and pauses taken out (the x of an
+    accuracy-against-time curve; {} before any top row)."""
+    evals = sorted((t for t in run["timeline"] if t["phase"] == "eval"), key=lambda t: t["start"])
+    tops = [t for t in run["timeline"] if "process" not in t]
+    if not tops:
+        return {}
+    start, gaps = min(t["start"] for t in tops), pauses(run)
+    return {t["stage"]: t["start"] - start - sum(e["seconds"] for e in evals if e["end"] <= t["start"])
+            - sum(to - since for since, to in gaps if to <= t["start"]) for t in evals}
+
+
+def measured_seconds(timeline):
+    """The seconds the run's phases measured so far (an ETA's numerator): every top row's, and the rows of a resident
+    attempt still running (once written, an attempt's row holds its processes' rows)."""
+    ended = max((r["end"] for r in timeline if r["phase"] == "resident"), default=float("-inf"))
+    return sum(r["seconds"] for r in timeline if "process" not in r or r["start"] >= ended)
