@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import grading
 from mu_grpo import benchmarks as B     # (`benchmarks` is this script's flag)
 from mu_grpo import common
 from mu_grpo import engine
+from mu_grpo import grading
 from mu_grpo import nodes
 from mu_grpo import processes
 from mu_grpo import records

@@ -33,10 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import grading
 from mu_grpo import benchmarks
 from mu_grpo import common
 from mu_grpo import engine
+from mu_grpo import grading
 from mu_grpo import handoff
 from mu_grpo import nodes
 from mu_grpo import processes

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import loss as L
 from mu_grpo import checkpoint
 from mu_grpo import common
 from mu_grpo import handoff
-import loss as L
-from mu_grpo import trainer_model as M
 from mu_grpo import records
 from mu_grpo import tracking
+from mu_grpo import trainer_model as M
 import update
 
 # ----------------------------------------------------------------------------- hyperparameters

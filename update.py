@@ -21,11 +21,11 @@ import torch
 from tqdm import tqdm
 import torch.distributed as dist
 
-from mu_grpo import common
 import loss as L
-from mu_grpo import trainer_model as M
+from mu_grpo import common
 from mu_grpo import records
 from mu_grpo import rollouts
+from mu_grpo import trainer_model as M
 
 
 def log(*args):

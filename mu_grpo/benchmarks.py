@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import grading
 from mu_grpo import common
+from mu_grpo import grading
 from mu_grpo import records
 
 

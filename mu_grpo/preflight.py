@@ -35,12 +35,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mu_grpo import grading
 from mu_grpo import common
+from mu_grpo import grading
 from mu_grpo import handoff
-from mu_grpo import trainer_model as M
 from mu_grpo import processes
 from mu_grpo import records
+from mu_grpo import trainer_model as M
 from loss import AGREEMENT_MEAN, MISMATCH_LEVELS
 
 ROOT = Path(__file__).resolve().parents[1]

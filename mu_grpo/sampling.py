@@ -12,11 +12,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mu_grpo import grading
-from mu_grpo import common
 import loss
-import reward
+from mu_grpo import common
+from mu_grpo import grading
 from mu_grpo import rollouts
+import reward
 
 
 @dataclasses.dataclass(frozen=True)

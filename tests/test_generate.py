@@ -307,8 +307,8 @@ def test_resident_evaluation_samples_with_evaluate_pys_seed_whatever_the_trainin
                                "--eval_benchmarks=test", "--results=unused.jsonl")
     monkeypatch.setattr(sys, "argv", ["evaluate.py", f"--data_dir={toy}", "--benchmarks=test"])
     sys.modules.pop("evaluate", None)
-    from mu_grpo import common
     import evaluate
+    from mu_grpo import common
     resident, alone = generate.evaluation(), evaluate.evaluation()
     assert resident.seed == alone.seed == 0
     assert [common.sample_seed(resident.seed, "test", j) for j in range(len(resident.sets["test"]))] == \

@@ -294,7 +294,7 @@ def test_the_lab_build_is_the_same_whichever_kernels_the_cpu_would_pick(tmp_path
 
 
 def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["paired.py"])
+    monkeypatch.setattr(sys, "argv", ["tools/paired.py"])
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import paired
     a = {("build1", "seed0"): {"final": 0.6}, ("build1", "seed1"): {"final": 0.7}, ("build0", "seed0"): {"final": 0.2},

@@ -182,7 +182,7 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
         "--drift_min_updates": "6"}                                                  # the trainer's: the last given
     assert flags["--optimize_args"] == "--gradient_checkpointing=true --clip_low=0 --kl_coef=0"
     # every flag one mu_grpo/preflight.py takes, every value one it allows: its strict overrides and checks run on import
-    monkeypatch.setattr(sys, "argv", ["preflight.py", *argv[3:]])
+    monkeypatch.setattr(sys, "argv", ["mu_grpo/preflight.py", *argv[3:]])
     monkeypatch.delitem(sys.modules, "mu_grpo.preflight", raising=False)
     preflight = __import__("importlib").import_module("mu_grpo.preflight")
     assert (preflight.n_engines, preflight.n_ranks, preflight.resident, preflight.prompts) == (2, 2, True, 8)

@@ -9,8 +9,8 @@ from conftest import read_lines
 import pytest
 import torch
 
-from mu_grpo import common
 from mu_grpo import checkpoint
+from mu_grpo import common
 from mu_grpo import trainer_model as M
 
 
@@ -145,7 +145,7 @@ def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path, monkeyp
     assert report["rows"][0]["value"] > 0 and "| PASS | bf16 (autocast) vs float32: gradient cosine" in proc.stdout
     # each update's FLOPs are those of the groups it trained (its row's "groups", optimize.py's seeded schedule): their
     # tokens are the row's own count; the file's first minibatch (the old reading) is another
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    monkeypatch.setattr(sys, "argv", ["tools/gpu_check.py"])
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
@@ -154,7 +154,8 @@ def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path, monkeyp
     metrics = read_lines(stage / "metrics.jsonl")
     for m in metrics:
         assert sum(p + r for p, r in gpu_check.trained_lengths(stage, m["groups"])) == m["tokens"]
-    data = __import__("rollouts").open_stage(stage / "rollouts", workers=1)
+    from mu_grpo import rollouts
+    data = rollouts.open_stage(stage / "rollouts", workers=1)
     n = len(metrics[0]["groups"]) * 8
     file_order = [int((data.prompt_len + data.response_len)[u * n:(u + 1) * n].sum()) for u in range(len(metrics))]
     assert file_order != [m["tokens"] for m in metrics]          # the old reading counted other groups
@@ -166,3 +167,16 @@ def test_the_gpu_check_runs_at_cpu_size_and_every_check_passes(tmp_path, monkeyp
     child.start()
     with pytest.raises(RuntimeError, match=r"the receiving process died \(exit code 3\)"):
         gpu_check.poll(ctx.Queue(), child, timeout_s=60)
+
+
+@pytest.mark.slow
+def test_the_trainer_benchmark_runs_at_cpu_size_and_prints_its_table(tmp_path):
+    # tools/bench_train.py, optimize.py's throughput with and without gradient checkpointing on a synthetic stage: its
+    # tiny shape on the CPU, both rows measured (a failed optimize.py is a "failed" row)
+    from conftest import run_script
+    proc = run_script("tools/bench_train.py", "--shape=tiny", "--updates=2", "--mean_prompt_tokens=16",
+                      "--mean_response_tokens=24", "--max_response_tokens=48", "--micro_batch_tokens=1024",
+                      f"--out_dir={tmp_path}")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| False", "| True"))]
+    assert len(rows) == 2 and "failed" not in proc.stdout, proc.stdout
+    assert all(float(r.split("|")[2]) > 0 for r in rows)          # tokens/s

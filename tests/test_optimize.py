@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from mu_grpo import common
 import loss as L
 from mu_grpo import checkpoint
-from mu_grpo import trainer_model as M
+from mu_grpo import common
 from mu_grpo import rollouts
+from mu_grpo import trainer_model as M
 from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
 
 G = 4

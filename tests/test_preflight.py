@@ -42,7 +42,7 @@ def passed(toy, tmp_path_factory):
 @pytest.fixture
 def check_functions(monkeypatch):
     """mu_grpo/preflight.py's check functions, imported with the CPU thresholds."""
-    monkeypatch.setattr(sys, "argv", ["preflight.py", "--gpus=0"])
+    monkeypatch.setattr(sys, "argv", ["mu_grpo/preflight.py", "--gpus=0"])
     sys.modules.pop("mu_grpo.preflight", None)
     P = importlib.import_module("mu_grpo.preflight")
     return P
@@ -337,7 +337,7 @@ def test_the_transfer_is_measured_per_engine_and_a_failed_one_falls_back_to_file
 
 def test_the_cached_pass_is_keyed_on_every_setting_and_every_source_file(monkeypatch, tmp_path):
     def key(*argv):
-        monkeypatch.setattr(sys, "argv", ["preflight.py", "--gpus=0", *argv])
+        monkeypatch.setattr(sys, "argv", ["mu_grpo/preflight.py", "--gpus=0", *argv])
         sys.modules.pop("mu_grpo.preflight", None)
         P = importlib.import_module("mu_grpo.preflight")
         monkeypatch.setattr(P.common, "policy_fingerprint", lambda model: "fp")
@@ -479,7 +479,7 @@ def test_the_cached_pass_is_keyed_on_the_libraries_requirements_flash_attn_and_g
     import torch
 
     def key(*argv):
-        monkeypatch.setattr(sys, "argv", ["preflight.py", *argv])
+        monkeypatch.setattr(sys, "argv", ["mu_grpo/preflight.py", *argv])
         sys.modules.pop("mu_grpo.preflight", None)
         P = importlib.import_module("mu_grpo.preflight")
         monkeypatch.setattr(P.common, "policy_fingerprint", lambda model: "fp")

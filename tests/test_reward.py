@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import reward as R
 from mu_grpo import grading as G
+import reward as R
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from mu_grpo import common
 import loss as L
-from mu_grpo import trainer_model as M
+from mu_grpo import common
 from mu_grpo import rollouts
+from mu_grpo import trainer_model as M
 import update
 
 G = 4

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
+import loss as L
 from mu_grpo import common
 from mu_grpo import engine
-import loss as L
 from conftest import needs_vllm
 
 
@@ -182,9 +182,9 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
     # engine 1's behavior log-probs 2e-3 nats per token off (as a stale or otherwise sampled engine's would be) are
     # twice the CPU bound; engine 0's agree to float32 noise. The run's first measured stage (no stage 0 record): the
     # bound is absolute, and the stop names the engine and the stage
+    from mu_grpo import rollouts
     from mu_grpo import trainer_model as M
     import optimize
-    from mu_grpo import rollouts
     import update
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", shift)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
@@ -230,9 +230,9 @@ def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_poli
     # stage 3 of a run whose stage 0 measured 1e-4 nats/token: engine 1's 2e-3 shift is above max(1e-3, 10 × 1e-4).
     # With stage 0's entropy equal to the stage's it stops; with 4× the stage's, the policy has collapsed: the stage
     # goes on, recorded
+    from mu_grpo import rollouts
     from mu_grpo import trainer_model as M
     import optimize
-    from mu_grpo import rollouts
     import update
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", 2e-3)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mu_grpo import common  # noqa: E402
 from mu_grpo import records  # noqa: E402
-from synthetic import SHAPES, build_model, count_parameters, model_flops, write_stage  # noqa: E402,F401
+from synthetic import SHAPES, build_model, count_parameters, model_flops, trained_lengths, write_stage  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the model and the box
@@ -70,7 +70,8 @@ if __name__ == "__main__":
         proc = subprocess.run([*launcher, str(ROOT / "optimize.py"), f"--stage_dir={stage}",
                                f"--policy={model_dir}", f"--out={stage / 'policy'}", f"--updates_per_stage={updates}",
                                f"--prompts_per_update={prompts_per_update}", "--save_train_state=false",
-                               f"--micro_batch_tokens={micro_batch_tokens}", f"--gradient_checkpointing={ckpt}"],
+                               f"--micro_batch_tokens={micro_batch_tokens}", f"--gradient_checkpointing={ckpt}",
+                               "--engine_mismatch_bound=0"],       # (random tokens: no engine sampled them)
                               capture_output=True, text=True)
         if proc.returncode != 0:
             table.append((ckpt, None, proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"))
@@ -79,12 +80,11 @@ if __name__ == "__main__":
         timing = json.loads((stage / "optimize_timing.json").read_text())
         if n_params is None:
             n_params = count_parameters(model_dir)
-        per_update = len(lengths) // updates
         steady = range(1, updates) if updates > 1 else range(1)
         seconds = sum(metrics[u]["seconds"] for u in steady)
         tokens = sum(metrics[u]["tokens"] for u in steady)
-        flops = sum(model_flops(lengths[u * per_update:(u + 1) * per_update], n_params, layers, hidden, vocab, tied)
-                    for u in steady)
+        flops = sum(model_flops(trained_lengths(stage, metrics[u]["groups"]), n_params, layers, hidden, vocab, tied)
+                    for u in steady)       # each update's groups, optimize.py's seeded schedule
         peak = max((m.get("memory/peak_gib") or 0.0) for m in metrics) or None
         table.append((ckpt, (tokens / seconds, flops / seconds / (peak_tflops * 1e12 * gpus), peak,
                              metrics[0]["memory/saved_activations_gib"], max(timing["peak_rss_gib_per_rank"]),

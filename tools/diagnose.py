@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mu_grpo import common
-import loss as L
-from mu_grpo import records
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "data"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "data")]          # mu_grpo and loss.py; data/: the lab task's builder
+import loss as L  # noqa: E402
+from mu_grpo import common  # noqa: E402
+from mu_grpo import records  # noqa: E402
 import lab  # noqa: E402  (the worked solutions)
 
 # ----------------------------------------------------------------------------- hyperparameters

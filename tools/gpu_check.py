@@ -29,7 +29,6 @@ Every row passes or fails; each check runs under its own guard (one that raises 
 run) and the JSON is written after every check, so a machine lost mid-way keeps what it measured. The script exits 1
 if a row fails. Figures go to docs/paper-run.md with the command.
 """
-import json
 import math
 import queue as queue_module
 import subprocess
@@ -45,14 +44,14 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import loss as L  # noqa: E402
 from mu_grpo import common  # noqa: E402
 from mu_grpo import handoff  # noqa: E402
-import loss as L  # noqa: E402
-from mu_grpo import trainer_model as M  # noqa: E402
 from mu_grpo import records  # noqa: E402
 from mu_grpo import rollouts  # noqa: E402
+from mu_grpo import trainer_model as M  # noqa: E402
 import update  # noqa: E402
-from synthetic import build_model, model_flops, write_stage  # noqa: E402
+from synthetic import build_model, model_flops, trained_lengths, write_stage  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 shape = "qwen2.5-0.5b"          # a shape of tools/synthetic.py SHAPES (~0.5 B parameters; tiny: the CPU version)
@@ -95,14 +94,6 @@ def throughput(model_dir, stage, dims):
             ("seconds per update (warm-up, then steady)", "info", [metrics[0]["seconds"], seconds / len(steady)], None),
             ("peak GPU memory, GiB (estimate: 16 B/parameter + saved activations + logits' gradient + overhead)",
              "info", peak, round(estimate, 2))]
-
-
-def trained_lengths(stage, group_keys):
-    """[(prompt, response tokens)] of the responses of the groups an update trained (its metrics row's "groups")."""
-    data = rollouts.open_stage(stage / records.ROLLOUTS, workers=1)
-    index = {json.dumps(k): i for i, k in enumerate(data.group_keys)}
-    responses = [r for k in group_keys for r in data.groups[index[json.dumps(k)]]]
-    return [(int(data.prompt_len[r]), int(data.response_len[r])) for r in responses]
 
 
 def bf16_against_fp32(model_dir, stage):

@@ -12,8 +12,9 @@ import math
 import sys
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import records
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # the repository's root: mu_grpo
+from mu_grpo import common  # noqa: E402
+from mu_grpo import records  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 run_dir = "runs/toy-mu-grpo"    # one run directory, or several separated by commas

@@ -1,6 +1,7 @@
 """What the trainer benchmarks (bench_train.py, gpu_check.py) run on, built on the spot with no download: a
 Qwen2-shaped model with random weights from a config, and a synthetic stage of random tokens whose prompt and response
 lengths follow a math RL stage's mix. Nothing here parses a command line."""
+import json
 import math
 import sys
 from pathlib import Path
@@ -63,6 +64,14 @@ def write_stage(stage, vocab, groups, mean_prompt_tokens, mean_response_tokens, 
         "complete": True, "stage": 0, "policy": "bench", "shards": ["shard_00000.jsonl"],
         "sampling": {"n": 8, "temperature": 1.0, "max_tokens": max_response_tokens}})
     return lengths
+
+
+def trained_lengths(stage, group_keys):
+    """[(prompt, response tokens)] of the responses of the groups an update trained (its metrics row's "groups")."""
+    data = rollouts.open_stage(stage / records.ROLLOUTS, workers=1)
+    index = {json.dumps(k): i for i, k in enumerate(data.group_keys)}
+    responses = [r for k in group_keys for r in data.groups[index[json.dumps(k)]]]
+    return [(int(data.prompt_len[r]), int(data.response_len[r])) for r in responses]
 
 
 def count_parameters(model_dir):
