@@ -46,7 +46,7 @@ max_prompt_tokens = 1536
 max_response_tokens = 2560
 prompt_template = common.DEFAULT_PROMPT_TEMPLATE
 chat_template = True
-seed = 0                        # the sampling seed of every evaluation (resident mode's generate.py --eval_seed: the same)
+seed = 0                        # the sampling seed of every evaluation (generate.py's engines' too: its --eval_args)
 grader_workers = 4
 grader_timeout_s = 10.0
 

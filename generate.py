@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -80,7 +81,7 @@ format_bonus = 0.0              # reward for a boxed but wrong answer
 normalize_std = True            # advantages (r − mean) / std; False: Dr. GRPO (r − mean)
 
 # shards and engines
-shard_prompts = 1024            # prompts per shard: the unit of resume
+shard_prompts = 4096            # prompts per shard: the unit of resume
 gpus = -1                       # GPUs to use (-1: all of CUDA_VISIBLE_DEVICES; 0: CPU)
 engines = 0                     # data-parallel vLLM engines; 0: gpus // tensor_parallel (1 on CPU)
 tensor_parallel = 1             # GPUs per engine
@@ -95,13 +96,9 @@ policy_handoff = "transfer"     # resident: how each policy arrives: transfer (v
 # the evaluations these engines make before the stage they generate (resident: and after the last)
 eval_every = 0                  # the policy trained on every N-th stage, and the initial policy as stage −1 (0: none);
                                 # not one the results table holds already
-eval_benchmarks = "test"        # evaluate.py's --benchmarks, --data_dir, --k, --temperature, --top_p, --results and
-eval_data_dir = "data/toy"      # --run_start, with this script's prompt settings
-eval_k = 4
-eval_temperature = 1.0
-eval_top_p = 1.0
-eval_seed = 0                   # the evaluation's sampling seed, not the run's: evaluate.py's --seed (its default), so
-                                # a policy's avg@k is the same number whichever mode and training seed evaluated it
+eval_args = ""                  # the evaluation protocol: evaluate.py's flags over its block, the protocol's one home
+                                # (--benchmarks, --data_dir, --k, --temperature, --top_p, --seed: its seed, not the
+                                # run's), sampled with this script's prompt settings and written to --results
 results = ""
 run_start = 0.0
 eval_parts = ""                 # internal: where the per-GPU engine subprocesses leave their shares of the evaluation
@@ -357,12 +354,15 @@ def eval_due(t, last):
 
 
 def evaluation():
-    """The resident evaluations' protocol: evaluate.py's (benchmarks.protocol) with the eval_* knobs and this
+    """These engines' evaluations' protocol: evaluate.py's block with eval_args over it (benchmarks.protocol), this
     script's prompt settings and graders."""
-    return benchmarks.protocol(eval_benchmarks, eval_data_dir, eval_k, temperature=eval_temperature, top_p=eval_top_p,
-                               max_prompt_tokens=max_prompt_tokens, max_response_tokens=max_response_tokens,
-                               prompt_template=prompt_template, chat_template=chat_template, seed=eval_seed,
-                               grader_workers=graders, grader_timeout_s=grader_timeout_s)
+    p = common.script_defaults(Path(__file__).with_name("evaluate.py"))
+    common.apply_overrides(p, shlex.split(eval_args))
+    return benchmarks.protocol(p["benchmarks"], p["data_dir"], p["k"], p["k_per_benchmark"], p["max_problems"],
+                               temperature=p["temperature"], top_p=p["top_p"], max_prompt_tokens=max_prompt_tokens,
+                               max_response_tokens=max_response_tokens, prompt_template=prompt_template,
+                               chat_template=chat_template, seed=p["seed"], grader_workers=graders,
+                               grader_timeout_s=grader_timeout_s)
 
 
 def sample_evaluation(llm, ev, parts):

@@ -80,7 +80,7 @@ grad_clip = 1.0                 # max global grad norm
 
 # the loss (loss.py; the LOSS presets of losses.sh set these)
 temperature = 0.0               # log-prob temperature; 0: the sampling temperature from the manifest
-clip_low = 0.0                  # ratio clip bounds (μ-GRPO 0 and 5; GRPO 0.8 and 1.2; DAPO 0.8 and 1.28)
+clip_low = 0.0                  # ratio clip bounds (the LOSS presets' others: losses.sh)
 clip_high = 5.0
 dual_clip = None                # c > 1 caps the A<0 loss at −c·A (None: off)
 nav_delta = 1e-4                # NAV trigger threshold on the ratio (None: NAV off)
@@ -97,7 +97,7 @@ norm_len = 0                    # Dr. GRPO constant length (0: the manifest's ma
 
 # memory and kernels
 micro_batch_tokens = 16384      # tokens (prompt + response) packed into one micro-batch, per GPU
-gradient_checkpointing = False  # recompute each layer in backward: activations of one layer at a time
+gradient_checkpointing = True   # recompute each layer in backward: activations of one layer at a time
 attn_implementation = "auto"    # auto | flash_attention_2 | flex_attention | varlen_sdpa | sdpa (docs/scripts.md)
 lora_rank = 0                   # > 0: train LoRA adapters (peft) on all linear layers; merged at save
 lora_alpha = 32

@@ -1,53 +1,73 @@
 #!/usr/bin/env bash
 # μ-GRPO: a few large stages of generate.py → optimize.py → evaluate.py, each its own process.
 # Rerunning continues from the first unfinished phase; a finished run does nothing.
-# Every variable below can also be set from the environment: STAGES=2 LOSS=grpo bash run_stages.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 set -a     # every knob below is exported: mu_grpo/launch.py checks them all against one table before any phase runs
 
+GIVEN=" $(compgen -e | tr '\n' ' ') "   # the knobs the environment gives: they win over every default here and in presets
 # ------------------------------------------------------------------------------ hyperparameters
+# Homes: this block for the loop's knobs (the paper preset's values), the phase scripts' blocks for theirs (empty here:
+# the block decides); presets.sh, losses.sh: what a PRESET, a LOSS changes; the environment wins (STAGES=2 bash ...)
 # ---- the run
 PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy | lab | lab-fork (ablate.sh's tasks)
 LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | relaxed-low | relaxed-high | nav-none
-                                # | nav-T | nav-S | nav-seq | offpolicy-grpo (clip [0.8, 1.2] + β·KL to the initial
-                                # policy): losses.sh
+                                # | nav-T | nav-S | nav-seq | offpolicy-grpo (losses.sh)
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
-KL_COEF=${KL_COEF:-}            # β of the KL penalty to the initial policy (default: 0; offpolicy-grpo 0.04)
 REPORT_TO=${REPORT_TO:-none}    # none | tensorboard | wandb | a comma list: live metrics (mu_grpo/tracking.py; WANDB_MODE)
 TRACKER_GROUP=${TRACKER_GROUP:-}  # the tracker group of this run (frontier.sh and ablate.sh set one per frontier)
-# ---- where a stage ends, and the optimizer across stages (its knobs empty: optimize.py's block, their home, decides)
-STAGE_END=${STAGE_END:-fixed}   # fixed: STAGES stages of UPDATES_PER_STAGE updates | drift: a stage ends once the policy
-                                # has drifted from its rollouts (optimize.py's warning on E[ρ | A<0]), the next one's μ
-                                # planned from where it ended (records.StagePlan), until TOTAL_UPDATES
+# ---- the stages (MODEL one of the paper's five: its own TEMPLATE and lengths, mu_grpo/model_cards.py)
+MODEL=${MODEL:-Qwen/Qwen2.5-Math-7B}  # initial policy (HF name or directory)
+TRAIN_DATA=${TRAIN_DATA:-data/deepscaler.jsonl}  # training problems (JSONL: id, problem, answer; data/prepare.py)
+EVAL_DATA_DIR=${EVAL_DATA_DIR:-data/benchmarks}  # <benchmark>.jsonl files
+BENCHMARKS=${BENCHMARKS:-amc23,amc24,aime24,aime25,math500}  # the evaluated sets
+TEMPLATE=${TEMPLATE:-default}   # default | chat | chat-system | plain: how a problem becomes a prompt (mu_grpo/model_cards.py)
+STAGES=${STAGES:-4}             # generate → optimize stages
+UPDATES_PER_STAGE=${UPDATES_PER_STAGE:-1024}  # μ: optimizer updates per stage, each on its own minibatch
+PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-64}  # prompts per minibatch
+GROUP_SIZE=${GROUP_SIZE:-8}     # G responses per prompt
+MAX_PROMPT=${MAX_PROMPT:-1536}  # tokens (longer prompts are skipped and counted)
+MAX_RESPONSE=${MAX_RESPONSE:-2560}  # tokens
+STAGE_END=${STAGE_END:-fixed}   # fixed: STAGES stages of UPDATES_PER_STAGE | drift: each ends on optimize.py's drift
+                                # warning, the next one's μ planned from there (records.StagePlan), until TOTAL_UPDATES
 TOTAL_UPDATES=${TOTAL_UPDATES:-}  # drift: the run's updates (default STAGES × UPDATES_PER_STAGE)
 DRIFT_GROWTH=${DRIFT_GROWTH:-1.25}  # drift: after a warning at update u the next stage plans ceil(growth · u) updates
 DRIFT_MAX_UPDATES=${DRIFT_MAX_UPDATES:-}  # drift: the largest μ a stage is planned with (default 4 × UPDATES_PER_STAGE)
 DRIFT_ARGS=${DRIFT_ARGS:-}      # drift: optimize.py's warning, e.g. "--drift_window=16 --drift_min_updates=16"
-OPTIMIZER_BOUNDARY=${OPTIMIZER_BOUNDARY:-}  # carry | reset: AdamW's moments at each stage's start (optimizer_boundary)
-ADAM_BETAS=${ADAM_BETAS:-}      # AdamW's β1,β2, e.g. 0.9,0.95 (adam_betas)
-STAGE_WARMUP=${STAGE_WARMUP:-}  # lr warmup over each stage's first N updates (stage_warmup_updates)
+# ---- the phases' knobs, homes in their scripts' blocks (empty: the block's value)
+LR=${LR:-}                      # optimize.py lr: AdamW's learning rate
+WARMUP=${WARMUP:-}              # optimize.py warmup_updates: linear warmup over AdamW's first updates
+KL_COEF=${KL_COEF:-}            # optimize.py kl_coef: β of the KL penalty to the initial policy (offpolicy-grpo: losses.sh)
+OPTIMIZER_BOUNDARY=${OPTIMIZER_BOUNDARY:-}  # optimize.py optimizer_boundary: carry | reset AdamW at each stage's start
+ADAM_BETAS=${ADAM_BETAS:-}      # optimize.py adam_betas: AdamW's β1,β2
+STAGE_WARMUP=${STAGE_WARMUP:-}  # optimize.py stage_warmup_updates: lr warmup over each stage's first updates
+MICRO_BATCH_TOKENS=${MICRO_BATCH_TOKENS:-}  # optimize.py micro_batch_tokens: tokens packed per micro-batch, per GPU
+GRAD_CKPT=${GRAD_CKPT:-}        # optimize.py gradient_checkpointing
+SAVE_POLICY_EVERY=${SAVE_POLICY_EVERY:-}  # optimize.py save_policy_every: a policy every N updates within a stage too
+TEMPERATURE=${TEMPERATURE:-}    # generate.py temperature: the rollouts' sampling temperature (the trainer's too)
+SHARD_PROMPTS=${SHARD_PROMPTS:-}  # generate.py shard_prompts: prompts per rollout shard, the unit of resume
+PER_REQUEST_SEED=${PER_REQUEST_SEED:-}  # generate.py per_request_seed: each prompt samples from its own seed
+EVAL_K=${EVAL_K:-}              # evaluate.py k: samples per problem (avg@k)
+EVAL_TEMPERATURE=${EVAL_TEMPERATURE:-}  # evaluate.py temperature
+EVAL_TOP_P=${EVAL_TOP_P:-}      # evaluate.py top_p
+#   NAV_DELTA                   NAV's δ of the LOSS presets with NAV (losses.sh; empty: optimize.py nav_delta)
 # ---- evaluation and what is kept
 EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last); 0: never
-EVAL_CACHE=${EVAL_CACHE:-}      # a directory of kept evaluations: the initial policy's is taken from it when it holds
-                                # that policy under this protocol, else made and kept there (runs from one MODEL, as
-                                # frontier.sh's, evaluate it once; evaluate.py --cache)
+EVAL_CACHE=${EVAL_CACHE:-}      # kept evaluations: the initial policy's taken from there under this protocol, else made
+                                # and kept (runs from one MODEL, as frontier.sh's, evaluate it once; evaluate.py --cache)
 SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy, train state saved every N stages and at the end (default EVAL_EVERY)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
-SAVE_POLICY_EVERY=${SAVE_POLICY_EVERY:-}  # a policy every N updates within a stage too (stage_<s>/policy_u<N>)
 # ---- the box
-RESIDENT=${RESIDENT:-false}     # true: two long-lived processes (the engines, the trainer) run every stage (mu_grpo/handoff.py):
-                                # no process start, model load and engine start per stage, for small μ
-HANDOFF=${HANDOFF:-transfer}    # resident: transfer (vLLM's weight-transfer API: CUDA IPC on GPUs, shared memory on a CPU;
-                                # mu_grpo/transfer.py) | files (each policy written and read back as files, for a box without IPC)
-RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-auto}  # resident, GPU: each engine's share; auto: all the trainer leaves,
-                                # less 0.05 (0.78 for 7B on 4×H200, an estimate: mu_grpo/handoff.py check_engine_share)
-PER_REQUEST_SEED=${PER_REQUEST_SEED:-true}  # true: each prompt samples from its own seed (the same response whichever
-                                # engine, shard or resumed attempt makes it); false: the engines' seed alone
-PREFLIGHT=${PREFLIGHT:-auto}    # mu_grpo/preflight.py first, at the run's settings (cached once passed): auto (the paper
-                                # preset only) | 1 (any preset) | 0 (never) | force (and start after a FAIL)
-PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more mu_grpo/preflight.py flags, e.g. its miniature's size: "--prompts=8 --updates=2"
+GPUS=${GPUS:-}                  # GPUs of every phase (empty: every GPU torch sees; 0: the CPU)
+ENGINES=${ENGINES:-}            # vLLM engines, one process each (default: one per GPU, 1 on a CPU)
+TRAIN_RANKS=${TRAIN_RANKS:-}    # torchrun ranks (one per GPU; ENGINES=2 TRAIN_RANKS=2 on a CPU: the 4×H200 box's shape)
+RESIDENT=${RESIDENT:-false}     # true: two long-lived processes run every stage (small μ: no starts; mu_grpo/handoff.py)
+HANDOFF=${HANDOFF:-transfer}    # resident: transfer (vLLM's weight-transfer API: CUDA IPC on GPUs, shared memory on a
+                                # CPU) | files (each policy written and read back as files, for a box without IPC)
+RESIDENT_GPU_MEMORY=${RESIDENT_GPU_MEMORY:-auto}  # resident, GPU: each engine's share (auto: what the trainer leaves)
+PREFLIGHT=${PREFLIGHT:-auto}    # mu_grpo/preflight.py first (a pass cached): auto (paper) | 1 | 0 | force (on after a FAIL)
+PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more preflight flags, e.g. its miniature's size: "--prompts=8 --updates=2"
 PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-false}  # true: stop after the preflight (its throughputs: frontier.sh's estimate) and,
                                 # with EVAL_CACHE, the initial policy's evaluation kept there (table1.sh's per model)
 # ---- several nodes (README, Several nodes): the same command on each, RUN, MODEL and data on a shared filesystem
@@ -59,14 +79,6 @@ JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}  # seconds the nodes wait for each other to st
 DEAD_AFTER=${DEAD_AFTER:-10}    # seconds without a node's heartbeat before the others stop (naming it)
 COLLECTIVE_TIMEOUT=${COLLECTIVE_TIMEOUT:-60}  # seconds the trainers' ranks have to reach each other after the join
 HSDP=${HSDP:-false}             # true: shard the trainer within each node, replicate across nodes (16 bytes/parameter)
-# ---- set per preset (presets.sh), unless given in the environment
-#   MODEL, TRAIN_DATA, BENCHMARKS  initial policy (HF name or directory), training problems (JSONL), evaluated sets
-#   STAGES, UPDATES_PER_STAGE  generate → optimize stages, μ (optimizer updates per stage)
-#   PROMPTS_PER_UPDATE, GROUP_SIZE, LR, WARMUP  prompts per minibatch × G responses; AdamW's lr, warmup over the run
-#   MAX_PROMPT, MAX_RESPONSE, TEMPERATURE; EVAL_K, EVAL_TEMPERATURE, EVAL_TOP_P  lengths, sampling; the avg@k protocol
-#   GPUS; ENGINES, TRAIN_RANKS  GPUs of every phase (0: CPU); vLLM engines, torchrun ranks (one per GPU, 1 on a CPU;
-#                       ENGINES=2 TRAIN_RANKS=2 on a CPU runs the 4×H200 box's control flow, as the tests do)
-#   NAV_DELTA           NAV's trigger threshold δ of the LOSS presets with NAV (losses.sh)
 # ------------------------------------------------------------------------------
 
 # torchrun's variables are for optimize.py's ranks, which torchrun sets itself: the engines must not see them (vLLM
@@ -76,11 +88,11 @@ for v in "${!PET_@}"; do unset "$v"; done
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh); tests point MU_GRPO_VENV at theirs
 out=$($PY -m mu_grpo.launch --command=preset) || exit 2; eval "$out"     # PRESET=auto: paper with GPUs, else toy
-source presets.sh                # the preset's defaults for the knobs above that it sets
-source losses.sh                 # the paper's method and the baselines it is compared with, as optimize.py flags
+source presets.sh                # what the preset changes, unless given
+source losses.sh                 # what the LOSS preset changes in optimize.py's loss block
 loss_args "$LOSS" || exit 2
-# every knob checked before any phase runs (a typo fails here, not after the first evaluation), defaults resolved
-out=$($PY -m mu_grpo.launch --command=settings) || exit 2; eval "$out"
+# every knob checked before any phase runs (a typo fails here, not after the first evaluation), defaults resolved, the
+out=$($PY -m mu_grpo.launch --command=settings) || exit 2; eval "$out"     # run's line said
 set +a
 export -n MASTER_ADDR MASTER_PORT    # this script's own: torchrun sets its ranks' from its flags
 TEMPLATE_ARG=($TEMPLATE_FLAG)    # the prompt's text: the problem alone for TEMPLATE plain and chat-system (mu_grpo/model_cards.py)
@@ -116,9 +128,6 @@ share() {
   kill -0 "$WATCH" 2>/dev/null || { echo "[node $NODE_RANK] this node's watch process has ended: stopping" >&2; exit 1; }
   $PY -m mu_grpo.nodes --command=share "${NODE_ARGS[@]}" --key="$1" --value="$2" 9>&-
 }
-echo "run $RUN: $PRESET preset, loss $LOSS; $( [[ $STAGE_END == drift ]] \
-  && echo "stages that end on drift, the first of $UPDATES_PER_STAGE updates, until $TOTAL_UPDATES updates" \
-  || echo "$STAGES stages × $UPDATES_PER_STAGE updates") of $PROMPTS_PER_UPDATE prompts × G=$GROUP_SIZE; model $MODEL; GPUs $GPUS"
 
 # before any compute (mu_grpo/launch.py start): node 0 builds the toy and lab tasks, fetches data, the others wait for it; MODEL
 # a local directory; several nodes: all here with the same settings, model and data, then the trainers' network; START
@@ -156,45 +165,37 @@ if [[ $(share done/all "$([[ -f "$RUN/.done/all" ]] && echo 1 || echo 0)") == 1 
   exit 0
 fi
 
-KL_ARGS=(--kl_coef="$KL_COEF")   # π_ref: the run's initial policy
-[[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 1 ]] && KL_ARGS+=(--ref_policy="$MODEL")
+KL_ARGS=(); [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 0 ]] || KL_ARGS=(--ref_policy="$MODEL")  # π_ref: the initial one
 # minutes of checks before days of run, at the run's settings, before anything else; several nodes: node 0's
 [[ "$PREFLIGHT" == 0 ]] || (( NODE_RANK > 0 )) || KL="${KL_ARGS[*]}" $PY -m mu_grpo.launch --command=preflight 9>&-
 
 [[ "$RESIDENT" != true ]] || HANDOFF=$($PY -m mu_grpo.launch --command=handoff)   # files if the preflight found IPC failing
 # this attempt's start, a zero-length row: the time from the last record before it is not the run's (records.pauses)
 (( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=attempt
-EVAL_ARGS=(--benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" --temperature="$EVAL_TEMPERATURE"
-           --top_p="$EVAL_TOP_P" --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
+# each phase's flags: the loop's knobs, and the phase knobs a preset or the environment gives (mu_grpo/launch.py
+# PHASE_KNOBS: $OPTIMIZE_FLAGS, $GENERATE_FLAGS, $EVAL_FLAGS); the evaluation protocol given once, to both its users
+EVAL_PROTOCOL="--benchmarks=$BENCHMARKS --data_dir=$EVAL_DATA_DIR $EVAL_FLAGS"
+EVAL_ARGS=($EVAL_PROTOCOL --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"
            "${NODE_ARGS[@]}")
-GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --temperature=$TEMPERATURE
-               --max_prompt_tokens=$MAX_PROMPT --max_response_tokens=$MAX_RESPONSE --shard_prompts=$SHARD_PROMPTS
-               --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" --per_request_seed="$PER_REQUEST_SEED"
+GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --max_prompt_tokens=$MAX_PROMPT
+               --max_response_tokens=$MAX_RESPONSE --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" $GENERATE_FLAGS
                "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}"     # and the evaluations due before the stage, by its engines:
-               --eval_every="$EVAL_EVERY" --eval_benchmarks="$BENCHMARKS" --eval_data_dir="$EVAL_DATA_DIR"
-               --eval_k="$EVAL_K" --eval_temperature="$EVAL_TEMPERATURE" --eval_top_p="$EVAL_TOP_P"
-               --results="$RUN/results.jsonl" --run_start="$START")
-OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --lr=$LR   # and each stage its μ, --updates_per_stage
-               --micro_batch_tokens=$MICRO_BATCH_TOKENS --gradient_checkpointing=$GRAD_CKPT --warmup_updates=$WARMUP
-               --seed="$SEED" --checkpoint_every=$(( UPDATES_PER_STAGE >= 64 ? 64 : 0 )) $LOSS_ARGS "${KL_ARGS[@]}"
-               --release_init_state=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true)
-               --stage_end="$STAGE_END" --hsdp="$HSDP" $DRIFT_ARGS)
-for flag in optimizer_boundary="$OPTIMIZER_BOUNDARY" adam_betas="$ADAM_BETAS" save_policy_every="$SAVE_POLICY_EVERY" \
-            stage_warmup_updates="$STAGE_WARMUP"; do [[ -z "${flag#*=}" ]] || OPTIMIZE_ARGS+=(--"$flag"); done
+               --eval_every="$EVAL_EVERY" --eval_args="$EVAL_PROTOCOL" --results="$RUN/results.jsonl" --run_start="$START")
+OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --seed="$SEED" $OPTIMIZE_FLAGS $LOSS_ARGS "${KL_ARGS[@]}"
+               --checkpoint_every=$(( UPDATES_PER_STAGE >= 64 ? 64 : 0 )) --stage_end="$STAGE_END" --hsdp="$HSDP"
+               --release_init_state=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true) $DRIFT_ARGS)
 if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0 on node 0 (static rendezvous)
   TRAIN=($PY -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$TRAIN_RANKS"
          --master_addr="$MASTER_ADDR" --master_port=$((MASTER_PORT + 1)) --rdzv_conf=timeout="$JOIN_TIMEOUT")
 elif (( TRAIN_RANKS > 1 )); then TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS")
 else TRAIN=($PY); fi
 
-# the engines evaluate each policy before the stage it generates, the initial one too, unless a kept evaluation may
-# spare it (evaluate.py --cache)
+# the engines evaluate each policy before the stage it generates, the initial one too, unless a kept evaluation does
 [[ -z "$EVAL_CACHE" ]] || (( EVAL_EVERY == 0 )) || phase eval_init -1 $PY evaluate.py --policy="$MODEL" --stage=-1 \
     "${EVAL_ARGS[@]}" --cache="$EVAL_CACHE"
 if [[ "$PREFLIGHT_ONLY" == true ]]; then (( NODE_RANK > 0 )) || echo "the preflight and the initial evaluation only"; exit 0; fi
-if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed one stops the other); a rerun resumes:
-                                     # the engine at the first stage without rollouts, the trainer at its last state
+if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed one stops the other); a rerun resumes
   $PY -m mu_grpo.launch --command=resident --logs="$RUN/logs" \
       $PY generate.py --resident=true --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
       --prompts_per_stage="$PROMPTS_PER_STAGE" --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" \
@@ -203,9 +204,8 @@ if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed o
       --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --updates_per_stage="$UPDATES_PER_STAGE" --save_every="$SAVE_EVERY" \
       --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else
-  # stage s has μ = mu_grpo/launch.py plan's updates_per_stage (records.StagePlan), until 0; several nodes: node 0's plan
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
-  plan=($($PY -m mu_grpo.launch --command=plan --stage=0))     # this stage's μ and its prompts, μ × PROMPTS_PER_UPDATE
+  plan=($($PY -m mu_grpo.launch --command=plan --stage=0))  # μ, prompts (records.StagePlan); 0 0: over; nodes: node 0's
   while (( plan[0] > 0 )); do
     STAGE_DIR=$RUN/stage_$s
     (( NODE_RANK > 0 )) || $PY -m mu_grpo.tracking --command=where --run_dir="$RUN" --total_updates="$RUN_UPDATES" --stage=$s

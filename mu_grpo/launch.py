@@ -120,11 +120,6 @@ def top_p(name, v):                # (0, 1], vLLM's own rule (vllm/sampling_para
         return f"{name} must be a number in (0, 1], got '{v}'"
 
 
-def optional(rule):
-    """rule, or empty: the knob's home (a script's block) decides."""
-    return lambda name, v: rule(name, v) if v else None
-
-
 # every knob of run_stages.sh (its own and its presets'), with the rule its value must follow; "own": the node's own (it
 # may differ between nodes), left out of SETTINGS, which every node's must equal node 0's (mu_grpo/nodes.py join)
 SETTINGS = {
@@ -138,8 +133,8 @@ SETTINGS = {
     # sampling and optimization
     "LR": (number,), "WARMUP": (whole(),), "KL_COEF": (number,), "MAX_PROMPT": (whole(1),),
     "MAX_RESPONSE": (whole(1),), "TEMPERATURE": (temperature,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,),
-    "OPTIMIZER_BOUNDARY": (optional(one_of("carry", "reset")),), "ADAM_BETAS": (optional(betas),),
-    "STAGE_WARMUP": (optional(whole()),), "SAVE_POLICY_EVERY": (optional(whole()),),
+    "OPTIMIZER_BOUNDARY": (one_of("carry", "reset"),), "ADAM_BETAS": (betas,), "STAGE_WARMUP": (whole(),),
+    "SAVE_POLICY_EVERY": (whole(),),
     "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
     # evaluation and saving
     "EVAL_K": (whole(1),), "EVAL_TEMPERATURE": (temperature,), "EVAL_TOP_P": (top_p,), "EVAL_EVERY": (whole(),),
@@ -167,6 +162,32 @@ RERUN_SAFE = {"RUN", "EVAL_EVERY", "SAVE_EVERY", "KEEP_TRAIN_STATES", "SAVE_POLI
 EXTENDABLE = ("STAGES", "TOTAL_UPDATES")    # a rerun may raise these: the run goes on to its new length
 RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
 PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: records.StagePlan's defaults
+# the knobs whose home is a phase script's hyperparameter block: empty, that block decides (and no flag is passed, so
+# that editing the block changes the run); given (by a preset, a LOSS preset or the environment), passed to that
+# script as this flag. The loop's own knobs (stages, μ, prompts, G, lengths, data, the box) are run_stages.sh's
+PHASE_KNOBS = {
+    "LR": ("optimize.py", "lr"), "WARMUP": ("optimize.py", "warmup_updates"), "KL_COEF": ("optimize.py", "kl_coef"),
+    "MICRO_BATCH_TOKENS": ("optimize.py", "micro_batch_tokens"), "GRAD_CKPT": ("optimize.py", "gradient_checkpointing"),
+    "OPTIMIZER_BOUNDARY": ("optimize.py", "optimizer_boundary"), "ADAM_BETAS": ("optimize.py", "adam_betas"),
+    "STAGE_WARMUP": ("optimize.py", "stage_warmup_updates"), "SAVE_POLICY_EVERY": ("optimize.py", "save_policy_every"),
+    "TEMPERATURE": ("generate.py", "temperature"), "SHARD_PROMPTS": ("generate.py", "shard_prompts"),
+    "PER_REQUEST_SEED": ("generate.py", "per_request_seed"),
+    "EVAL_K": ("evaluate.py", "k"), "EVAL_TEMPERATURE": ("evaluate.py", "temperature"),
+    "EVAL_TOP_P": ("evaluate.py", "top_p"),
+}
+FLAGS_OF = {"optimize.py": "OPTIMIZE_FLAGS", "generate.py": "GENERATE_FLAGS", "evaluate.py": "EVAL_FLAGS"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shell_value(value):
+    """A block's Python default as the shell spells it (True → true, None → empty)."""
+    return "true" if value is True else "false" if value is False else "" if value is None else str(value)
+
+
+def block_default(name):
+    """The value a phase knob takes from its home, the script's block (common.script_defaults)."""
+    script, flag = PHASE_KNOBS[name]
+    return shell_value(common.script_defaults(ROOT / script)[flag])
 # the phase scripts' blocks are the run's too (a default edited between attempts changes it), but for these knobs of
 # theirs: where and how it runs, its guards and saves, and the settings the loop always passes (the knobs above)
 PHASE_SCRIPTS = {
@@ -202,6 +223,7 @@ def setting_changes(recorded, now):
         old, new = recorded.get(part, {}), now.get(part, {})
         for key in sorted(set(old) | set(new), key=str):
             a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+            a, b = (x if x != "" else "(empty)" for x in (a, b))
             if a == b:
                 continue
             if part == "knobs" and key in EXTENDABLE and str(a).isdigit() and str(b).isdigit() and int(b) > int(a):
@@ -256,12 +278,18 @@ def resolve(knobs):
     k = dict(knobs)
     gpus = int(k["GPUS"]) if re.fullmatch(r"[0-9]+", k.get("GPUS", "")) else 0
     defaults = {"ENGINES": str(max(gpus, 1)), "TRAIN_RANKS": str(max(gpus, 1)), "SAVE_EVERY": k.get("EVAL_EVERY", ""),
-                "RUN": f"runs/{k.get('PRESET')}-{k.get('LOSS')}", "KL_COEF": "0"}
+                "RUN": f"runs/{k.get('PRESET')}-{k.get('LOSS')}"}
     for name, value in defaults.items():
         k[name] = k.get(name) or value
+    given = {name for name in PHASE_KNOBS if k.get(name)}          # passed as flags; the others are their blocks'
+    for name in PHASE_KNOBS.keys() - given:
+        k[name] = block_default(name)
+    for script, variable in FLAGS_OF.items():
+        k[variable] = " ".join(f"--{flag}={k[name]}" for name, (where, flag) in PHASE_KNOBS.items()
+                               if where == script and name in given)
     for name, (rule, *_) in SETTINGS.items():
         if name not in k:
-            return k, f"{name} is not set (run_stages.sh sets every knob)"
+            return k, f"{name} is not set (run_stages.sh has every knob)"
         if name in PLAN_DEFAULTS and not k[name]:
             continue
         if problem := rule(name, k[name]):
@@ -338,6 +366,7 @@ def settings_command():
     for name, knob in misspelt_knobs(os.environ):
         refuse(f"{name}={os.environ[name]} is not a knob: did you mean {knob}? (run_stages.sh's variables)")
     knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
+    knobs["GPUS"] = knobs.get("GPUS") or os.environ.get("VISIBLE_GPUS", "")     # empty: every GPU torch sees
     k, problem = resolve(knobs)
     if problem:
         refuse(problem)
@@ -347,7 +376,12 @@ def settings_command():
             tracking.check(k["REPORT_TO"])
         except SystemExit as e:
             refuse(str(e))
-    print(assignments({**k, **derived(k), **rerun_check(k)}))
+    values = assignments({**k, **derived(k), **rerun_check(k)})
+    plan = (f"stages that end on drift, the first of {k['UPDATES_PER_STAGE']} updates, until {k['TOTAL_UPDATES']} "
+            f"updates" if k["STAGE_END"] == "drift" else f"{k['STAGES']} stages × {k['UPDATES_PER_STAGE']} updates")
+    print(f"run {k['RUN']}: {k['PRESET']} preset, loss {k['LOSS']}; {plan} of {k['PROMPTS_PER_UPDATE']} prompts × "
+          f"G={k['GROUP_SIZE']}; model {k['MODEL']}; GPUs {k['GPUS']}", file=sys.stderr)
+    print(values)
 
 
 def lock_command():
@@ -514,7 +548,8 @@ def preflight_command():
         f"--out={e['RUN']}/preflight.json", f"--run_dir={e['RUN']}", f"--gpus={e['GPUS']}", f"--engines={e['ENGINES']}",
         f"--train_ranks={e['TRAIN_RANKS']}", f"--stages={e['STAGES']}", f"--micro_batch_tokens={e['MICRO_BATCH_TOKENS']}",
         f"--max_prompt_tokens={e['MAX_PROMPT']}", f"--max_response_tokens={e['MAX_RESPONSE']}",
-        f"--optimize_args=--gradient_checkpointing={e['GRAD_CKPT']} {e['LOSS_ARGS']} {e['KL']}",
+        "--optimize_args=" + " ".join(x for x in (f"--gradient_checkpointing={e['GRAD_CKPT']}", e["LOSS_ARGS"],
+                                                  f"--kl_coef={e['KL_COEF']}", e["KL"]) if x),
         f"--temperature={e['TEMPERATURE']}", f"--group_size={e['GROUP_SIZE']}",
         f"--force={'true' if e['PREFLIGHT'] == 'force' else 'false'}",
         f"--estimate_stage_prompts={e['PROMPTS_PER_STAGE']}", f"--resident={e['RESIDENT']}",

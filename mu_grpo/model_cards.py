@@ -73,14 +73,16 @@ def known(model):
 
 
 def defaults_command():
-    """run_stages.sh (presets.sh, the paper preset): the model's settings that the environment does not give, as
-    assignments to eval; an unknown model: none, and one line naming the defaults it runs on."""
+    """run_stages.sh (presets.sh, the paper preset): the model's settings that the environment does not give (GIVEN:
+    run_stages.sh's list of the knobs it gives), as assignments to eval; an unknown model: none, and one line saying
+    that run_stages.sh's defaults hold."""
     model, name = os.environ["MODEL"], known(os.environ["MODEL"])
     if name is None:
-        print(f"MODEL={model} is not one of the paper's five ({', '.join(MODELS)}): the paper preset's defaults "
-              f"assumed (TEMPLATE=default, MAX_PROMPT=1536, MAX_RESPONSE=2560)", file=sys.stderr)
+        print(f"MODEL={model} is not one of the paper's five ({', '.join(MODELS)}): run_stages.sh's TEMPLATE, "
+              f"MAX_PROMPT and MAX_RESPONSE hold", file=sys.stderr)
         return
-    print("\n".join(f"{k}={v}" for k, v in MODELS[name]["settings"].items() if not os.environ.get(k)))
+    given = os.environ.get("GIVEN", "").split()
+    print("\n".join(f"{k}={v}" for k, v in MODELS[name]["settings"].items() if k not in given))
 
 
 def prompt_template(template):

@@ -90,7 +90,7 @@ def test_a_rerun_with_a_changed_setting_is_refused_naming_each(tmp_path, capsys)
     run, k = recorded_run(tmp_path, LR="1e-3", LOSS_ARGS="--clip_low=0.8")
     assert refusal(k) == 2
     line = capsys.readouterr().err.strip()
-    assert line.startswith(f"RUN={run} was run with other settings: LOSS_ARGS --clip_low=0 → --clip_low=0.8; "
+    assert line.startswith(f"RUN={run} was run with other settings: LOSS_ARGS (empty) → --clip_low=0.8; "
                            f"LR 2e-4 → 1e-3. Rerun with its settings ({run}/{records.RUN_SETTINGS})"), line
     assert "\n" not in line
 

@@ -80,8 +80,8 @@ def test_generate_pys_evaluations_write_evaluate_pys_rows_and_samples_byte_for_b
     evaluate = evaluate_alone(monkeypatch, tmp_path, policy)
     alone = capsys.readouterr().out.splitlines()[:2]
     generate = import_script(monkeypatch, "generate", f"--run_dir={tmp_path / 'run'}",
-                             "--eval_every=1", "--eval_benchmarks=a,b", f"--eval_data_dir={tmp_path / 'bench'}",
-                             "--eval_k=2", "--eval_top_p=0.7", "--run_start=1000", "--engines=1",
+                             "--eval_every=1", f"--eval_args=--benchmarks=a,b --data_dir={tmp_path / 'bench'} --k=2 "
+                             f"--top_p=0.7", "--run_start=1000", "--engines=1",
                              f"--results={tmp_path / 'generate' / 'results.jsonl'}", *PROMPTS)
     monkeypatch.setattr(generate, "time", CLOCK)
     ev = generate.evaluation()
@@ -104,8 +104,7 @@ def test_an_evaluation_scored_after_the_stages_shards_is_timed_by_its_sampling(f
     # and only then (at 100 s) is it scored: the row's seconds and the timeline row are the sampling, not the shards
     tmp_path, policy = files
     generate = import_script(monkeypatch, "generate", f"--run_dir={tmp_path / 'run'}", "--eval_every=1",
-                             "--eval_benchmarks=a,b", f"--eval_data_dir={tmp_path / 'bench'}", "--eval_k=2",
-                             "--engines=2", f"--results={tmp_path / 'run' / 'results.jsonl'}", *PROMPTS)
+                             f"--eval_args=--benchmarks=a,b --data_dir={tmp_path / 'bench'} --k=2", "--engines=2", f"--results={tmp_path / 'run' / 'results.jsonl'}", *PROMPTS)
     monkeypatch.setattr(generate, "time", types.SimpleNamespace(time=lambda: 100.0))
     benchmarks.write_part(tmp_path / "parts", 0, [SAMPLES[:3]], 10.0, 14.0)
     benchmarks.write_part(tmp_path / "parts", 1, [SAMPLES[3:]], 11.0, 13.0)

@@ -303,8 +303,8 @@ def test_resident_evaluation_samples_with_evaluate_pys_seed_whatever_the_trainin
     # the resident engines seeded the evaluation's requests with the run's seed. Every request's seed
     # (benchmarks.sample_and_grade: common.sample_seed(ev.seed, benchmark, problem)) must be evaluate.py's
     import sys
-    generate = import_generate(monkeypatch, f"--seed={training_seed}", "--resident=true", f"--eval_data_dir={toy}",
-                               "--eval_benchmarks=test", "--results=unused.jsonl")
+    generate = import_generate(monkeypatch, f"--seed={training_seed}", "--resident=true",
+                               f"--eval_args=--data_dir={toy} --benchmarks=test", "--results=unused.jsonl")
     monkeypatch.setattr(sys, "argv", ["evaluate.py", f"--data_dir={toy}", "--benchmarks=test"])
     sys.modules.pop("evaluate", None)
     import evaluate

@@ -16,29 +16,31 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT))
 from mu_grpo import launch  # noqa: E402
 
-# the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve)
-TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "--clip_low=0", "RUN": "", "MODEL": "data/toy/model",
+# the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve, a phase
+# knob's its script's block)
+TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "", "RUN": "", "MODEL": "data/toy/model",
        "TRAIN_DATA": "data/toy/train.jsonl", "EVAL_DATA_DIR": "data/toy", "BENCHMARKS": "test", "TEMPLATE": "plain",
        "STAGES": "3", "UPDATES_PER_STAGE": "8", "PROMPTS_PER_UPDATE": "16", "GROUP_SIZE": "8", "STAGE_END": "fixed",
        "TOTAL_UPDATES": "", "DRIFT_GROWTH": "1.25", "DRIFT_MAX_UPDATES": "", "DRIFT_ARGS": "", "LR": "2e-4",
-       "WARMUP": "0", "KL_COEF": "", "MAX_PROMPT": "64", "MAX_RESPONSE": "16", "TEMPERATURE": "1.0", "SEED": "0",
-       "PER_REQUEST_SEED": "true", "OPTIMIZER_BOUNDARY": "", "ADAM_BETAS": "", "STAGE_WARMUP": "",
+       "WARMUP": "", "KL_COEF": "", "MAX_PROMPT": "64", "MAX_RESPONSE": "16", "TEMPERATURE": "", "SEED": "0",
+       "PER_REQUEST_SEED": "", "OPTIMIZER_BOUNDARY": "", "ADAM_BETAS": "", "STAGE_WARMUP": "",
        "SAVE_POLICY_EVERY": "", "MICRO_BATCH_TOKENS": "4096", "GRAD_CKPT": "false",
-       "SHARD_PROMPTS": "64", "EVAL_K": "4", "EVAL_TEMPERATURE": "1.0", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
-       "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "EVAL_CACHE": "", "GPUS": "0", "RESIDENT": "false",
-       "RESIDENT_GPU_MEMORY": "auto", "HANDOFF": "transfer", "PREFLIGHT": "auto", "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false",
-       "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "JOIN_TIMEOUT": "600",
-       "DEAD_AFTER": "10", "COLLECTIVE_TIMEOUT": "60", "HSDP": "false", "REPORT_TO": "none", "TRACKER_GROUP": ""}
+       "SHARD_PROMPTS": "64", "EVAL_K": "", "EVAL_TEMPERATURE": "", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
+       "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "EVAL_CACHE": "", "GPUS": "0", "ENGINES": "", "TRAIN_RANKS": "",
+       "RESIDENT": "false", "RESIDENT_GPU_MEMORY": "auto", "HANDOFF": "transfer", "PREFLIGHT": "auto",
+       "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false", "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+       "MASTER_PORT": "29500", "JOIN_TIMEOUT": "600", "DEAD_AFTER": "10", "COLLECTIVE_TIMEOUT": "60", "HSDP": "false",
+       "REPORT_TO": "none", "TRACKER_GROUP": ""}
 
 
 def test_the_table_holds_every_knob_the_toy_preset_sets_and_no_other():
-    assert set(TOY) | {"ENGINES", "TRAIN_RANKS"} == set(launch.SETTINGS)     # those two: unset unless given
+    assert set(TOY) == set(launch.SETTINGS)
 
 
 def test_the_defaults_are_resolved_once_from_the_knobs():
     k, problem = launch.resolve(TOY)
     assert problem is None
-    assert (k["ENGINES"], k["TRAIN_RANKS"], k["SAVE_EVERY"], k["KL_COEF"], k["RUN"]) == ("1", "1", "1", "0",
+    assert (k["ENGINES"], k["TRAIN_RANKS"], k["SAVE_EVERY"], k["KL_COEF"], k["RUN"]) == ("1", "1", "1", "0.0",
                                                                                           "runs/toy-mu-grpo")
     assert (k["TOTAL_UPDATES"], k["DRIFT_MAX_UPDATES"], k["PREFLIGHT"]) == ("24", "32", "0")   # 3 · 8, 4 · 8, not paper
     d = launch.derived(k)
@@ -166,7 +168,7 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
                                  "DRIFT_ARGS": "--drift_min_updates=4 --drift_min_updates=6"})
     assert problem is None
     # (RESIDENT_GPU_MEMORY: the share mu_grpo/launch.py --command=start gives for auto, exported before the preflight runs)
-    monkeypatch.setattr(os, "environ", {**k, **launch.derived(k), "KL": "--kl_coef=0", "RESIDENT_GPU_MEMORY": "0.1"})
+    monkeypatch.setattr(os, "environ", {**k, **launch.derived(k), "KL": "", "RESIDENT_GPU_MEMORY": "0.1"})
     asked = []
     monkeypatch.setattr(subprocess, "run", lambda argv, **kw: asked.append(argv) or subprocess.CompletedProcess(argv, 0))
     with pytest.raises(SystemExit) as done:
@@ -180,7 +182,7 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
         "--out": "runs/box/preflight.json", "--engines": "2", "--train_ranks": "2", "--resident": "true",
         "--policy_handoff": "transfer", "--max_response_tokens": "16", "--estimate_stage_prompts": "128",   # 8 · 16
         "--drift_min_updates": "6"}                                                  # the trainer's: the last given
-    assert flags["--optimize_args"] == "--gradient_checkpointing=true --clip_low=0 --kl_coef=0"
+    assert flags["--optimize_args"] == "--gradient_checkpointing=true --kl_coef=0.0"   # mu-grpo: no loss flag
     # every flag one mu_grpo/preflight.py takes, every value one it allows: its strict overrides and checks run on import
     monkeypatch.setattr(sys, "argv", ["mu_grpo/preflight.py", *argv[3:]])
     monkeypatch.delitem(sys.modules, "mu_grpo.preflight", raising=False)
@@ -296,16 +298,26 @@ def test_the_resident_pair_that_ends_well_is_one_timeline_row(tmp_path, monkeypa
 
 
 def test_every_knob_run_stages_sh_sets_is_in_the_table():
-    # the knob block (NAME=${NAME:-...}) and the presets (presets.sh: : "${NAME:=...}"): a knob added there and not to
-    # the table would go unchecked and uncompared between nodes
+    # the knob block (NAME=${NAME:-...}): a knob added there and not to the table would go unchecked and uncompared
+    # between nodes; the presets (presets.sh: unless_given NAME=...) set only the block's knobs
     import re
     text = (ROOT / "run_stages.sh").read_text()
-    block = text[:text.index("# ---- set per preset (presets.sh)")]
-    knobs = set(re.findall(r"^([A-Z_]+)=\$\{\1:-", block, re.M)) | set(re.findall(r'"\$\{([A-Z_]+):=', text + (
-        ROOT / "presets.sh").read_text()))
-    assert len(knobs) > 40
-    assert knobs - {"NAV_DELTA"} <= set(launch.SETTINGS), knobs - set(launch.SETTINGS)   # NAV_DELTA: in LOSS_ARGS
-    assert set(launch.SETTINGS) - knobs == {"LOSS_ARGS", "ENGINES", "TRAIN_RANKS"}    # losses.sh's, and two defaults
+    block = text[:text.index("# ------------------------------------------------------------------------------\n\n")]
+    knobs = set(re.findall(r"^([A-Z_]+)=\$\{\1:-", block, re.M))
+    preset_knobs = set(re.findall(r"\b([A-Z_]+)=", (ROOT / "presets.sh").read_text().split("case")[1]))
+    assert len(knobs) > 50 and preset_knobs - {"LAB_DIR"} <= knobs, preset_knobs - knobs
+    assert knobs == set(launch.SETTINGS) - {"LOSS_ARGS"}, knobs ^ set(launch.SETTINGS)   # (losses.sh's)
+
+
+def test_a_phase_knob_left_empty_is_its_blocks_value_and_passes_no_flag_and_a_given_one_is_its_flag():
+    # the home of a phase knob is its script's block: empty, the block's value is checked and recorded, no flag given
+    k, problem = launch.resolve({**TOY, "LR": "", "TEMPERATURE": "0.7", "GRAD_CKPT": ""})
+    assert problem is None
+    assert (k["LR"], k["EVAL_K"], k["GRAD_CKPT"]) == ("1e-06", "4", "true")         # optimize.py's lr, evaluate.py's k
+    assert (k["TEMPERATURE"], k["PER_REQUEST_SEED"], k["WARMUP"]) == ("0.7", "true", "0")
+    assert k["OPTIMIZE_FLAGS"] == "--micro_batch_tokens=4096"                       # the one optimize.py knob given
+    assert k["GENERATE_FLAGS"] == "--temperature=0.7 --shard_prompts=64"
+    assert k["EVAL_FLAGS"] == "--top_p=1.0"                                         # the toy's: top_p 1, not 0.7
 
 
 def test_a_resident_gpu_run_sizes_the_engines_share_from_its_checkpoint_and_gpu(tmp_path, monkeypatch):

@@ -112,9 +112,11 @@ def test_another_template_than_the_models_own_is_named_and_run(capsys):
 
 
 def defaults(env):
-    proc = subprocess.run([os.environ["MU_GRPO_VENV"] + "/bin/python", "-m", "mu_grpo.model_cards"], cwd=ROOT, capture_output=True,
-                          text=True, env={**{k: v for k, v in os.environ.items() if k not in ("MAX_RESPONSE", "TEMPLATE",
-                                                                                              "MAX_PROMPT")}, **env})
+    # as run_stages.sh runs it: GIVEN, the knobs the environment gave (the others hold run_stages.sh's defaults)
+    proc = subprocess.run([os.environ["MU_GRPO_VENV"] + "/bin/python", "-m", "mu_grpo.model_cards"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "MAX_RESPONSE": "2560", "MAX_PROMPT": "1536",
+                                                               "TEMPLATE": "default", **env,
+                                                               "GIVEN": " ".join(env)})
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.split(), proc.stderr
 

@@ -100,12 +100,20 @@ def loss_flags(loss, nav_delta="1e-4"):
     return proc.stdout.strip()
 
 
+def nav_presets():
+    """The LOSS presets with NAV, as losses.sh names them (NAV_PRESETS)."""
+    proc = subprocess.run(["bash", "-c", 'source losses.sh && echo "$NAV_PRESETS"'], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+    return proc.stdout.split()
+
+
 def all_points():
     """Every point, label:μ: each LOSS with each μ of MUS; a preset with NAV (its flags follow NAV_DELTA) once per δ
     of NAV_DELTAS, labelled <loss>-d<δ>."""
-    found = []
+    found, with_nav = [], nav_presets()
     for loss in losses.split():
-        nav = loss_flags(loss, "1e-4") != loss_flags(loss, "0.5")
+        loss_flags(loss)                # an unknown preset: losses.sh's line naming them
+        nav = loss in with_nav
         for label in ([f"{loss}-d{d}" for d in nav_deltas.split()] if nav else [loss]):
             found += [f"{label}:{mu}" for mu in mus.split()]
     for p in [*points.split(), baseline, *key_points.split()]:
