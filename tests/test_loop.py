@@ -819,3 +819,37 @@ def test_ctrl_c_stops_the_run_in_one_line_saying_how_it_resumes(toy, tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == f"[run] stopped: rerun the same command to resume {run} where it stopped"
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_each_knob_is_read_from_its_one_home_a_scripts_block_a_preset_a_loss_preset_or_the_environment(toy, tmp_path):
+    # in a clone, one knob edited in each kind of home, then one run; each value read back where its phase records it.
+    # Before, run_stages.sh passed WARMUP, TEMPERATURE and the evaluation protocol as flags from the presets, so an
+    # edit of optimize.py's, generate.py's or evaluate.py's block changed nothing in a run
+    clone = clone_repository(tmp_path / "clone")
+
+    def edit(name, old, new):
+        path = clone / name
+        text = path.read_text()
+        assert text.count(old) == 1, (name, old)
+        path.write_text(text.replace(old, new))
+    edit("optimize.py", "\nwarmup_updates = 0 ", "\nwarmup_updates = 3 ")                    # a phase script's block
+    edit("generate.py", "\ntemperature = 1.0 ", "\ntemperature = 0.9 ")
+    edit("evaluate.py", "\nk = 4 ", "\nk = 2 ")
+    edit("presets.sh", " LR=2e-4 ", " LR=3e-4 ")                                            # a preset
+    edit("losses.sh", '--clip_low=0.8 --clip_high=1.2 --nav_delta=none" ;;',                  # a LOSS preset (grpo)
+         '--clip_low=0.8 --clip_high=1.25 --nav_delta=none" ;;')
+    run = tmp_path / "run"
+    env = {**loop_env(toy, run), "LOSS": "grpo", "STAGES": "1", "UPDATES_PER_STAGE": "2", "EVAL_TOP_P": "0.9"}
+    del env["LR"], env["EVAL_K"]                        # (the tests' loop sets these: here their homes decide)
+    proc = subprocess.run(["bash", "run_stages.sh"], cwd=clone, capture_output=True, text=True,
+                          env={**os.environ, **env, "PROMPTS_PER_UPDATE": "8"}, timeout=900)   # the environment
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    config = json.loads((run / "stage_0" / "optimize_config.json").read_text())["hyperparameters"]
+    assert (config["warmup_updates"], config["lr"], config["clip_high"], config["prompts_per_update"]) == (3, 3e-4,
+                                                                                                          1.25, 8)
+    manifest = json.loads((run / "stage_0" / "rollouts" / "manifest.json").read_text())
+    assert manifest["sampling"]["temperature"] == 0.9
+    rows = read_lines(run / "results.jsonl")
+    assert {(r["k"], r["top_p"]) for r in rows} == {(2, 0.9)} and {r["stage"] for r in rows} == {-1, 0}
