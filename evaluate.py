@@ -23,12 +23,7 @@ import time
 from pathlib import Path
 
 from mu_grpo import benchmarks as B     # (`benchmarks` is this script's flag)
-from mu_grpo import common
-from mu_grpo import engine
-from mu_grpo import grading
-from mu_grpo import nodes
-from mu_grpo import processes
-from mu_grpo import records
+from mu_grpo import common, engine, grading, model_cards, nodes, processes, records
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the policies and the benchmarks
@@ -44,7 +39,7 @@ temperature = 1.0               # paper protocol: temperature 1.0, top_p 0.7
 top_p = 0.7
 max_prompt_tokens = 1536
 max_response_tokens = 2560
-prompt_template = common.DEFAULT_PROMPT_TEMPLATE
+prompt_template = model_cards.PROMPT_TEMPLATE
 chat_template = True
 seed = 0                        # the sampling seed of every evaluation (generate.py's engines' too: its --eval_args)
 grader_workers = 4
@@ -70,7 +65,7 @@ parts_dir = ""                  # internal: where the subprocesses leave their g
 # several nodes (run_stages.sh NNODES > 1)
 nnodes = 1                      # nodes evaluating side by side (run_stages.sh NNODES), this one's rank, and node 0's
 node_rank = 0                   # store ("addr:port", mu_grpo/nodes.py); their graded samples meet beside the results table
-coordinator = ""
+store = ""
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 
@@ -183,7 +178,7 @@ def evaluate(ev, policies):
     """Sample and grade every policy on this node's engines (on several nodes node 0 scores them all), write the
     rows and samples; returns the rows (node 0's; [] on the others)."""
     n, first, total = engines_here()
-    cluster = nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator))
+    cluster = nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, store=store))
     if nnodes > 1 and not results:
         sys.exit("--nnodes > 1 needs --results: the nodes' samples meet beside it")
     t0 = time.perf_counter()

@@ -34,16 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import benchmarks
-from mu_grpo import common
-from mu_grpo import engine
-from mu_grpo import grading
-from mu_grpo import handoff
-from mu_grpo import nodes
-from mu_grpo import processes
-from mu_grpo import records
-from mu_grpo import rollouts
-from mu_grpo import sampling
+from mu_grpo import (benchmarks, common, engine, grading, handoff, model_cards, nodes, processes, records, rollouts,
+                     sampling)
+import update  # (its prompt order: update.shuffled_window)
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the stage: its policy, prompts and outputs
@@ -61,7 +54,7 @@ top_p = 1.0                     # must stay 1 and top_k 0: truncated sampling re
 top_k = 0                       # log-probs over the kept tokens, the trainer's full softmax does not
 max_prompt_tokens = 1536        # longer prompts are skipped and counted, never truncated
 max_response_tokens = 2560
-prompt_template = common.DEFAULT_PROMPT_TEMPLATE   # {problem} is replaced; the chat template follows
+prompt_template = model_cards.PROMPT_TEMPLATE   # {problem} is replaced; the chat template follows
 chat_template = True            # wrap in the tokenizer's chat template when it has one
 seed = 0                        # prompt order and sampling seeds
 per_request_seed = True         # each prompt's own sampling seed (common.sample_seed): a response is the same
@@ -106,7 +99,7 @@ eval_parts = ""                 # internal: where the per-GPU engine subprocesse
 # several nodes (run_stages.sh NNODES > 1)
 nnodes = 1                      # nodes generating this stage side by side (run_stages.sh NNODES), each with its
 node_rank = 0                   # engines; this one's rank, and node 0's store ("addr:port", mu_grpo/nodes.py) where they
-coordinator = ""                # meet
+store = ""                      # meet
 # -----------------------------------------------------------------------------
 common.apply_overrides(globals(), sys.argv[1:])
 if group_size < 2:
@@ -168,7 +161,7 @@ def stage_shards(s, problems, prompts):
     """{shard k: (positions in the stage, problem rows)} of stage s's `prompts` prompts: shard_count() shards of
     equal size (the last one smaller). Every prompt has its own sampling seed, so a response is the same whichever
     engine and shard generate it."""
-    stage_rows = common.shuffled_window(problems, prompt_offset(s), prompts, seed)
+    stage_rows = update.shuffled_window(problems, prompt_offset(s), prompts, seed)
     size = math.ceil(len(stage_rows) / shard_count(prompts))
     return {k: (list(range(i, min(i + size, len(stage_rows)))), stage_rows[i:i + size])
             for k, i in enumerate(range(0, len(stage_rows), size))}
@@ -474,7 +467,7 @@ class ResidentEngine:
     def evaluate(self, t, flag):
         """The policy trained on stage t, sampled by every engine; the main process scores it and writes its rows,
         samples and timeline row."""
-        parts = handoff.state_dir(run_dir) / "eval" / f"stage_{t}"
+        parts = records.stage_dir(handoff.state_dir(run_dir) / "eval", t)
         if self.has_engine:
             sample_evaluation(self.llm, self.ev, parts)
         if self.writes_run_files:
@@ -509,7 +502,7 @@ def main():
         return engine_worker()
     problems = common.load_problems(data)
     if not resident:
-        one_stage(problems, nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, coordinator=coordinator)))
+        one_stage(problems, nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, store=store)))
     elif not is_engine_worker and n_engines > 1:
         processes.exit_on_sigterm()      # a SIGTERM ends this process through the finally below, workers first
         remove_temporaries(first_pending_stage())

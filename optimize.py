@@ -7,7 +7,7 @@ The stage's groups are put once in a seeded order and cut into `updates_per_stag
 `prompts_per_update` groups: update u trains on minibatch u, data exactly u updates stale, no
 response used twice (docs/design.md §1). An update (update.py) is one AdamW step on loss.policy_loss: the loss
 is summed over packed micro-batches and ranks and divided by the minibatch's kept-token count. With --resident, one
-process trains a run's every stage, each of the μ that records.StagePlan gives it.
+process trains a run's every stage, each of the μ that stage_rules.StagePlan gives it.
 
 Writes next to --out (default <stage_dir>/policy): the next policy (an HF directory vLLM loads, in the
 initial model's dtype), metrics.jsonl (one line per update), optimize_timing.json, and train_state/
@@ -30,11 +30,7 @@ import torch
 from tqdm import tqdm
 
 import loss as L
-from mu_grpo import checkpoint
-from mu_grpo import common
-from mu_grpo import handoff
-from mu_grpo import records
-from mu_grpo import tracking
+from mu_grpo import checkpoint, common, handoff, records, stage_rules, tracking
 from mu_grpo import trainer_model as M
 import update
 
@@ -130,7 +126,7 @@ resident = False                # keep the model and AdamW for a run's every sta
 run_dir = ""                    # resident: the run directory (its stage_<s>/rollouts; outputs into stage_<s>/)
 stages = 0                      # resident, stage_end=fixed: the run's stages, each of updates_per_stage updates
 total_updates = 0               # resident, stage_end=drift: the run's updates (0: stages × updates_per_stage) in stages
-drift_growth = 1.25             # planned as run_stages.sh plans them (records.StagePlan with its DRIFT_GROWTH
+drift_growth = 1.25             # planned as run_stages.sh plans them (stage_rules.StagePlan with its DRIFT_GROWTH
 drift_max_updates = 0           # and DRIFT_MAX_UPDATES; 0: 4 × updates_per_stage)
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
                                 # last (0: the last only); the engines get every policy by policy_handoff
@@ -146,9 +142,9 @@ for name, allowed in (("nav_scope", L.NAV_SCOPES), ("stage_end", ("fixed", "drif
                       ("optimizer_boundary", ("carry", "reset"))):
     common.check_choice(name, globals()[name], allowed)
 # μ of each stage (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
-stage_plan = records.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
+stage_plan = stage_rules.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
                                 total_updates=total_updates, drift_growth=drift_growth, drift_max_updates=drift_max_updates)
-ending = records.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
+ending = stage_rules.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
 gate = update.AgreementGate(engine_mismatch_bound, agreement_growth, collapse_entropy_ratio, agreement_responses)
 betas = common.adam_betas(adam_betas)
 if updates_per_stage < 0 or prompts_per_update < 1 or micro_batch_tokens < 1:
@@ -217,7 +213,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     """The stage's updates from progress.start on: the schedule, what comes before the first update (the TIS pass,
     the guards), the loop (metrics lines, intermediate policies and resumable states), then the final train state
     and policy. `columns`: the stored per-stage passes computed so far (KL's reference); start_policy: its
-    tokenizer files go with every saved policy. Returns its timing."""
+    tokenizer files go with every saved policy. Returns (its timing, the counts it ends at: the next stage's start)."""
     updates_per_stage, start = progress.updates_per_stage, progress.start
     temp = describe_stage(stage, updates_per_stage)
     recipe = update.Recipe(loss_options(stage), micro_batch_tokens, grad_clip)
@@ -287,9 +283,8 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
         if not progress.save_state:
             shutil.rmtree(progress.state_dir, ignore_errors=True)
     M.barrier()
-    progress.after = progress.counts(done)
     return {**timing, "train_seconds": train_seconds, "save_seconds": time.perf_counter() - t_save,
-            "updates_this_run": done - start}
+            "updates_this_run": done - start}, progress.counts(done)
 
 
 def before_first_update(model, stage, progress, columns, temp, schedule):
@@ -323,8 +318,8 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
 
 
 def record_stage_end(stage, schedule, done, neg_ratios, progress):
-    """stage_end.json beside metrics.jsonl (records.StageEnd.record, the run's counts): the next stage's size is
-    planned from it (records.StagePlan)."""
+    """stage_end.json beside metrics.jsonl (stage_rules.StageEnd.record, the run's counts): the next stage's size is
+    planned from it (stage_rules.StagePlan)."""
     row = ending.record(stage.index, done, progress.updates_per_stage, neg_ratios,
                         [stage.group_keys[g] for g in schedule[done:].ravel().tolist()])
     if done < progress.updates_per_stage:
@@ -371,7 +366,7 @@ def write_timing(progress, timing):
     peak_rss = M.gather_values(torch.tensor([common.peak_rss_gib()], device=device))
     if is_main:
         timing = {**timing, "world": world, "peak_rss_gib_per_rank": peak_rss.tolist()}
-        common.atomic_write_json(progress.work_dir / "optimize_timing.json", timing)
+        common.atomic_write_json(progress.work_dir / records.OPTIMIZE_TIMING, timing)
         seconds = ", ".join(f"{k} {v:.1f}" for k, v in timing.items() if k.endswith("seconds"))
         log(f"next policy written to {progress.out_dir} ({seconds})")
 
@@ -403,7 +398,7 @@ def record_settings(progress, stage, start_policy, reference, attention, **more)
         progress.work_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"policy": start_policy, "ref_policy": reference, "temperature": logprob_temperature(stage),
                     "attention": attention, "norm_len": loss_options(stage)["norm_len"], **more}
-        common.atomic_write_json(progress.work_dir / "optimize_config.json", {
+        common.atomic_write_json(progress.work_dir / records.OPTIMIZE_CONFIG, {
             "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
             "resolved": resolved, "world": world, "device": str(device), "versions": common.versions(), "argv": sys.argv})
 
@@ -432,7 +427,7 @@ def main():
     log(said)
     timing["load_seconds"] = time.perf_counter() - t_start - sum(timing.values())
     timing.update(train_stage(model, optimizer, stage, progress, columns, start_policy,
-                              M.checkpoint_dtype(start_policy)))       # every policy keeps the initial dtype
+                              M.checkpoint_dtype(start_policy))[0])    # every policy keeps the initial dtype
     write_timing(progress, {**timing, "attention": attention})
     del model, optimizer
     M.end_process_group()
@@ -526,8 +521,7 @@ def resident_stages(partner, trainer, first, start, before, start_weights):
             out_dir=stage_policy, updates_per_stage=updates_per_stage, start=start if s == first else 0, before=before,
             start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
             policy_dirs=trainer.handover.policy_dirs(stage_policy, s, due))
-        resident_stage(partner, trainer, s, progress, check_all=s == first)
-        before = progress.after                  # the next stage continues the counts this one recorded
+        before = resident_stage(partner, trainer, s, progress, check_all=s == first)   # the next stage's counts
         s += 1
 
 
@@ -559,7 +553,8 @@ def build_resident(start_policy, weights, handover):
 def resident_stage(partner, trainer, s, progress, check_all):
     """Stage s in the resident trainer: wait for its rollouts, train on them as a one-stage run would, free the
     gradients (the engine wakes next), hand the policy over. check_all: check the disk for a save even when none
-    is due (the first stage: a disk without room for one save stops the run now, not hours in)."""
+    is due (the first stage: a disk without room for one save stops the run now, not hours in). Returns the counts the
+    stage ended at."""
     if is_main:          # where the run stands (run_stages.sh prints this line per stage in the other mode)
         log(tracking.where_line(run_dir, stage_plan.run_updates, s))
     waited = partner.wait_for_rollouts(s)
@@ -576,11 +571,12 @@ def resident_stage(partner, trainer, s, progress, check_all):
         columns["ref"], timing["ref_pass_seconds"] = update.logprob_pass(
             trainer.ref_model, stage, logprob_temperature(stage), "ref", common.policy_fingerprint(trainer.reference),
             progress.work_dir, micro_batch_tokens)
-    timing.update(train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
-                              trainer.dtype))
+    trained, after = train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
+                                 trainer.dtype)
+    timing.update(trained)
     # this process keeps only its resident state (fp32 weights, AdamW), not the gradients (4 bytes per parameter)
     timing["gradient_bytes_kept"] = M.release_gradients(trainer.optimizer)
-    timing.update(trainer.handover.hand_over(s, trainer.model, trainer.dtype, progress.after["run_updates"]))
+    timing.update(trainer.handover.hand_over(s, trainer.model, trainer.dtype, after["run_updates"]))
     # what each rank's allocator holds while the engines are awake (the preflight gates it against their share)
     held = M.reserved_gib()
     reserved = M.gather_values(torch.tensor([math.nan if held is None else held], device=device)).tolist()
@@ -594,6 +590,7 @@ def resident_stage(partner, trainer, s, progress, check_all):
                           "reserved_gib_per_rank": [common.finite_or_none(x) for x in reserved],
                           "handoff": policy_handoff,
                           **{k: v for k, v in timing.items() if k.endswith(("seconds", "per_s"))}})
+    return after
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ GROUP_SIZE=${GROUP_SIZE:-8}     # G responses per prompt
 MAX_PROMPT=${MAX_PROMPT:-1536}  # tokens (longer prompts are skipped and counted)
 MAX_RESPONSE=${MAX_RESPONSE:-2560}  # tokens
 STAGE_END=${STAGE_END:-fixed}   # fixed: STAGES stages of UPDATES_PER_STAGE | drift: each ends on optimize.py's drift
-                                # warning, the next one's μ planned from there (records.StagePlan), until TOTAL_UPDATES
+                                # warning, the next one's μ planned from there (stage_rules.StagePlan), until TOTAL_UPDATES
 TOTAL_UPDATES=${TOTAL_UPDATES:-}  # drift: the run's updates (default STAGES × UPDATES_PER_STAGE)
 DRIFT_GROWTH=${DRIFT_GROWTH:-1.25}  # drift: after a warning at update u the next stage plans ceil(growth · u) updates
 DRIFT_MAX_UPDATES=${DRIFT_MAX_UPDATES:-}  # drift: the largest μ a stage is planned with (default 4 × UPDATES_PER_STAGE)
@@ -101,7 +101,7 @@ mkdir -p "$LOGS" "$RUN/.done"
 exec 9>"$LOCK"; $PY -m mu_grpo.launch --command=lock || exit 1  # one run_stages.sh per RUN (and node), held on fd 9 till it ends
 # several nodes: each node's watch (node 0's serves the store) beats every second and stops this script within seconds
 # once another node fails or stops answering (mu_grpo/nodes.py); a successful end tells it so (SIGUSR1)
-NODE_ARGS=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --coordinator="$MASTER_ADDR:$MASTER_PORT")
+NODE_ARGS=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --store="$MASTER_ADDR:$MASTER_PORT")
 WATCH= TRACKING=
 if (( NNODES > 1 )); then
   $PY -m mu_grpo.nodes --command=watch "${NODE_ARGS[@]}" --pid=$$ --join_timeout_s="$JOIN_TIMEOUT" --dead_after_s="$DEAD_AFTER" \
@@ -131,7 +131,7 @@ share() {
 
 # before any compute (mu_grpo/launch.py start): node 0 builds the toy and lab tasks, fetches data, the others wait for it; MODEL
 # a local directory; several nodes: all here with the same settings, model and data, then the trainers' network; START
-{ out=$($PY -m mu_grpo.launch --command=start --logs="$LOGS" --coordinator="$MASTER_ADDR:$MASTER_PORT" 3>&1 >&4 9>&-) \
+{ out=$($PY -m mu_grpo.launch --command=start --logs="$LOGS" --store="$MASTER_ADDR:$MASTER_PORT" 3>&1 >&4 9>&-) \
   || exit $?; } 4>&1; eval "$out"       # (its assignments on descriptor 3, its output on this script's stdout)
 # the trackers' follower: node 0 alone (its records are the run's), in a session of its own, so that a kill of this
 # script's process group leaves it its last pass and the trackers' close (mu_grpo/tracking.py)
@@ -205,7 +205,7 @@ if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed o
       --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
 else
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
-  plan=($($PY -m mu_grpo.launch --command=plan --stage=0))  # μ, prompts (records.StagePlan); 0 0: over; nodes: node 0's
+  plan=($($PY -m mu_grpo.launch --command=plan --stage=0))  # μ, prompts (stage_rules.StagePlan); 0 0: over; nodes: node 0's
   while (( plan[0] > 0 )); do
     STAGE_DIR=$RUN/stage_$s
     (( NODE_RANK > 0 )) || $PY -m mu_grpo.tracking --command=where --run_dir="$RUN" --total_updates="$RUN_UPDATES" --stage=$s

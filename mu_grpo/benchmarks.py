@@ -18,9 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import grading
-from mu_grpo import records
+from mu_grpo import common, grading, records
 
 
 @dataclasses.dataclass

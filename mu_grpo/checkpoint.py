@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from mu_grpo import common
-from mu_grpo import records
+from mu_grpo import common, records
 from mu_grpo.trainer_model import barrier, placement, safetensors_index
 
 

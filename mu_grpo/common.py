@@ -10,7 +10,6 @@ import json
 import math
 import os
 import platform
-import random
 import re
 import resource
 import shutil
@@ -19,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 # Llama 3's chat template writes "Today Date: <today>" (transformers' strftime_now) unless given date_string: the same
 # problem would be another prompt tomorrow, and a resumed run's prompts not the ones it started with. Pinned to the
 # template's own fallback date; other templates ignore it
@@ -239,23 +237,7 @@ def load_problems(path):
     return [row for _, row in rows]
 
 
-@functools.lru_cache(maxsize=4)
-def _permutation(n, seed, epoch):
-    order = list(range(n))
-    random.Random(seed * 100_003 + epoch).shuffle(order)
-    return order
-
-
-def shuffled_window(items, start, count, seed):
-    """items at positions [start, start + count) of an endless sequence of seeded shuffles of items,
-    a new shuffle per pass (epoch). Generation uses it to pick each stage's prompts (stages see
-    different prompts, wrapping into a new epoch; a rerun sees the same ones), optimization to pick
-    each update's groups."""
-    n = len(items)
-    return [items[_permutation(n, seed, g // n)[g % n]] for g in range(start, start + count)]
-
-
-def build_prompt_ids(tokenizer, problem, template=DEFAULT_PROMPT_TEMPLATE, chat_template=True):
+def build_prompt_ids(tokenizer, problem, template, chat_template=True):
     """Token ids fed to the engine: the problem in the prompt template, then the model's chat
     template when it has one (and chat_template is on), else the BOS token and the plain text."""
     text = template.format(problem=problem)

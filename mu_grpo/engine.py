@@ -11,8 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import processes
+from mu_grpo import common, processes
 
 # ----------------------------------------------------------------------------------------------
 # Engines: their GPUs and their processes' environment

@@ -27,9 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import processes
-from mu_grpo import records
+from mu_grpo import common, processes, records
 
 START_GRACE_S = 600.0   # how long a process waits for its partner to announce itself (a cold vLLM or torch start)
 
@@ -107,7 +105,7 @@ class PolicyHandover:
     """The trainer's side of handing each policy to the engines (rank 0 writes; every rank sends), for the two ways a
     resident run does it: files (policy_<s>/ in the fast directory, fast_dir, for the engines to load) or transfer
     (vLLM's weight-transfer API: `sender`, a transfer.Sender). With processes per phase nothing is handed over: the
-    next generate process loads the policy saved into the stage directory. `plan` (records.StagePlan) and
+    next generate process loads the policy saved into the stage directory. `plan` (stage_rules.StagePlan) and
     prompts_per_update size the stage each policy generates."""
 
     def __init__(self, partner, plan, prompts_per_update, is_main, sender=None):

@@ -7,7 +7,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
                                           them (every knob, KEY=value lines: what the nodes' join compares and the
                                           trackers' config)
     python -m mu_grpo.launch --command=lock       the run directory's lock, on run_stages.sh's descriptor 9
-    python -m mu_grpo.launch --command=start --logs=DIR --coordinator=ADDR:PORT   the start-up, every node, before any
+    python -m mu_grpo.launch --command=start --logs=DIR --store=ADDR:PORT   the start-up, every node, before any
                                           compute: node 0 builds the preset's task and policy and fetches the paper's
                                           data while the others wait for its word; a hub MODEL resolved to its local
                                           copy, TRAIN_DATA read, the resident engines' GPU share checked; on several
@@ -16,7 +16,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
     python -m mu_grpo.launch --command=preflight  mu_grpo/preflight.py at the run's settings
     python -m mu_grpo.launch --command=handoff    resident: the hand-off the run uses (HANDOFF, or files after the preflight's
                                           fallback)
-    python -m mu_grpo.launch --command=plan --stage=S   μ of stage S and its prompts (records.StagePlan), 0 0 once the run
+    python -m mu_grpo.launch --command=plan --stage=S   μ of stage S and its prompts (stage_rules.StagePlan), 0 0 once the run
                                           is over
     python -m mu_grpo.launch --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
                                           supervised: a failed one stops the other; timed into timeline.jsonl
@@ -40,16 +40,13 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import model_cards
-from mu_grpo import processes
-from mu_grpo import records
+from mu_grpo import common, model_cards, processes, records, stage_rules
 
 # ----------------------------------------------------------------------------- hyperparameters
 command = ""                    # one of the commands above
 stage = 0                       # plan: the stage whose μ is asked
 logs = ""                       # resident, start: the directory of the logs (engine.log, trainer.log, collective.log)
-coordinator = "127.0.0.1:29500"  # start: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
+store = "127.0.0.1:29500"  # start: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
 name = ""                       # row: the phase's name (eval_init, generate_0, ...; its kind: the part before the last _)
 start = 0.0                     # row: when the phase started and ended (Unix seconds)
 end = 0.0
@@ -161,7 +158,7 @@ RERUN_SAFE = {"RUN", "EVAL_EVERY", "SAVE_EVERY", "KEEP_TRAIN_STATES", "SAVE_POLI
               "NNODES", "MASTER_PORT", "HSDP", "MICRO_BATCH_TOKENS", "GRAD_CKPT"}
 EXTENDABLE = ("STAGES", "TOTAL_UPDATES")    # a rerun may raise these: the run goes on to its new length
 RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
-PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: records.StagePlan's defaults
+PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: stage_rules.StagePlan's defaults
 # the knobs whose home is a phase script's hyperparameter block: empty, that block decides (and no flag is passed, so
 # that editing the block changes the run); given (by a preset, a LOSS preset or the environment), passed to that
 # script as this flag. The loop's own knobs (stages, μ, prompts, G, lengths, data, the box) are run_stages.sh's
@@ -194,7 +191,7 @@ PHASE_SCRIPTS = {
     "generate.py": {"policy", "data", "run_dir", "stage", "prompts_per_stage", "grader_workers", "grader_timeout_s",
                     "gpus", "engines", "tensor_parallel", "gpu_memory_utilization", "worker_rank", "resident",
                     "policy_handoff", "eval_every", "results", "run_start", "eval_parts", "nnodes", "node_rank",
-                    "coordinator", "shard_prompts"},
+                    "store", "shard_prompts"},
     "optimize.py": {"stage_dir", "policy", "out", "init_state", "save_train_state", "release_init_state",
                     "micro_batch_tokens", "gradient_checkpointing", "attn_implementation", "hsdp", "checkpoint_every",
                     "save_policy_every", "max_nonfinite", "engine_mismatch_bound", "agreement_growth",
@@ -202,7 +199,7 @@ PHASE_SCRIPTS = {
                     "total_updates", "save_every", "policy_handoff", "engines", "handoff_buffer_mb"},
     "evaluate.py": {"policy", "max_problems", "grader_workers", "grader_timeout_s", "results", "cache", "samples_dir",
                     "stage", "run_start", "gpus", "tensor_parallel", "gpu_memory_utilization", "engines",
-                    "worker_rank", "parts_dir", "nnodes", "node_rank", "coordinator"},
+                    "worker_rank", "parts_dir", "nnodes", "node_rank", "store"},
 }
 
 
@@ -333,7 +330,7 @@ def resolve(knobs):
 
 
 def stage_plan(k):
-    return records.StagePlan(int(k["UPDATES_PER_STAGE"]), int(k["STAGES"]), k["STAGE_END"],
+    return stage_rules.StagePlan(int(k["UPDATES_PER_STAGE"]), int(k["STAGES"]), k["STAGE_END"],
                               total_updates=int(k["TOTAL_UPDATES"] or 0), drift_growth=float(k["DRIFT_GROWTH"]),
                               drift_max_updates=int(k["DRIFT_MAX_UPDATES"] or 0))
 
@@ -448,7 +445,7 @@ def start_up_command():
     have the same settings, model and data (mu_grpo/nodes.py join), then the trainers' network (collective_command); the
     run's start, node 0's. The assignments run_stages.sh evals go to descriptor 3 (stdout stays the terminal's)."""
     e, several, node0 = os.environ, int(os.environ["NNODES"]) > 1, os.environ["NODE_RANK"] == "0"
-    node_flags = [f"--nnodes={e['NNODES']}", f"--node_rank={e['NODE_RANK']}", f"--coordinator={coordinator}",
+    node_flags = [f"--nnodes={e['NNODES']}", f"--node_rank={e['NODE_RANK']}", f"--store={store}",
                   f"--join_timeout_s={e['JOIN_TIMEOUT']}"]
     if node0:
         settle_record()
@@ -584,7 +581,7 @@ def collective_command():
     """The trainers' network, right after the nodes' join and not in the first update: every rank of every node
     (torchrun at MASTER_PORT + 1, optimize.py's backend and devices: mu_grpo/nodes.py collective) all-reduces one number within
     COLLECTIVE_TIMEOUT; `timeout` bounds a hang. On a failure, one line (a rank's own, else this one)."""
-    env, (addr, port) = os.environ, coordinator.rsplit(":", 1)
+    env, (addr, port) = os.environ, store.rsplit(":", 1)
     timeout_s, log_path = int(env["COLLECTIVE_TIMEOUT"]), Path(logs) / "collective.log"
     with open(log_path, "w") as log:
         status = subprocess.run(
@@ -592,7 +589,7 @@ def collective_command():
              f"--nnodes={env['NNODES']}", f"--node_rank={env['NODE_RANK']}", f"--nproc_per_node={env['TRAIN_RANKS']}",
              f"--master_addr={addr}", f"--master_port={int(port) + 1}", f"--rdzv_conf=timeout={timeout_s}",
              "-m", "mu_grpo.nodes", "--command=collective", f"--nnodes={env['NNODES']}", f"--node_rank={env['NODE_RANK']}",
-             f"--coordinator={coordinator}", f"--collective_timeout_s={timeout_s}"],
+             f"--store={store}", f"--collective_timeout_s={timeout_s}"],
             stdout=log, stderr=subprocess.STDOUT).returncode
     text = log_path.read_text(errors="replace")
     if status != 0:

@@ -7,7 +7,7 @@ A model is known by its hub name or a directory of the same last name (/models/Q
 the environment wins over the model's. An unknown model runs on the paper preset's defaults, with one line saying so.
 
 The TEMPLATE knob (run_stages.sh) says how a problem becomes a prompt:
-  default      the problem and the instruction (common.DEFAULT_PROMPT_TEMPLATE), in the tokenizer's chat template when
+  default      the problem and the instruction (PROMPT_TEMPLATE), in the tokenizer's chat template when
                it has one
   chat         the same, the chat template required (an Instruct or distilled model's user turn)
   chat-system  the problem alone in the chat template, whose system prompt carries the instruction (Qwen2.5-Math's)
@@ -20,6 +20,7 @@ from mu_grpo import common
 
 TEMPLATES = ("default", "chat", "chat-system", "plain")
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+PROMPT_TEMPLATE = "{problem}\n" + INSTRUCTION.replace("{}", "{{}}")   # the paper's prompt: the problem, then the instruction
 EXAMPLE = "What is $1+1$?"     # the problem the checks render
 
 # Per model: its settings, and the prompt of EXAMPLE its model card and tokenizer_config.json's chat template give.
@@ -87,7 +88,7 @@ def defaults_command():
 
 def prompt_template(template):
     """The problem's text before the chat template: the instruction appended, or the problem alone."""
-    return "{problem}" if template in ("plain", "chat-system") else common.DEFAULT_PROMPT_TEMPLATE
+    return "{problem}" if template in ("plain", "chat-system") else PROMPT_TEMPLATE
 
 
 def rendered(tokenizer, template, problem=EXAMPLE):

@@ -1,7 +1,7 @@
 """Several nodes, one run (run_stages.sh with NNODES > 1): the same script on every node, node 0 owning the
 run-level state, the others following it. The nodes meet in a key-value store (torch's TCPStore: no process group,
 since vLLM reuses an initialised default group, vllm/distributed/parallel_state.py init_distributed_environment)
-that node 0's `watch` process serves at --coordinator (MASTER_ADDR:MASTER_PORT) for as long as its run_stages.sh
+that node 0's `watch` process serves at --store (MASTER_ADDR:MASTER_PORT) for as long as its run_stages.sh
 runs:
 
     python -m mu_grpo.nodes --command=watch ...   every node, beside its run_stages.sh: a heartbeat every second; a node that fails or
@@ -38,8 +38,7 @@ import time
 import uuid
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import processes
+from mu_grpo import common, processes
 
 # ----------------------------------------------------------------------------- hyperparameters
 command = ""                    # watch | join | share | ready | collective (see above)
@@ -47,7 +46,7 @@ command = ""                    # watch | join | share | ready | collective (see
 # the nodes and where they meet
 nnodes = 1                      # nodes in the run (run_stages.sh NNODES)
 node_rank = 0                   # this node's rank, 0..nnodes-1 (NODE_RANK); node 0 serves the store
-coordinator = "127.0.0.1:29500"  # node 0's address as every node reaches it, and the store's port there
+store = "127.0.0.1:29500"  # node 0's address as every node reaches it, and the store's port there
                                 # (run_stages.sh MASTER_ADDR:MASTER_PORT; torchrun's rendezvous uses the next port)
 
 # how long they wait for each other
@@ -81,11 +80,11 @@ BARRIER_TIMEOUT_S = 7 * 24 * 3600   # barriers wait for slow phases; a dead node
 class Nodes:
     """This node's connection to the run's store (node 0's watch process serves it)."""
 
-    def __init__(self, nnodes, node_rank, coordinator, timeout_s=600.0, serve=False):
+    def __init__(self, nnodes, node_rank, store, timeout_s=600.0, serve=False):
         from torch.distributed import TCPStore  # torch (2 s): only a node that meets others (OneNode never does)
-        addr, port = coordinator.rsplit(":", 1)
+        addr, port = store.rsplit(":", 1)
         port = int(port)
-        self.n, self.rank, self.where = nnodes, node_rank, coordinator
+        self.n, self.rank, self.where = nnodes, node_rank, store
         try:      # a client retries until the server is up or timeout_s has passed
             self.store = TCPStore(addr, port, is_master=serve, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
@@ -152,11 +151,11 @@ def first_line(error):
 
 
 def from_args(args, timeout_s=600.0):
-    """The Nodes of a phase script whose flags carry nnodes, node_rank and coordinator ("addr:port"); OneNode on
+    """The Nodes of a phase script whose flags carry nnodes, node_rank and store ("addr:port"); OneNode on
     one node."""
     if args.get("nnodes", 1) <= 1:
         return OneNode()
-    return Nodes(args["nnodes"], args["node_rank"], args["coordinator"], timeout_s=timeout_s)
+    return Nodes(args["nnodes"], args["node_rank"], args["store"], timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------------- watch
@@ -185,8 +184,8 @@ def watch():
     signal.signal(signal.SIGUSR1, lambda *_: finishing.append(True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))      # run_stages.sh's own exit path
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a Ctrl-C stops run_stages.sh; this process then says so
-    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s, serve=node_rank == 0)
-    store = nodes.store
+    nodes = Nodes(nnodes, node_rank, store, join_timeout_s, serve=node_rank == 0)
+    kv = nodes.store
     seen = {r: (-1, time.monotonic()) for r in range(nnodes) if r != node_rank}
     left = set()
 
@@ -195,7 +194,7 @@ def watch():
               file=sys.stderr, flush=True)
         try:
             if tell:
-                store.set(f"failed/{node_rank}", f"stopped because {why}")
+                kv.set(f"failed/{node_rank}", f"stopped because {why}")
         except Exception:     # the store is what failed: the others learn it from the missing heartbeat
             pass
         processes.stop_tree(pid or parent)
@@ -215,27 +214,27 @@ def watch():
 
     while True:
         try:
-            store.add(f"beat/{node_rank}", 1)
+            kv.add(f"beat/{node_rank}", 1)
             if not processes.alive(parent):     # run_stages.sh died without saying it was done
-                store.set(f"failed/{node_rank}", f"its run_stages.sh ended with an error: {last_error_line()}")
+                kv.set(f"failed/{node_rank}", f"its run_stages.sh ended with an error: {last_error_line()}")
                 if node_rank == 0:          # the others read why before the store goes
                     time.sleep(3 * beat_s)
                 ended.set()
                 return 1
             if finishing and node_rank != 0:
-                store.set(f"left/{node_rank}", "1")    # the last call to the store: node 0 may close it as soon as
+                kv.set(f"left/{node_rank}", "1")    # the last call to the store: node 0 may close it as soon as
                 ended.set()                            # it reads this, and a call after it would find the store gone
                 return 0                               # and stop this node's run, which has ended well
             now = time.monotonic()
             for r in seen:
                 if r in left:
                     continue
-                if store.check([f"left/{r}"]):
+                if kv.check([f"left/{r}"]):
                     left.add(r)
                     continue
-                if store.check([f"failed/{r}"]):
-                    stop(f"node {r} failed: {store.get(f'failed/{r}').decode()}")
-                beats = store.add(f"beat/{r}", 0)
+                if kv.check([f"failed/{r}"]):
+                    stop(f"node {r} failed: {kv.get(f'failed/{r}').decode()}")
+                beats = kv.add(f"beat/{r}", 0)
                 if beats != seen[r][0]:
                     seen[r] = (beats, now)
                 elif now - seen[r][1] > (dead_after_s if beats > 0 else join_timeout_s):
@@ -321,7 +320,7 @@ def checks(nodes, shared, mine, node0):
 def join():
     """The checks before any compute, one line each; exits 1 on any failure (on every node)."""
     t0 = time.monotonic()
-    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s)
+    nodes = Nodes(nnodes, node_rank, store, join_timeout_s)
     shared = [(f"MODEL {model}", model)] + [(f"data {d}", d) for d in data.split(",") if d]    # compared in this order
     mine = {"host": socket.gethostname(), "settings": settings, "bytes": [fingerprint(p) for _, p in shared]}
     try:
@@ -355,7 +354,7 @@ def ready():
     there), printed on every node. Every other node waits for that (up to join_timeout_s) before it resolves or hashes
     them: started first, it would find nothing at their paths, and take a directory not built yet for a hub name."""
     deadline = time.monotonic() + join_timeout_s
-    nodes = Nodes(nnodes, node_rank, coordinator, join_timeout_s)
+    nodes = Nodes(nnodes, node_rank, store, join_timeout_s)
     try:
         print(nodes.share("data/ready", value, max(deadline - time.monotonic(), 1.0)))
     except Exception as e:
@@ -419,4 +418,4 @@ if __name__ == "__main__":
     elif command == "collective":
         collective()
     else:
-        print(Nodes(nnodes, node_rank, coordinator, join_timeout_s).share(key, value))
+        print(Nodes(nnodes, node_rank, store, join_timeout_s).share(key, value))

@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import processes
+from mu_grpo import common, processes
 
 jobs = 1                        # tasks at once, each in its own slot
 logs = ""                       # the command line's: each task's output goes to <logs>/<name>.log

@@ -35,11 +35,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mu_grpo import common
-from mu_grpo import grading
-from mu_grpo import handoff
-from mu_grpo import processes
-from mu_grpo import records
+from mu_grpo import common, grading, handoff, model_cards, processes, records, stage_rules
 from mu_grpo import trainer_model as M
 from loss import AGREEMENT_MEAN, MISMATCH_LEVELS
 
@@ -62,7 +58,7 @@ stages = 4                      # STAGES (STAGE_END=drift: the stages come from 
 updates_per_stage = 1024        # UPDATES_PER_STAGE: μ of every stage (STAGE_END=drift: of the first)
 stage_end = "fixed"             # STAGE_END: fixed | drift
 total_updates = 0               # TOTAL_UPDATES, drift: the run's updates (0: stages × updates_per_stage)
-drift_max_updates = 0           # DRIFT_MAX_UPDATES (0: 4 × updates_per_stage: records.StagePlan's default)
+drift_max_updates = 0           # DRIFT_MAX_UPDATES (0: 4 × updates_per_stage: stage_rules.StagePlan's default)
 drift_min_updates = 16          # μ_min, no stage ends on drift before it (optimize.py's default; run_stages.sh passes
                                 # DRIFT_ARGS's --drift_min_updates)
 save_every = 1                  # SAVE_EVERY, resident: a policy and train state kept every N stages and the last (0:
@@ -81,7 +77,7 @@ max_prompt_tokens = 1536        # the preset's limits
 max_response_tokens = 2560
 temperature = 1.0
 micro_batch_tokens = 16384      # the run's micro-batch (the headroom check runs at this size)
-prompt_template = common.DEFAULT_PROMPT_TEMPLATE
+prompt_template = model_cards.PROMPT_TEMPLATE
 optimize_args = ""              # the run's optimize.py flags, space-separated (run_stages.sh passes GRAD_CKPT and
                                 # the LOSS preset's flags, so M2PO's gather and KL's reference pass run here too)
 
@@ -423,7 +419,7 @@ def resident_checks(results, figures, run_dir, how):
 
 def stage_plan(first, total, max_updates, min_updates, growth=2.0):
     """The μ of every stage of a run with STAGE_END=drift whose stages each train `growth` times the updates of the
-    stage before (records.StagePlan: twice μ after a stage without a drift warning), at least μ_min, at most
+    stage before (stage_rules.StagePlan: twice μ after a stage without a drift warning), at least μ_min, at most
     max_updates and the updates left, until `total` updates."""
     plan = [min(first, total)]
     while sum(plan) < total:
@@ -461,7 +457,7 @@ def disk_check(results, rows, model):
     handed = 2 * policy_bytes if resident and policy_handoff == "files" and \
         handoff.fast_dir(where, policy_bytes)[0] == handoff.state_dir(where) / "policies" else 0
     responses_per_update = estimate_stage_prompts / updates_per_stage * group_size
-    plan = records.StagePlan(updates_per_stage, stages, stage_end, total_updates=total_updates,
+    plan = stage_rules.StagePlan(updates_per_stage, stages, stage_end, total_updates=total_updates,
                               drift_max_updates=drift_max_updates)     # the run's plan, its defaults resolved there
     total = plan.total_updates
     stages_kept = [updates_per_stage] * stages if stage_end == "fixed" else \
@@ -537,10 +533,9 @@ def clean_up():
     """Delete the miniature's weights (its train state alone is 12 bytes per parameter: 91 GB for 7B) and stored
     passes; keep its logs, rollouts and metrics."""
     handoff.clear_policies(work / "resident")
-    for d in [*work.glob(f"stage_*/{records.POLICY}*"), *work.glob(f"stage_*/{records.TRAIN_STATE}*"),
-              *work.glob("stage_*/logprobs"), *work.glob(f"ckpt_*/{records.POLICY}*"),
-              *work.glob(f"ckpt_*/{records.TRAIN_STATE}*"), *work.glob(f"resident/stage_*/{records.POLICY}*"),
-              *work.glob(f"resident/stage_*/{records.TRAIN_STATE}*")]:
+    stages = [d for _, d in [*records.stage_dirs(work), *records.stage_dirs(work / "resident")]]
+    for d in [p for s in [*stages, *work.glob("ckpt_*")] for name in (records.POLICY, records.TRAIN_STATE)
+              for p in s.glob(f"{name}*")] + [s / "logprobs" for s in stages]:
         shutil.rmtree(d, ignore_errors=True)
 
 

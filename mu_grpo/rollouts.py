@@ -26,8 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mu_grpo import common
-from mu_grpo import records
+from mu_grpo import common, records
 
 try:
     import orjson

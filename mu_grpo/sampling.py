@@ -13,9 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import loss
-from mu_grpo import common
-from mu_grpo import grading
-from mu_grpo import rollouts
+from mu_grpo import common, grading, rollouts
 import reward
 
 

@@ -39,8 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
-from mu_grpo import common
-from mu_grpo import records
+from mu_grpo import common, processes, records
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the command, the run and its trackers
@@ -180,7 +179,7 @@ def rows(run, files=None):
 def run_config(run, knobs):
     """The tracker run's config: run_stages.sh's knobs, and the first stage's optimize.py settings once written."""
     config = {"run_stages": knobs, "group": group}
-    first = records.stage_dir(run, 0) / "optimize_config.json"
+    first = records.stage_dir(run, 0) / records.OPTIMIZE_CONFIG
     if first.exists():
         config["optimize"] = json.loads(first.read_text())
     return config
@@ -311,7 +310,7 @@ def follow(run, report, knobs, parent, stop_path=""):
         try:
             while True:
                 follower.sync()
-                if not parent or stop or not _alive(parent) or (stop_path and os.path.exists(stop_path)):
+                if not parent or stop or not processes.alive(parent) or (stop_path and os.path.exists(stop_path)):
                     follower.sync()
                     return
                 deadline = time.monotonic() + poll_s
@@ -319,14 +318,6 @@ def follow(run, report, knobs, parent, stop_path=""):
                     time.sleep(0.1)
         finally:
             follower.close(close_s)
-
-
-def _alive(process):
-    try:
-        os.kill(process, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 # ----------------------------------------------------------------------------- where the run stands

@@ -42,9 +42,7 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from mu_grpo import checkpoint
-from mu_grpo import common
-from mu_grpo import handoff
+from mu_grpo import checkpoint, common, handoff
 from mu_grpo import trainer_model as M
 
 CPU_BACKEND = "mu-grpo-shm"

@@ -275,8 +275,7 @@ def test_ctrl_c_in_a_phases_view_is_no_traceback():
 
 
 def test_a_run_ends_leaving_no_temporary_directory_and_a_refused_new_run_leaves_nothing(tmp_path):
-    from mu_grpo import engine
-    from mu_grpo import handoff
+    from mu_grpo import engine, handoff
     run = tmp_path / "run"
 
     def end(status, new_run):

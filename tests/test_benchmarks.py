@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from mu_grpo import benchmarks
-from mu_grpo import common
+from mu_grpo import benchmarks, common
 
 
 def test_benchmark_sets_are_read_from_the_data_dir_and_cut_to_max_problems(tmp_path):

@@ -1,20 +1,20 @@
-"""mu_grpo/common.py: overrides, prompt windows, strict JSONL, atomic files."""
+"""mu_grpo/common.py: overrides, strict JSONL, atomic files; update.py's prompt order."""
 import pytest
 
-from mu_grpo import common
-from mu_grpo import engine
+from mu_grpo import common, engine
+import update
 
 
 def test_shuffled_window_covers_each_epoch_once_then_reshuffles():
     items = list(range(10))
-    first = common.shuffled_window(items, 0, 10, seed=3)
+    first = update.shuffled_window(items, 0, 10, seed=3)
     assert sorted(first) == items and first != items                  # a permutation, not the identity
-    second = common.shuffled_window(items, 10, 10, seed=3)
+    second = update.shuffled_window(items, 10, 10, seed=3)
     assert sorted(second) == items and second != first               # the next epoch is shuffled anew
     # a window across the epoch boundary is the tail of one and the head of the next
-    assert common.shuffled_window(items, 7, 6, seed=3) == first[7:] + second[:3]
-    assert common.shuffled_window(items, 7, 6, seed=3) == common.shuffled_window(items, 7, 6, seed=3)
-    assert common.shuffled_window(items, 0, 10, seed=4) != first
+    assert update.shuffled_window(items, 7, 6, seed=3) == first[7:] + second[:3]
+    assert update.shuffled_window(items, 7, 6, seed=3) == update.shuffled_window(items, 7, 6, seed=3)
+    assert update.shuffled_window(items, 0, 10, seed=4) != first
 
 
 def test_overrides_are_typed_and_strict():

@@ -5,9 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mu_grpo import common
-from mu_grpo import engine
-from mu_grpo import processes
+from mu_grpo import common, engine, processes
 from conftest import needs_vllm
 
 

@@ -10,9 +10,7 @@ import types
 
 import pytest
 
-from mu_grpo import benchmarks
-from mu_grpo import common
-from mu_grpo import nodes
+from mu_grpo import benchmarks, common, nodes
 from conftest import whole_checkpoint, ROOT
 
 # a: problem 0 right in 1 of 2 samples, problem 1 in none → avg@2 = 0.25, pass@2 = 0.5; b: problem 0 right in both,
@@ -149,7 +147,7 @@ def test_two_nodes_evaluate_and_node_0_writes_the_rows_one_node_would(files, mon
     (shared / "part_1.json").write_text("[]")                      # a killed attempt's: cleared before any node writes
     flags = [f"--policy={policy}", "--benchmarks=a,b", f"--data_dir={tmp_path / 'bench'}", "--k=2", "--top_p=0.7",
              "--stage=3", "--run_start=1000", f"--results={tmp_path / 'two' / 'results.jsonl'}", "--engines=1",
-             "--nnodes=2", f"--coordinator={where}", *PROMPTS]
+             "--nnodes=2", f"--store={where}", *PROMPTS]
     runs = [subprocess.Popen([sys.executable, "-c", NODE, json.dumps([*flags, f"--node_rank={r}"]), json.dumps(SAMPLES)],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in runs]

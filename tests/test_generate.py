@@ -280,8 +280,7 @@ def test_the_per_request_seed_is_a_knob_that_stays_on_by_default(monkeypatch):
     # engine, shard or resumed attempt generates it; --per_request_seed=false leaves sampling to the engine's seed
     # (vLLM's batched sampler: vllm/v1/sample/ops/topk_topp_sampler.py random_sample draws one row at a time for
     # seeded requests) and is recorded in the stage's plan, so a rerun with the other setting is refused
-    from mu_grpo import common
-    from mu_grpo import sampling
+    from mu_grpo import common, sampling
     monkeypatch.setattr(common, "build_prompt_ids", lambda tokenizer, problem, template, chat: [1, 2, 3])
     monkeypatch.setattr(common, "stop_token_ids", lambda tokenizer, chat: [0])      # no tokenizer is needed (None)
     rows = [{"id": f"p{i}", "problem": str(i), "answer": str(i)} for i in range(3)]

@@ -8,9 +8,7 @@ import time
 
 import pytest
 
-from mu_grpo import common
-from mu_grpo import handoff
-from mu_grpo import processes
+from mu_grpo import common, handoff, processes
 
 
 def test_a_partner_that_announced_is_watched_and_a_dead_one_is_named(tmp_path):
@@ -75,9 +73,9 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
 def test_the_file_hand_over_saves_where_the_engines_load_and_publishes_the_next_stages_size(tmp_path):
     # a drift-free fixed run of 3 stages × μ = 4, 8 prompts per update: the policy trained on stage 0 generates stage 1
     # (4 × 8 = 32 prompts), the one trained on stage 2 none (the run is over)
-    from mu_grpo import records
+    from mu_grpo import stage_rules
     run, fast = tmp_path / "run", tmp_path / "fast"
-    handover = handoff.PolicyHandover(handoff.Partner(run, "trainer"), records.StagePlan(4, stages=3), 8, is_main=True)
+    handover = handoff.PolicyHandover(handoff.Partner(run, "trainer"), stage_rules.StagePlan(4, stages=3), 8, is_main=True)
     handover.use_files(fast)
     assert handover.kind == "files"
     assert handover.policy_dirs(run / "stage_1" / "policy", 1, due=False) == (fast / "policy_1",)

@@ -9,8 +9,7 @@ from conftest import read_lines
 import pytest
 import torch
 
-from mu_grpo import checkpoint
-from mu_grpo import common
+from mu_grpo import checkpoint, common
 from mu_grpo import trainer_model as M
 
 

@@ -57,7 +57,7 @@ def test_a_node_without_node_0_says_where_it_looked():
 def test_one_node_answers_every_question_itself(tmp_path):
     # generate.py and evaluate.py ask the same questions on one node as on several; on one, each answer is the value
     # given (run_stages.sh's share() echoes it), as text, as the store gives it back
-    one = nodes.from_args({"nnodes": 1, "node_rank": 0, "coordinator": ""})
+    one = nodes.from_args({"nnodes": 1, "node_rank": 0, "store": ""})
     assert isinstance(one, nodes.OneNode) and (one.n, one.rank) == (1, 0)
     assert one.share("generate_0/complete", True) == "True" and one.share("mu", 64) == "64"
     assert one.share("generate_0/complete", False) == "False"
@@ -87,7 +87,7 @@ def test_a_store_of_one_node_gives_the_answers_one_node_gives(tmp_path):
 
 def join(rank, where, run_dir, model, settings):
     return subprocess.Popen([sys.executable, "-m", "mu_grpo.nodes", "--command=join", "--nnodes=2", f"--node_rank={rank}",
-                             f"--coordinator={where}", "--join_timeout_s=60", f"--run_dir={run_dir}",
+                             f"--store={where}", "--join_timeout_s=60", f"--run_dir={run_dir}",
                              f"--model={model}", f"--data={model / 'train.jsonl'}", f"--settings={settings}"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -141,7 +141,7 @@ def test_the_fingerprint_is_the_bytes_not_the_path(tmp_path):
 
 def fake_run(rank, where, tail, dead_after_s=2, errors=""):
     """A stand-in for run_stages.sh on one node: its watch process beside a shell that does `tail`."""
-    watch = (f"{sys.executable} -m mu_grpo.nodes --command=watch --nnodes=2 --node_rank={rank} --coordinator={where} "
+    watch = (f"{sys.executable} -m mu_grpo.nodes --command=watch --nnodes=2 --node_rank={rank} --store={where} "
              f"--dead_after_s={dead_after_s} --join_timeout_s=60 --pid=$$ --errors={errors}")
     return subprocess.Popen(["bash", "-c", f"{watch} & w=$!; {tail}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -224,7 +224,7 @@ def test_other_nodes_wait_for_node_0_to_say_the_model_and_data_are_ready():
     where = f"127.0.0.1:{free_port()}"
     store = nodes.Nodes(2, 0, where, timeout_s=60, serve=True)     # node 0's watch process serves it in a run
     ready = lambda rank, timeout_s, value: subprocess.Popen(  # noqa: E731
-        [sys.executable, "-m", "mu_grpo.nodes", "--command=ready", "--nnodes=2", f"--node_rank={rank}", f"--coordinator={where}",
+        [sys.executable, "-m", "mu_grpo.nodes", "--command=ready", "--nnodes=2", f"--node_rank={rank}", f"--store={where}",
          f"--join_timeout_s={timeout_s}", f"--value={value}"], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     node1 = ready(1, 2, 0)                    # node 0 never says so: node 1 gives up after join_timeout_s, in one line

@@ -13,9 +13,7 @@ import pytest
 import torch
 
 import loss as L
-from mu_grpo import checkpoint
-from mu_grpo import common
-from mu_grpo import rollouts
+from mu_grpo import checkpoint, common, rollouts
 from mu_grpo import trainer_model as M
 from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
 

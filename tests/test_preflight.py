@@ -444,7 +444,7 @@ def test_the_disk_row_counts_what_the_run_keeps_from_its_settings(check_function
     assert need(**drift) == pytest.approx(8.192 + 7 * 0.4 + 2 * 1.2, abs=0.051)
     # and at most (every stage ended on drift at μ_min = 16, the first too): 1 + (4096 − 16) / 16 = 256 stages, whose
     # rollouts are at most the first's 64 updates, μ_min per later stage and twice the updates trained
-    # (records.StagePlan: 64 + 255 · 16 + 2 · 4096 = 12336 updates)
+    # (stage_rules.StagePlan: 64 + 255 · 16 + 2 · 4096 = 12336 updates)
     _, rows = disk_need(check_functions, toy, tmp_path, monkeypatch, **drift)
     assert rows[1]["status"] == "INFO" and "drift" in rows[1]["check"]
     assert rows[1]["value"] == pytest.approx(12336 * 2e-3 + 256 * 0.4 + 2 * 1.2, abs=0.051)

@@ -6,9 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from mu_grpo import common
-from mu_grpo import records
-from mu_grpo import rollouts
+from mu_grpo import common, records, rollouts
 
 
 def response(group, sample_idx, prompt, ids, logprobs, reward, advantage):

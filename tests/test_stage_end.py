@@ -1,5 +1,5 @@
 """Stages that end on drift (optimize.py --stage_end=drift) and the next stage planned from where the last one ended
-(records.StagePlan): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
+(stage_rules.StagePlan): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
 import json
 import math
 import shutil
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mu_grpo import records
+from mu_grpo import records, stage_rules
 from conftest import built_once, kill_when, needs_vllm, read_lines, run_script
 
 
@@ -18,7 +18,7 @@ def import_script(monkeypatch, name, *argv):
 
 
 def test_the_drift_warning_is_the_moving_average_of_one_minus_e_rho_given_a_negative(monkeypatch):
-    end = records.StageEnd("drift", window=4, threshold=0.1, min_updates=5)
+    end = stage_rules.StageEnd("drift", window=4, threshold=0.1, min_updates=5)
     # the last 4 updates with an A<0 token (None: a minibatch without one; NaN likewise): 1.0, 0.9, 0.8, 0.7 →
     # mean of 1 − E[ρ | A<0] = (0 + 0.1 + 0.2 + 0.3) / 4 = 0.15 > 0.1
     history = [0.5, 1.0, 0.9, None, 0.8, math.nan, 0.7]
@@ -28,7 +28,7 @@ def test_the_drift_warning_is_the_moving_average_of_one_minus_e_rho_given_a_nega
     assert end.warning([1.0, 1.0, 0.95, 0.99])[1] is False              # (0 + 0 + 0.05 + 0.01) / 4 = 0.015
     # the stage ends before update u only from drift_min_updates on, and never with stage_end=fixed
     assert not end.ends_before(4, history) and end.ends_before(5, history)
-    assert not records.StageEnd("fixed", window=4, threshold=0.1, min_updates=5).ends_before(7, history)
+    assert not stage_rules.StageEnd("fixed", window=4, threshold=0.1, min_updates=5).ends_before(7, history)
     # the record: ended on drift after 5 of 8 generated updates, the 3 minibatches left unused
     assert end.record(2, 5, 8, history, ["g5", "g6", "g7"]) == {
         "stage": 2, "reason": "drift", "updates": 5, "generated_updates": 8, "stage_end": "drift",
@@ -48,7 +48,7 @@ def write_end(run_dir, s, reason, updates, generated, run_updates, min_updates=1
 
 
 def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
-    plan = lambda s, **kw: records.StagePlan(**{  # noqa: E731
+    plan = lambda s, **kw: stage_rules.StagePlan(**{  # noqa: E731
         "updates_per_stage": 64, "stages": 0, "stage_end": "drift", "drift_growth": 1.25, "drift_max_updates": 100,
         "total_updates": 1000, **kw}).updates_per_stage_at(tmp_path, s)
     assert plan(0) == 64 and plan(0, total_updates=10) == 10
@@ -65,14 +65,14 @@ def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
 
 
 def test_a_fixed_plan_and_the_drift_defaults():
-    fixed = records.StagePlan(updates_per_stage=8, stages=3)
+    fixed = stage_rules.StagePlan(updates_per_stage=8, stages=3)
     assert [fixed.updates_per_stage_at("/nonexistent", s) for s in range(4)] == [8, 8, 8, 0]
     assert fixed.run_updates == 24 and fixed.may_end_run(2, 16, 8) and not fixed.may_end_run(1, 8, 8)
-    drift = records.StagePlan(updates_per_stage=8, stages=3, stage_end="drift")
+    drift = stage_rules.StagePlan(updates_per_stage=8, stages=3, stage_end="drift")
     assert (drift.total_updates, drift.drift_max_updates, drift.run_updates) == (24, 32, 24)   # 3 · 8, 4 · 8
     assert drift.may_end_run(1, 16, 8) and not drift.may_end_run(1, 15, 8)
     with pytest.raises(ValueError, match="stage_end"):
-        records.StagePlan(updates_per_stage=8, stages=3, stage_end="early")
+        stage_rules.StagePlan(updates_per_stage=8, stages=3, stage_end="early")
 
 
 def test_a_stages_prompts_follow_the_previous_stages_as_its_plan_records_them(monkeypatch, tmp_path):

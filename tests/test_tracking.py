@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mu_grpo import common
-from mu_grpo import tracking
+from mu_grpo import common, tracking
 from conftest import ROOT
 
 

@@ -40,8 +40,7 @@ def test_a_policy_sent_in_chunks_is_what_the_engine_holds_and_a_faulty_transport
                                                                                            fault):
     from transformers import AutoModelForCausalLM
 
-    from mu_grpo import checkpoint
-    from mu_grpo import engine
+    from mu_grpo import checkpoint, engine
     from mu_grpo import trainer_model as M
     from mu_grpo import transfer
     monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path))

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import loss as L
-from mu_grpo import common
-from mu_grpo import rollouts
+from mu_grpo import common, rollouts
 from mu_grpo import trainer_model as M
 import update
 

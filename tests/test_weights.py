@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import loss as L
-from mu_grpo import common
-from mu_grpo import engine
+from mu_grpo import common, engine
 from conftest import needs_vllm
 
 

@@ -77,7 +77,7 @@ if __name__ == "__main__":
             table.append((ckpt, None, proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"))
             continue
         metrics = [json.loads(line) for line in open(stage / records.METRICS)]
-        timing = json.loads((stage / "optimize_timing.json").read_text())
+        timing = json.loads((stage / records.OPTIMIZE_TIMING).read_text())
         if n_params is None:
             n_params = count_parameters(model_dir)
         steady = range(1, updates) if updates > 1 else range(1)

@@ -118,7 +118,7 @@ def checkpoint_path(root, variant, seed, u, model):
 
 def replay_delta(root, variant, seed):
     """The NAV δ a replay trained with (its optimize_config.json), None when it ran without NAV."""
-    config = root / variant / f"seed{seed}" / "optimize_config.json"
+    config = root / variant / f"seed{seed}" / records.OPTIMIZE_CONFIG
     if not config.exists():
         raise SystemExit(f"{config} is missing: not an ablate.sh replay (pass --nav_delta to diagnose it anyway)")
     return json.loads(config.read_text())["hyperparameters"]["nav_delta"]
