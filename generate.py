@@ -11,8 +11,9 @@ each on its own shards; --tensor_parallel shards one engine across GPUs for mode
 nodes (run_stages.sh NNODES > 1) every node runs this script for its engines: shard k goes to engine k mod (nodes ×
 engines) counted over all of them, node 0 writes the plan and, once every node's shards are in, the manifest.
 
-Evaluations (--eval_every > 0, --results): the engines that generate stage s first evaluate their policy (the one
-trained on stage s − 1, the initial one at stage 0) when it is due, every benchmark's prompts shared among them as
+Evaluations (--evaluate, --results): the engines that generate stage s first evaluate their policy (the one
+trained on stage s − 1, the initial one at stage 0) when the stage's plan says so (stage_rules.StagePlan.stage), every
+benchmark's prompts shared among them as
 evaluate.py shares them, so that a run starts no engine for it; node 0 scores it into the results table (its rows
 and samples as evaluate.py writes them) and the timeline (an eval row, a part of the generate phase's). The run's
 last policy has no next stage: run_stages.sh evaluates it with evaluate.py.
@@ -20,11 +21,12 @@ last policy has no next stage: run_stages.sh evaluates it with evaluate.py.
 Resident mode (--resident=true, run_stages.sh RESIDENT=true): the engines are built once and generate every
 stage from --stage on, each with the policy the trainer process (optimize.py --resident) hands over
 (mu_grpo/handoff.py), loaded in place; between stages they sleep (GPU). The trainer plans the stages: each policy it
-hands over says how many prompts the stage it generates has (0: it is the run's last policy). Every stage is
-generated exactly as a one-stage run would (the same shards, manifest and seeds), and its evaluations are made as
-that run's (and the last policy's too).
+hands over says how many prompts the stage it generates has (0: it is the run's last policy) and whether it is
+evaluated first. Both modes generate each stage through one loop (generate_stages): the same shards, manifest, seeds
+and evaluations (the last policy's too).
 """
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -87,8 +89,9 @@ policy_handoff = "transfer"     # resident: how each policy arrives: transfer (v
                                 # | files (a policy directory, loaded with reload_weights); optimize.py's the same
 
 # the evaluations these engines make before the stage they generate (resident: and after the last)
-eval_every = 0                  # the policy trained on every N-th stage, and the initial policy as stage −1 (0: none);
-                                # not one the results table holds already
+evaluate = False                # evaluate the policy first (the stage's plan decides: run_stages.sh passes it;
+                                # resident, the first stage's, then each handed-over policy's), unless the results
+                                # table holds it already
 eval_args = ""                  # the evaluation protocol: evaluate.py's flags over its block, the protocol's one home
                                 # (--benchmarks, --data_dir, --k, --temperature, --top_p, --seed: its seed, not the
                                 # run's), sampled with this script's prompt settings and written to --results
@@ -256,96 +259,15 @@ def write_manifest(s, label, shard_ids, policy_id=None):
     return manifest
 
 
-def evaluation_due(cluster):
-    """The protocol of the evaluation stage --stage's engines make first, of the policy they generate with (trained
-    on the stage before): when it is due (eval_due; the run's last policy is evaluate.py's) and the results table
-    lacks it (node 0's answer: a resumed stage does not redo it); else None."""
-    if not eval_due(stage - 1, last=False):
-        return None
-    ev = evaluation()
-    missing = cluster.share(f"generate_{stage}/evaluate", not benchmarks.evaluated(results, stage - 1, ev))
-    return ev if missing == "True" else None
-
-
-def one_stage(problems, cluster):
-    """The process-per-phase run: stage --stage with --policy, on one engine here or one per GPU group, beside the
-    other nodes' (cluster: nodes.from_args, nodes.OneNode on one node; node 0 decides what the filesystem says and
-    writes the plan, the evaluation and the manifest, the others wait for it at barriers)."""
-    s, label = stage, str(policy)
-    node0 = node_rank == 0
-    complete = cluster.share(f"generate_{s}/complete", (rollouts_dir(s) / records.MANIFEST).exists()) == "True"
-    if complete:                 # (its evaluation was scored before the manifest was written)
-        print(f"{rollouts_dir(s)} is complete (manifest.json exists); nothing to do")
-        return
-    ev = evaluation_due(cluster)
-    shards = stage_shards(s, problems, prompts_per_stage)
-    if node0:
-        prepare_stage(s, label, prompts_per_stage)
-        rollouts.remove_temporaries(rollouts_dir(s))    # a killed run's; no engine process has started yet
-    cluster.barrier(f"generate_{s}/prepared")
-    todo = [k for r in range(n_engines) for k in engine_shards(shards, r, s)]
-    if node0:
-        print(f"stage {s}: {prompts_per_stage} prompts × G={group_size} = {prompts_per_stage * group_size} responses "
-              f"in {len(shards)} shards; {nnodes} node(s) × {n_engines} engine(s) × TP {tensor_parallel}; "
-              f"temperature {temperature}, max {max_response_tokens} tokens")
-    print(f"stage {s}, node {node_rank}: {len(todo)} shard(s) to generate here"
-          f"{f', the evaluation of stage {s - 1} first' if ev else ''}", flush=True)
-    # the engines' shares of the evaluation meet beside the results table (one node: a temporary directory)
-    meeting = cluster.meeting_dir(Path(results).parent / ".nodes" / f"eval_stage_{s - 1}", f"generate_{s}/eval")
-    with meeting if ev else contextlib.nullcontext() as parts:
-        # every engine of this node evaluates; more than one of them generates
-        if n_engines > 1 and (ev or len({k % all_engines for k in todo}) > 1):
-            codes = processes.run_workers(__file__, [*sys.argv[1:], *([f"--eval_parts={parts}"] if ev else [])],
-                                          engine.worker_environments(n_engines, tensor_parallel))
-            if any(codes):
-                sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
-        elif todo or ev:
-            engine_work(todo, shards, ev, parts)
-        cluster.barrier(f"generate_{s}/generated")
-        if node0 and ev:
-            records.append(run_dir, score_evaluation(ev, s - 1, label, common.policy_record(policy).get(
-                "run_updates", 0), parts), process="generate")
-    if node0:
-        common.wait_visible([rollouts.stats_path(rollouts_dir(s), k) for k in shards])   # the other nodes' too
-        write_manifest(s, label, list(shards))
-    cluster.barrier(f"generate_{s}/written")
-    common.wait_visible([rollouts_dir(s) / records.MANIFEST])      # node 0's (on one node: there already)
-
-
-def engine_worker():
-    """A per-GPU engine subprocess of one_stage: this engine's part of the stage."""
-    shards = stage_shards(stage, common.load_problems(data), prompts_per_stage)
-    mine = engine_shards(shards, worker_rank, stage)
-    if mine or eval_parts:
-        engine_work(mine, shards, evaluation() if eval_parts else None, eval_parts)
-
-
-def engine_work(mine, shards, ev, parts):
-    """One engine's part of the stage: its share of the evaluation first (ev: when one is due), then its shards."""
-    llm = start_engine(policy, stage)
-    if ev is not None:
-        sample_evaluation(llm, ev, parts)
-    if mine:
-        sampling.generate_shards(llm, shard_job(stage, str(policy), prompts_per_stage),
-                                 common.policy_fingerprint(policy), mine, shards)
-
-
-# ----------------------------------------------------------------------------- resident mode
-
-
 def first_pending_stage():
     """The first stage from --stage on without a complete manifest."""
     return next(s for s in itertools.count(stage) if not (rollouts_dir(s) / records.MANIFEST).exists())
 
 
-def eval_due(t, last):
-    """Whether the policy trained on stage t (−1: the initial policy) is evaluated, the one rule of both modes: the
-    initial policy, the one after every eval_every-th stage and the run's last (`last`)."""
-    if not eval_every or not results:
-        return False
-    return t < 0 or (t + 1) % eval_every == 0 or last
+# ----------------------------------------------------------------------------- the evaluations
 
 
+@functools.cache
 def evaluation():
     """These engines' evaluations' protocol: evaluate.py's block with eval_args over it (benchmarks.protocol), this
     script's prompt settings and graders."""
@@ -380,41 +302,69 @@ def score_evaluation(ev, t, label, updates, parts):
     return {"phase": "eval", "name": f"eval_{t}", "stage": t, "start": start, "end": end + time.time() - t0}
 
 
-class ResidentEngine:
-    """Resident mode, one engine (this process's; rank worker_rank of n_engines) for every stage from the first
-    pending one: wait for the policy the trainer hands over, load it in place, evaluate it when due, generate
-    this engine's shards of the stage (as many prompts as the policy's flag says; 0: the run is over), sleep.
-    The main process also writes the run's files: it prepares each stage, writes its manifest once every engine's
-    shards are in, and scores the evaluations; with data-parallel engines in worker processes (procs) it only does that.
+def evaluation_due(cluster, s, flag):
+    """Whether the engines evaluate the policy of `flag` (trained on stage s − 1) before stage s: when the stage's
+    plan says so (the flag's evaluate: run_stages.sh's --evaluate, or the trainer's hand-over) and the results table
+    lacks it. Node 0's answer, shared (a resumed stage does not redo it), which a per-phase engine process is given
+    (--eval_parts); resident engines read the table alone (its rows of s − 1 are written once every engine sampled it)."""
+    if not (flag["evaluate"] and results):
+        return False
+    if is_engine_worker and not resident:
+        return bool(eval_parts)
+    return cluster.share(f"generate_{s}/evaluate", not benchmarks.evaluated(results, s - 1, evaluation())) == "True"
 
-    Timeline rows: the main process's per stage (phase generate: from the policy's arrival to the manifest, and
-    the wait for it), every engine's own per stage (phase engine: its reload, sleep and the GPU memory sleep freed),
-    the main process's per evaluation."""
 
-    def __init__(self, procs=()):
-        self.procs, self.rank = procs, max(worker_rank, 0)
-        self.writes_run_files, self.has_engine = not is_engine_worker, not procs
-        self.partner = handoff.Partner(run_dir, "engine")
-        self.llm = self.receiver = self.ev = None
+# ----------------------------------------------------------------------------- the stages this process generates
+
+
+class Engines:
+    """This process's part of the stages it generates, the same steps in both modes (generate_stages): its own vLLM
+    engine (none in a main process whose engines are processes of their own, which it coordinates), the policy each
+    stage is generated with (per phase --policy, for --stage alone; resident each one the trainer hands over,
+    engine.PolicyReceiver, until one says the run is over), and in the main process the run's files (each stage's
+    plan and manifest, the evaluations' rows). What differs between the modes is where the policies come from and
+    whether the engines live on: per phase a coordinator starts its engine processes for the stage, resident ones
+    live for the run, sleeping between stages.
+
+    Resident timeline rows: the main process's per stage (phase generate: from the policy's arrival to the manifest,
+    and the wait for it), every engine's own per stage (phase engine: its reload, sleep and the GPU memory sleep
+    freed), the main process's per evaluation."""
+
+    def __init__(self, cluster, procs=()):
+        self.cluster, self.procs, self.rank = cluster, procs, max(worker_rank, 0)
+        self.has_engine = is_engine_worker or n_engines == 1
+        self.node0 = not is_engine_worker and node_rank == 0        # writes the run's files
+        self.partner = handoff.Partner(run_dir, "engine") if resident else None
+        self.llm = self.receiver = self.row = self.mine = None
+        self.engine_rows = []            # resident, the main process: its engines' rows of the stage (their flags)
 
     def where(self, s):
         return f"engine {engine_index()}, stage {s}"
 
-    def watch_workers(self):
-        for p in self.procs:
-            if p.poll() not in (None, 0):
-                raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
+    def given(self):
+        """The flag of --policy, as a handed-over policy's (handoff.Partner.publish_policy)."""
+        return {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
+                "run_updates": common.policy_record(policy).get("run_updates", 0),
+                "next_stage_prompts": prompts_per_stage, "evaluate": evaluate}
 
-    def run(self, problems):
-        """Every stage from the first pending one until a policy says the run is over."""
+    def policies(self):
+        """(s, the flag of its policy) of every stage this process generates: per phase --stage alone (none once its
+        manifest is written), resident handed_over's."""
+        if resident:
+            yield from self.handed_over()
+        elif self.cluster.share(f"generate_{stage}/complete", (rollouts_dir(stage) / records.MANIFEST).exists()) == "True":
+            print(f"{rollouts_dir(stage)} is complete (manifest.json exists); nothing to do")
+        else:
+            yield stage, self.given()
+
+    def handed_over(self):
+        """Resident: every stage from the first without a manifest, each with the policy handed over before it (the
+        first: --policy, or on a resume the last one handed over), until a policy's flag has no next stage."""
         partner = self.partner
-        if self.writes_run_files:
+        if not is_engine_worker:
             partner.announce()
         first = first_pending_stage()
-        self.ev = evaluation() if eval_every and results else None
-        flag = {"path": policy, "policy": str(policy), "fingerprint": common.policy_fingerprint(policy),
-                "run_updates": common.policy_record(policy).get("run_updates", 0),
-                "next_stage_prompts": prompts_per_stage}
+        flag = self.given()
         # a resumed run's engine starts on the last policy handed over; with the transfer it starts on the initial
         # one, since the policy it waits for may come over the API, which needs the engine up
         if first > stage and policy_handoff == "files":
@@ -424,100 +374,141 @@ class ResidentEngine:
             self.llm = start_engine(flag["path"], first)
         self.receiver = engine.PolicyReceiver(policy_handoff, partner, self.llm, engine_index(), self.where(first))
         # a resumed run with the transfer: the trainer trains before this engine's first stage, so the engine sleeps
-        # at once (the trainer takes memory only once every engine has slept: optimize.py resident_main)
+        # at once (the trainer takes memory only once every engine has slept: optimize.py resident_start)
         sleeps_first = policy_handoff == "transfer" and first > stage
         if self.has_engine and sleeps_first:
             engine.sleep(self.llm)
             partner.engine_asleep(self.rank)
         started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
-        if self.writes_run_files:
+        if not is_engine_worker:
             if sleeps_first:                     # its row ends once every engine is asleep ("asleep": the trainer's turn)
                 partner.wait(lambda: partner.engines_asleep(n_engines), watch=self.watch_workers)
             partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start,
                               "end": time.time(), **({"asleep": True} if sleeps_first else {})})
         try:
             for s in itertools.count(first):
-                row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
-                mine = {"phase": "engine", "name": f"engine_{self.rank}_{s}", "stage": s, "engine": self.rank,
-                        "reload_seconds": 0.0, "start_seconds": started if s == first else 0.0,
-                        "handoff": policy_handoff}
-                if s > first or (first > stage and policy_handoff == "transfer"):   # a policy arrives before it
-                    flag = self.receive(s, row, mine)
-                else:
-                    row["start"] = mine["start"] = time.time()
-                t, prompts = s - 1, flag["next_stage_prompts"]
-                # (rows of t are written only after every engine sampled t: all of them see the same table here)
-                if eval_due(t, last=prompts == 0) and not benchmarks.evaluated(results, t, self.ev):
-                    self.evaluate(t, flag)
-                if prompts == 0:
-                    break
-                self.generate(s, flag, problems, prompts, row, mine)
+                self.row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
+                self.mine = {"phase": "engine", "name": f"engine_{self.rank}_{s}", "stage": s, "engine": self.rank,
+                             "reload_seconds": 0.0, "start_seconds": started if s == first else 0.0,
+                             "handoff": policy_handoff}
+                if s > first or sleeps_first:    # a policy arrives before it
+                    flag, self.row["wait_seconds"] = self.receiver.wait(s, self.where(s))
+                    if self.has_engine:
+                        self.mine.update(self.receiver.load(flag, self.where(s)))
+                self.row["start"] = self.mine["start"] = time.time()
+                yield s, flag
+                if not flag["next_stage_prompts"]:
+                    return
         finally:
             self.receiver.close()
 
-    def receive(self, s, row, mine):
-        """The policy trained on stage s − 1, waited for (row's wait_seconds), loaded in place and verified (mine's
-        reload_seconds); returns its flag."""
-        flag, row["wait_seconds"] = self.receiver.wait(s, self.where(s))
-        row["start"] = mine["start"] = time.time()
-        if self.has_engine:
-            mine.update(self.receiver.load(flag, self.where(s)))
-        return flag
+    def watch_workers(self):
+        for p in self.procs:
+            if p.poll() not in (None, 0):
+                raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
 
-    def evaluate(self, t, flag):
-        """The policy trained on stage t, sampled by every engine; the main process scores it and writes its rows,
-        samples and timeline row."""
-        parts = records.stage_dir(handoff.state_dir(run_dir) / "eval", t)
-        if self.has_engine:
-            sample_evaluation(self.llm, self.ev, parts)
-        if self.writes_run_files:
-            self.partner.wait(lambda: all(benchmarks.part_path(parts, r).exists() for r in range(n_engines)),
-                              watch=self.watch_workers, partner=False)
-            self.partner.timeline(score_evaluation(self.ev, t, flag["policy"], flag["run_updates"], parts))
+    def evaluation_parts(self, s):
+        """Where the engines leave their shares of the evaluation before stage s: resident, the hand-off's directory
+        (cleared with every attempt's flags); per phase a directory the nodes meet in (cluster.meeting_dir, beside
+        the results table; on one node a temporary one), given to the engine processes (--eval_parts)."""
+        if resident:
+            return contextlib.nullcontext(records.stage_dir(handoff.state_dir(run_dir) / "eval", s - 1))
+        if is_engine_worker:
+            return contextlib.nullcontext(Path(eval_parts))
+        return self.cluster.meeting_dir(Path(results).parent / ".nodes" / f"eval_stage_{s - 1}", f"generate_{s}/eval")
 
-    def generate(self, s, flag, problems, prompts, row, mine):
-        """Stage s of `prompts` prompts: this engine's shards, then asleep before the trainer (told by the manifest)
-        takes memory; the main process prepares the stage and writes its manifest and timeline rows."""
-        if self.writes_run_files:
+    def work(self, s, flag, ev, parts, shards):
+        """This process's part of stage s: its engine's share of the evaluation (ev: when one is due) and its shards,
+        then (resident) asleep; a coordinator waits for its engine processes' parts (per phase: started for the
+        stage; resident: their flags)."""
+        mine = engine_shards(shards, self.rank, s) if self.has_engine else []
+        if self.has_engine and (ev or mine or resident):
+            self.llm = self.llm or start_engine(flag["path"], s)     # resident: started before the first stage
+            if ev:
+                sample_evaluation(self.llm, ev, parts)
+            if mine:
+                sampling.generate_shards(self.llm, shard_job(s, flag["policy"], flag["next_stage_prompts"]),
+                                         flag["fingerprint"], mine, shards)
+            if resident and shards:              # asleep before the trainer (told by the manifest) takes memory
+                self.mine["sleep_seconds"], self.mine["freed_gib"] = engine.sleep(self.llm)
+                self.partner.engine_asleep(self.rank)
+                self.partner.engine_finished(s, self.rank, {**self.mine, "end": time.time()})
+        elif not self.has_engine and not resident:
+            todo = [k for r in range(n_engines) for k in engine_shards(shards, r, s)]
+            if ev or todo:
+                codes = processes.run_workers(__file__, [*sys.argv[1:], *([f"--eval_parts={parts}"] if ev else [])],
+                                              engine.worker_environments(n_engines, tensor_parallel))
+                if any(codes):
+                    sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
+        if resident and not is_engine_worker:
+            if ev:
+                self.partner.wait(lambda: all(benchmarks.part_path(parts, r).exists() for r in range(n_engines)),
+                                  watch=self.watch_workers, partner=False)
+            if shards:
+                self.engine_rows = self.partner.wait(lambda: self.partner.engines_finished(s, n_engines),
+                                                     watch=self.watch_workers, partner=False)[1]
+
+    def timeline(self, row):
+        records.append(run_dir, row, process="engine" if resident else "generate")
+
+    def stage_rows(self):
+        """Resident: the stage's rows, every engine's and the main process's (which ends with the manifest)."""
+        if resident:
+            for r in [*self.engine_rows, {**self.row, "end": time.time()}]:
+                self.timeline(r)
+
+
+def generate_stages(problems, engines):
+    """Every stage `engines` gives this process, by the same steps in both modes: the evaluation of its policy when
+    due, then (unless the policy is the run's last) the stage: node 0's main process prepares it, every engine
+    generates its shards, node 0's main process writes the manifest; on several nodes (per phase) the nodes meet at
+    each step (node 0 decides what the filesystem says)."""
+    cluster = engines.cluster
+    for s, flag in engines.policies():
+        prompts = flag["next_stage_prompts"]
+        ev = evaluation() if evaluation_due(cluster, s, flag) else None
+        shards = stage_shards(s, problems, prompts) if prompts else {}
+        if engines.node0 and shards:
             prepare_stage(s, flag["policy"], prompts)
-        shards = stage_shards(s, problems, prompts)
-        if self.has_engine:
-            sampling.generate_shards(self.llm, shard_job(s, flag["policy"], prompts), flag["fingerprint"],
-                                     engine_shards(shards, self.rank, s), shards)
-            mine["sleep_seconds"], mine["freed_gib"] = engine.sleep(self.llm)
-            self.partner.engine_asleep(self.rank)
-            self.partner.engine_finished(s, self.rank, {**mine, "end": time.time()})
-        if self.writes_run_files:
-            engine_rows = self.partner.wait(lambda: self.partner.engines_finished(s, n_engines),
-                                            watch=self.watch_workers, partner=False)[1]
+            print(f"stage {s}: {prompts} prompts × G={group_size} = {prompts * group_size} responses in {len(shards)} "
+                  f"shards; {nnodes} node(s) × {n_engines} engine(s) × TP {tensor_parallel}; temperature "
+                  f"{temperature}, max {max_response_tokens} tokens{f'; the evaluation of stage {s - 1} first' if ev else ''}",
+                  flush=True)
+        cluster.barrier(f"generate_{s}/prepared")
+        with engines.evaluation_parts(s) if ev else contextlib.nullcontext() as parts:
+            engines.work(s, flag, ev, parts, shards)
+            cluster.barrier(f"generate_{s}/generated")
+            if engines.node0 and ev:
+                engines.timeline(score_evaluation(ev, s - 1, flag["policy"], flag["run_updates"], parts))
+        if not shards:
+            continue
+        if engines.node0:
+            common.wait_visible([rollouts.stats_path(rollouts_dir(s), k) for k in shards])   # the other nodes' too
             write_manifest(s, flag["policy"], list(shards), policy_id=flag["fingerprint"])
-            for r in [*engine_rows, {**row, "end": time.time()}]:
-                self.partner.timeline(r)
+            engines.stage_rows()
+        cluster.barrier(f"generate_{s}/written")
+        if not is_engine_worker:
+            common.wait_visible([rollouts_dir(s) / records.MANIFEST])  # node 0's (on one node: there already)
 
 
 def main():
     common.require_policy(policy)                                            # one line, not vLLM's traceback
     common.check_lengths(policy, max_prompt_tokens, max_response_tokens)
-    if not resident and is_engine_worker:
-        return engine_worker()
     problems = common.load_problems(data)
-    if not resident:
-        one_stage(problems, nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, store=store)))
-    elif not is_engine_worker and n_engines > 1:
-        processes.exit_on_sigterm()      # a SIGTERM ends this process through the finally below, workers first
+    cluster = nodes.OneNode() if is_engine_worker else nodes.from_args(dict(nnodes=nnodes, node_rank=node_rank, store=store))
+    if not is_engine_worker and node_rank == 0:   # a killed run's half-written files, before any engine process starts
         remove_temporaries(first_pending_stage())
-        procs = processes.start_workers(__file__, sys.argv[1:], engine.worker_environments(n_engines, tensor_parallel))
-        try:
-            ResidentEngine(procs).run(problems)
-            codes = [p.wait() for p in procs]
-            if any(codes):
-                sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
-        finally:
-            processes.stop_workers(procs)
-    else:
-        if not is_engine_worker:
-            remove_temporaries(first_pending_stage())
-        ResidentEngine().run(problems)
+    if not (resident and n_engines > 1 and not is_engine_worker):
+        return generate_stages(problems, Engines(cluster))
+    processes.exit_on_sigterm()      # a SIGTERM ends this process through the finally below, workers first
+    procs = processes.start_workers(__file__, sys.argv[1:], engine.worker_environments(n_engines, tensor_parallel))
+    try:
+        generate_stages(problems, Engines(cluster, procs))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
+    finally:
+        processes.stop_workers(procs)
 
 
 if __name__ == "__main__":

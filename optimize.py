@@ -43,8 +43,9 @@ out = ""                        # next policy directory (default: <stage_dir>/po
 init_state = ""                 # the previous stage's train_state/: continue its fp32 weights, AdamW moments
                                 # and update count (run_stages.sh passes it); empty: `policy`, fresh AdamW
 save_train_state = True         # keep train_state/ at the end (the next stage's --init_state)
-release_init_state = False      # delete --init_state once this stage's own train state is written (it has taken
-                                # over; run_stages.sh: true unless KEEP_TRAIN_STATES), so two states coexist, not three
+release_older_states = False    # delete the run's older train states (stage_<t>/train_state, t < this stage) once this
+                                # stage's own is written into its directory and kept (run_stages.sh: true unless
+                                # KEEP_TRAIN_STATES), so two states coexist, not three
 
 # the schedule: which rollouts each update trains on
 updates_per_stage = 16          # μ: optimizer updates on this stage's rollouts (paper: 1024; GRPO: 4; resident
@@ -130,6 +131,8 @@ drift_growth = 1.25             # planned as run_stages.sh plans them (stage_rul
 drift_max_updates = 0           # and DRIFT_MAX_UPDATES; 0: 4 × updates_per_stage)
 save_every = 0                  # resident: policy and train state into stage_<s>/ after every N-th stage and the
                                 # last (0: the last only); the engines get every policy by policy_handoff
+eval_every = 0                  # resident: the engines evaluate the policy after every N-th stage, the initial one and
+                                # the last (run_stages.sh EVAL_EVERY; its record goes with each policy handed over)
 policy_handoff = "transfer"     # resident: transfer (vLLM's weight-transfer API: CUDA IPC on GPUs, shared memory on
                                 # CPUs; mu_grpo/transfer.py) | files (a policy directory in the fast hand-off dir per stage)
 engines = 1                     # resident, transfer: the engine processes (generate.py's) the policies go to
@@ -141,9 +144,11 @@ for name, allowed in (("nav_scope", L.NAV_SCOPES), ("stage_end", ("fixed", "drif
                       ("kl_estimator", L.KL_ESTIMATORS), ("attn_implementation", M.ATTENTION),
                       ("optimizer_boundary", ("carry", "reset"))):
     common.check_choice(name, globals()[name], allowed)
-# μ of each stage (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
+# each stage decided (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
 stage_plan = stage_rules.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
-                                total_updates=total_updates, drift_growth=drift_growth, drift_max_updates=drift_max_updates)
+                                   total_updates=total_updates, drift_growth=drift_growth,
+                                   drift_max_updates=drift_max_updates, prompts_per_update=prompts_per_update,
+                                   eval_every=eval_every, save_every=save_every)
 ending = stage_rules.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
 gate = update.AgreementGate(engine_mismatch_bound, agreement_growth, collapse_entropy_ratio, agreement_responses)
 betas = common.adam_betas(adam_betas)
@@ -227,8 +232,11 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     def save_state(done, final=False):
         checkpoint.save_state(model, optimizer, progress.state_dir, {
             "update": done, **progress.counts(done), "complete": final, "start_weights": progress.start_weights})
-        if release_init_state and init_state and is_main and Path(init_state).exists():
-            shutil.rmtree(init_state)         # this stage's own state has taken over from the previous stage's
+        home = stage.directory.parent                 # the stage's directory: kept there, its state is the run's
+        if release_older_states and progress.save_state and is_main and progress.work_dir.resolve() == home.resolve():
+            for older, directory in records.stage_dirs(home.parent):   # it takes over from the run's older ones
+                if older < stage.index:
+                    shutil.rmtree(directory / records.TRAIN_STATE, ignore_errors=True)
 
     if start == 0 and optimizer_boundary == "reset":     # (a resumed stage's state was saved after its reset; a new
         M.reset_optimizer_state(optimizer)                # AdamW, the run's first stage's: a no-op)
@@ -273,8 +281,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     record_stage_end(stage, schedule, done, neg_ratios, progress)
     if progress.save_state:
         save_state(done, final=True)
-    dirs = progress.policy_dirs if progress.policy_dirs is not None else (progress.out_dir,)
-    first, *copies = dirs or (None,)
+    first, *copies = progress.policy_dirs or (None,)
     if first is not None:
         save_policy(first, done)
     if is_main:
@@ -330,31 +337,116 @@ def record_stage_end(stage, schedule, done, neg_ratios, progress):
         common.atomic_write_json(progress.work_dir / records.STAGE_END, {**row, **progress.counts(done)})
 
 
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- the trainer
 
 
-def reference_pass(stage, temp, reference, attention, progress):
-    """KL's reference log-probs, stored once per stage: π_ref built for the pass and freed before the
-    trainer is built. Returns ({"ref": column} or {}, its timing)."""
-    if not reference:
-        return {}, {}
-    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=shard_ranks)
-    column, seconds = update.logprob_pass(ref_model, stage, temp, "ref", common.policy_fingerprint(reference),
-                                          progress.work_dir, micro_batch_tokens)
-    del ref_model
-    M.release_memory()
-    return {"ref": column}, {"ref_pass_seconds": seconds}
+def kl_reference(start_policy):
+    """π_ref of the KL term: --ref_policy, else the stage policy when kl_coef > 0 (said: the usual π_ref is the
+    run's first model), else none."""
+    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
+    if reference and not ref_policy:
+        log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
+    return reference
 
 
-def check_disk(stage, start_policy, progress, passes, saves_state, saves_policy=True):
+class Trainer:
+    """The policy as the trainer holds it, its AdamW and KL's reference, and where training stands: the first update
+    of the next stage, the counts before it, the id of the weights it starts from (checkpoint.restore's, then each
+    stage's end). Built once, when the first stage needs it (ready): per phase after that stage's π_ref pass, so
+    that the two never coexist; resident before the first rollouts arrive, π_ref then kept for the run. `source`
+    and `resume`: the train state it starts from (None: the policy's weights, AdamW afresh) and whether that is a
+    resume of the stage (checkpoint.restore)."""
+
+    def __init__(self, start_policy, source, resume, keep_reference):
+        torch.manual_seed(seed)
+        self.start_policy, self.source, self.resume = start_policy, source, resume
+        self.attention = M.choose_attention(attn_implementation, device)
+        log(f"{world} process(es) on {device.type}, attention {self.attention}"
+            + (f"; HSDP: {world // shard_ranks} replica(s) × {shard_ranks} shard(s)" if shard_ranks else ""))
+        self.reference = kl_reference(start_policy)
+        self.keep_reference = keep_reference and bool(self.reference)
+        self.dtype = M.checkpoint_dtype(start_policy)          # every policy is saved in the initial model's dtype
+        self.model = self.optimizer = self.ref_model = None
+        self.start, self.before, self.start_weights = 0, None, None
+
+    def ready(self):
+        """Build the model and AdamW (empty when a train state fills them) and load the train state; returns the
+        seconds that took (0 once built)."""
+        if self.model is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.keep_reference:
+            self.ref_model = self.build_reference()
+        self.model = M.build(self.start_policy, attention=self.attention, gradient_checkpointing=gradient_checkpointing,
+                             lora_rank=lora_rank, lora_alpha=lora_alpha, weights=self.source is None,
+                             shard_ranks=shard_ranks)
+        self.optimizer = torch.optim.AdamW(M.parameter_groups(self.model), lr=lr, betas=betas,
+                                           weight_decay=weight_decay, eps=1e-8)
+        M.init_optimizer_state(self.optimizer)
+        self.start, self.before, self.start_weights, said = checkpoint.restore(
+            self.model, self.optimizer, self.source, resume=self.resume, start_policy=self.start_policy)
+        log(said)
+        return time.perf_counter() - t0
+
+    def build_reference(self):
+        return M.build(self.reference, attention=self.attention, trainable=False, shard_ranks=shard_ranks)
+
+    def reference_columns(self, stage, work_dir):
+        """KL's reference log-probs of the stage, stored once per stage: ({"ref": column}, its timing), or ({}, {})
+        without π_ref; from the kept model, else from one built for the pass and freed."""
+        if not self.reference:
+            return {}, {}
+        model = self.ref_model or self.build_reference()
+        column, seconds = update.logprob_pass(model, stage, logprob_temperature(stage), "ref",
+                                              common.policy_fingerprint(self.reference), work_dir, micro_batch_tokens)
+        if model is not self.ref_model:
+            del model
+            M.release_memory()
+        return {"ref": column}, {"ref_pass_seconds": seconds}
+
+    def next_stage(self, after):
+        """Where the next stage starts, this one having ended at the counts `after`: its update 0, from weights no
+        file names (a fresh id keys its TIS pass)."""
+        self.start, self.before, self.start_weights = 0, after, uuid.uuid4().hex[:16]
+
+    def release_gradients(self):
+        """Free the gradients (4 bytes per parameter) before the engines wake; returns the bytes still held."""
+        return M.release_gradients(self.optimizer)
+
+    def reserved_gib_per_rank(self):
+        """What each rank's allocator holds (NaN without a GPU: None), gathered on every rank."""
+        held = M.reserved_gib()
+        reserved = M.gather_values(torch.tensor([math.nan if held is None else held], device=device)).tolist()
+        return [common.finite_or_none(x) for x in reserved]
+
+
+def record_settings(progress, stage, trainer):
+    """optimize_config.json beside metrics.jsonl: the hyperparameters as resolved (with the stage plan's defaults:
+    total_updates, drift_max_updates), what this stage resolved at run time, the versions of the code and libraries,
+    and the command line."""
+    if is_main:
+        progress.work_dir.mkdir(parents=True, exist_ok=True)
+        resolved = {"policy": trainer.start_policy, "ref_policy": trainer.reference,
+                    "temperature": logprob_temperature(stage), "attention": trainer.attention,
+                    "norm_len": loss_options(stage)["norm_len"], **({"resident": True} if resident else {})}
+        common.atomic_write_json(progress.work_dir / records.OPTIMIZE_CONFIG, {
+            "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
+            "resolved": resolved, "world": world, "device": str(device), "versions": common.versions(), "argv": sys.argv})
+
+
+def check_disk(stage, trainer, progress):
     """Refuse, before any compute, a stage whose outputs will not fit: a train state when it saves one (fp32 weights
     and AdamW's two moments, 12 bytes per parameter; a new one is written beside the current before it replaces
-    it), every policy it saves (in the initial model's dtype) and the per-stage log-prob passes still to compute
-    (4 bytes per response token each)."""
-    n = M.parameter_count(start_policy)
+    it), every policy it saves into the run (in the initial model's dtype) and the per-stage log-prob passes still
+    to compute (4 bytes per response token each). progress.check_saves: as if it saved both (a resident run's first
+    stage: a disk without room for one save stops the run now, not hours in)."""
+    n = M.parameter_count(trainer.start_policy)
+    saves_state = progress.save_state or bool(checkpoint_every) or progress.check_saves
+    saves_policy = progress.out_dir in progress.policy_dirs or progress.check_saves
     state = (4 if lora_rank else 12) * n if saves_state else 0
     policies = int(saves_policy) + (max(progress.updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
-    policy_bytes = policies * n * M.checkpoint_dtype(start_policy).itemsize
+    policy_bytes = policies * n * trainer.dtype.itemsize
+    passes = bool(trainer.reference) + (tis_cap is not None)
     pass_bytes = passes * 4 * int(stage.token_offset[-1])
     common.require_free_disk(progress.work_dir, state + policy_bytes + pass_bytes,
                              f"this stage's train state ({state / 1e9:.1f} GB), {policies} policy directory(ies) "
@@ -371,227 +463,138 @@ def write_timing(progress, timing):
         log(f"next policy written to {progress.out_dir} ({seconds})")
 
 
-def build_trainer(start_policy, attention, weights):
-    """The policy as the trainer holds it and its AdamW."""
-    model = M.build(start_policy, attention=attention, gradient_checkpointing=gradient_checkpointing,
-                    lora_rank=lora_rank, lora_alpha=lora_alpha, weights=weights, shard_ranks=shard_ranks)
-    optimizer = torch.optim.AdamW(M.parameter_groups(model), lr=lr, betas=betas,
-                                  weight_decay=weight_decay, eps=1e-8)
-    M.init_optimizer_state(optimizer)
-    return model, optimizer
+# ----------------------------------------------------------------------------- the stages this process trains
 
 
-def kl_reference(start_policy):
-    """π_ref of the KL term: --ref_policy, else the stage policy when kl_coef > 0 (said: the usual π_ref is the
-    run's first model), else none."""
-    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
-    if reference and not ref_policy:
-        log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
-    return reference
+def train_one(trainer, handover, stage, progress):
+    """One stage, as both modes train it: the checks before any compute, KL's reference pass, the model (built for
+    the process's first stage), the updates (train_stage, which saves the policy where the hand-over said), the
+    policy handed over (per phase: its save is all), the timing."""
+    t0 = time.time()
+    update.check_fits(stage, trainer.start_policy)
+    record_settings(progress, stage, trainer)
+    check_disk(stage, trainer, progress)
+    handover.before_stage(stage.index)
+    columns, timing = trainer.reference_columns(stage, progress.work_dir)
+    if built := trainer.ready():
+        timing["load_seconds"] = built
+    progress.start, progress.before, progress.start_weights = trainer.start, trainer.before, trainer.start_weights
+    trained, after = train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
+                                 trainer.dtype)
+    timing.update(trained)
+    timing.update(handover.hand_over(stage.index, trainer, after["run_updates"]))
+    trainer.next_stage(after)
+    write_timing(progress, {**timing, "attention": trainer.attention})
+    handover.record(stage.index, t0, timing)
 
 
-def record_settings(progress, stage, start_policy, reference, attention, **more):
-    """optimize_config.json beside metrics.jsonl: the hyperparameters as resolved (with the stage plan's defaults:
-    total_updates, drift_max_updates), what this stage resolved at run time, the versions of the code and libraries,
-    and the command line."""
-    if is_main:
-        progress.work_dir.mkdir(parents=True, exist_ok=True)
-        resolved = {"policy": start_policy, "ref_policy": reference, "temperature": logprob_temperature(stage),
-                    "attention": attention, "norm_len": loss_options(stage)["norm_len"], **more}
-        common.atomic_write_json(progress.work_dir / records.OPTIMIZE_CONFIG, {
-            "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
-            "resolved": resolved, "world": world, "device": str(device), "versions": common.versions(), "argv": sys.argv})
-
-
-def main():
-    t_start = time.perf_counter()
+def one_stage():
+    """The process-per-phase loop's stage: --stage_dir, from --policy (default: the one that generated it),
+    resuming its own train state or continuing --init_state; its outputs at --out. Returns (trainer, hand-over,
+    [(the stage, its progress)])."""
     stage = update.open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
     common.require_policy(start_policy)
-    update.check_fits(stage, start_policy)
-    attention = M.choose_attention(attn_implementation, device)
-    log(f"{world} process(es) on {device.type}, attention {attention}"
-        + (f"; HSDP: {world // shard_ranks} replica(s) × {shard_ranks} shard(s)" if shard_ranks else ""))
-    progress = records.StageProgress(out_dir=Path(out) if out else Path(stage_dir) / records.POLICY,
-                                     updates_per_stage=updates_per_stage, save_state=save_train_state)
-    reference = kl_reference(start_policy)
-    check_disk(stage, start_policy, progress, passes=bool(reference) + (tis_cap is not None),
-               saves_state=save_train_state or bool(checkpoint_every))
-    record_settings(progress, stage, start_policy, reference, attention)
-    torch.manual_seed(seed)
-    columns, timing = reference_pass(stage, logprob_temperature(stage), reference, attention, progress)
+    out_dir = Path(out) if out else Path(stage_dir) / records.POLICY
+    handover = handoff.StageDirectory()
+    progress = records.StageProgress(out_dir=out_dir, updates_per_stage=updates_per_stage, save_state=save_train_state,
+                                     policy_dirs=handover.policy_dirs(out_dir, stage.index, True))
     source = M.broadcast(checkpoint.state_source(progress.state_dir, init_state) if is_main else None)  # rank 0 decides
-    model, optimizer = build_trainer(start_policy, attention, weights=source is None)
-    progress.start, progress.before, progress.start_weights, said = checkpoint.restore(
-        model, optimizer, source, resume=source == progress.state_dir, start_policy=start_policy)
-    log(said)
-    timing["load_seconds"] = time.perf_counter() - t_start - sum(timing.values())
-    timing.update(train_stage(model, optimizer, stage, progress, columns, start_policy,
-                              M.checkpoint_dtype(start_policy))[0])    # every policy keeps the initial dtype
-    write_timing(progress, {**timing, "attention": attention})
-    del model, optimizer
-    M.end_process_group()
+    trainer = Trainer(start_policy, source, resume=source == progress.state_dir, keep_reference=False)
+    return trainer, handover, [(stage, progress)]
 
 
-# ----------------------------------------------------------------------------- resident mode
-
-
-@dataclasses.dataclass
-class Resident:
-    """What the resident trainer keeps for the whole run: the policy and AdamW, KL's reference model, how the
-    policies are handed over (handoff.PolicyHandover), and the dtype every policy is saved in (the initial model's)."""
-    model: object
-    optimizer: object
-    start_policy: Path
-    attention: str
-    reference: str
-    ref_model: object
-    handover: handoff.PolicyHandover
-    dtype: torch.dtype
-
-
-def resident_main():
-    """Resident mode: the model and AdamW built once for the stages from the first untrained one to the run's end
-    (stage_plan), each trained as a one-stage run would and its policy handed over; a resumed run starts from the
-    newest train state and trains the stages after it again (their rollouts are on disk): an unbroken run's weights."""
+def resident_start():
+    """Resident mode's start: the hand-over (handoff.PolicyHandover) and the trainer continuing the run directory's
+    newest train state, built once the engines have slept (after their first rollouts; on a resume with the transfer,
+    at once); a resumed run trains the stages after that state again (their rollouts are on disk): an unbroken run's
+    weights. Returns (trainer, hand-over, the stages: resident_stages); no trainer and no stages once every stage is
+    trained (the engines still evaluate the last policy)."""
     partner = handoff.Partner(run_dir, "trainer")
     if is_main:
         partner.announce()
-    handover = handoff.PolicyHandover(partner, stage_plan, prompts_per_update, is_main)
+    handover = handoff.PolicyHandover(partner, stage_plan, is_main)
     last, meta = checkpoint.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     last_dir = records.stage_dir(run_dir, last) if meta else None
     # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
     resave = meta is not None and meta["complete"] and not common.policy_record(last_dir / records.POLICY)
+    untrained = stage_plan.stage(run_dir, first).updates
     if meta is not None and meta["complete"] and not resave:
         handover.publish_saved(last, last_dir / records.POLICY)   # the engine resumes from it
         # killed in its last evaluation: nothing to train, so no model or state (~91 GB at 7B) is loaded beside the
         # engine's start (vllm/v1/worker/gpu_worker.py:719 asserts no other process frees memory meanwhile)
-        if not stage_plan.updates_per_stage_at(run_dir, first):
+        if not untrained:
             log(f"stage {first}: every stage is trained; the last policy goes to its evaluation")
-            return M.end_process_group()
+            return None, handover, []
     if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
         from mu_grpo import transfer  # vLLM's transfer classes: only with the transfer hand-off
         handover.sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
                                           buffer_bytes=handoff_buffer_mb * 2**20)
     # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
     # that policy, holding none)
-    if stage_plan.updates_per_stage_at(run_dir, first) and not resave:
+    if untrained and not resave:
         partner.wait_for_rollouts(first)
     # with the transfer the engines start at once, also on a resumed run whose stages from `first` have their rollouts
     # already: they sleep before this process takes memory (with files a resumed engine waits for this one's policy)
     if policy_handoff == "transfer":
         partner.wait(lambda: partner.engines_asleep(engines))
     t_start = time.time()
-    start_policy = common.local_dir(policy)
-    trainer = build_resident(start_policy, weights=meta is None, handover=handover)
-    start, before, start_weights, said = checkpoint.restore(
-        trainer.model, trainer.optimizer, last_dir / records.TRAIN_STATE if meta else None,
-        resume=meta is not None and not meta["complete"], start_policy=start_policy)
-    log(said)
+    trainer = Trainer(common.local_dir(policy), last_dir / records.TRAIN_STATE if meta else None,
+                      resume=meta is not None and not meta["complete"], keep_reference=True)
+    trainer.ready()
+    if handover.kind == "transfer":
+        log(f"policies are handed over through vLLM's weight-transfer API ({handover.sender.backend}, {engines} engine(s))")
+    else:   # rank 0 chooses where (it sees the same /dev/shm as the engines), broadcast: a rank that chose otherwise
+        # would save alone into a collective
+        fast, why = M.broadcast(handoff.fast_dir(run_dir, M.parameter_count(trainer.start_policy) * trainer.dtype.itemsize)
+                                if is_main else None)
+        handover.use_files(fast)
+        log(f"policies are handed over through {fast}: {why}")
     if resave:
         counts = {k: meta[k] for k in checkpoint.COUNTS}
-        checkpoint.save_policy(trainer.model, start_policy, trainer.dtype, last_dir / records.POLICY,
+        checkpoint.save_policy(trainer.model, trainer.start_policy, trainer.dtype, last_dir / records.POLICY,
                                {"stage": last, "stage_updates": meta["update"], **counts})
         # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
         # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
         # as every stage's hand-over does (release_gradients)
         M.release_memory()
         handover.publish_saved(last, last_dir / records.POLICY)
+    gc.freeze()       # what lives for the run (the model, the libraries' modules: vLLM's with the transfer) is out of
+    # every later gc.collect (model.release_memory's, every stage): on a CPU a collect takes 0.1 s with torch and
+    # transformers imported, 0.3 s with vLLM too, a few ms once they are frozen
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
+    return trainer, handover, resident_stages(handover, first)
+
+
+def resident_stages(handover, first):
+    """(stage, its progress) of every stage from `first` until the plan ends the run, each decided once the stage
+    before it is trained (stage_rules.StagePlan.stage) and opened once its rollouts are in."""
+    s = first
+    while (decided := stage_plan.stage(run_dir, s)).updates:
+        log(tracking.where_line(run_dir, stage_plan.run_updates, s) if is_main else None)   # the stage's line
+        handover.wait_for_rollouts(s)
+        stage_policy = records.stage_dir(run_dir, s) / records.POLICY
+        yield update.open_stage(records.stage_dir(run_dir, s)), records.StageProgress(
+            out_dir=stage_policy, updates_per_stage=decided.updates, save_state=decided.save,
+            policy_dirs=handover.policy_dirs(stage_policy, s, decided.save), check_saves=s == first)
+        s += 1
+
+
+def main():
+    """The stages this process is given, each trained by train_one: per phase the one at --stage_dir, then the
+    process ends; resident every stage of the run, the process living on. What differs is the hand-over
+    (handoff.StageDirectory or handoff.PolicyHandover)."""
+    trainer, handover, stages = resident_start() if resident else one_stage()
     try:
-        resident_stages(partner, trainer, first, start, before, start_weights)
+        for stage, progress in stages:
+            train_one(trainer, handover, stage, progress)
     finally:
         handover.close()
     del trainer
     M.end_process_group()
 
 
-def resident_stages(partner, trainer, first, start, before, start_weights):
-    """The resident trainer's stages from `first` until the plan ends the run."""
-    s = first
-    while updates_per_stage := stage_plan.updates_per_stage_at(run_dir, s):
-        # saved into the run directory: every save_every-th stage, and any stage that may be the last (one that reaches
-        # the run's updates unless it ends on drift)
-        due = stage_plan.may_end_run(s, before["run_updates"], updates_per_stage) or bool(
-            save_every and (s + 1) % save_every == 0)
-        stage_policy = records.stage_dir(run_dir, s) / records.POLICY
-        progress = records.StageProgress(
-            out_dir=stage_policy, updates_per_stage=updates_per_stage, start=start if s == first else 0, before=before,
-            start_weights=start_weights if s == first else uuid.uuid4().hex[:16], save_state=due,
-            policy_dirs=trainer.handover.policy_dirs(stage_policy, s, due))
-        before = resident_stage(partner, trainer, s, progress, check_all=s == first)   # the next stage's counts
-        s += 1
-
-
-def build_resident(start_policy, weights, handover):
-    """The resident trainer's model and AdamW (empty when a train state will fill them), KL's reference model, and
-    the hand-over: through vLLM's weight-transfer API, or through files in the directory rank 0 chooses (it sees the
-    same /dev/shm as the engines; broadcast, since a rank that chose otherwise would save alone into a collective).
-    The choice is logged."""
-    attention = M.choose_attention(attn_implementation, device)
-    reference = kl_reference(start_policy)
-    torch.manual_seed(seed)
-    ref_model = M.build(reference, attention=attention, trainable=False, shard_ranks=shard_ranks) if reference else None
-    model, optimizer = build_trainer(start_policy, attention, weights=weights)
-    trainer = Resident(model, optimizer, start_policy, attention, reference, ref_model, handover,
-                       M.checkpoint_dtype(start_policy))
-    if handover.kind == "transfer":
-        log(f"policies are handed over through vLLM's weight-transfer API ({handover.sender.backend}, {engines} engine(s))")
-    else:
-        policy_bytes = M.parameter_count(start_policy) * trainer.dtype.itemsize
-        fast, why = M.broadcast(handoff.fast_dir(run_dir, policy_bytes) if is_main else None)
-        handover.use_files(fast)
-        log(f"policies are handed over through {fast}: {why}")
-    gc.freeze()       # what lives for the run (the model, the libraries' modules: vLLM's with the transfer) is out of
-    # every later gc.collect (model.release_memory's, every stage): on a CPU a collect takes 0.1 s with torch and
-    # transformers imported, 0.3 s with vLLM too, a few ms once they are frozen
-    return trainer
-
-
-def resident_stage(partner, trainer, s, progress, check_all):
-    """Stage s in the resident trainer: wait for its rollouts, train on them as a one-stage run would, free the
-    gradients (the engine wakes next), hand the policy over. check_all: check the disk for a save even when none
-    is due (the first stage: a disk without room for one save stops the run now, not hours in). Returns the counts the
-    stage ended at."""
-    if is_main:          # where the run stands (run_stages.sh prints this line per stage in the other mode)
-        log(tracking.where_line(run_dir, stage_plan.run_updates, s))
-    waited = partner.wait_for_rollouts(s)
-    t0 = time.time()
-    stage = update.open_stage(records.stage_dir(run_dir, s))
-    update.check_fits(stage, trainer.start_policy)
-    record_settings(progress, stage, trainer.start_policy, trainer.reference, trainer.attention, resident=True)
-    saves = progress.save_state or check_all
-    check_disk(stage, trainer.start_policy, progress, passes=(trainer.ref_model is not None) + (tis_cap is not None),
-               saves_state=saves, saves_policy=saves)
-    trainer.handover.before_stage(s)
-    columns, timing = {}, {}
-    if trainer.ref_model is not None:
-        columns["ref"], timing["ref_pass_seconds"] = update.logprob_pass(
-            trainer.ref_model, stage, logprob_temperature(stage), "ref", common.policy_fingerprint(trainer.reference),
-            progress.work_dir, micro_batch_tokens)
-    trained, after = train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
-                                 trainer.dtype)
-    timing.update(trained)
-    # this process keeps only its resident state (fp32 weights, AdamW), not the gradients (4 bytes per parameter)
-    timing["gradient_bytes_kept"] = M.release_gradients(trainer.optimizer)
-    timing.update(trainer.handover.hand_over(s, trainer.model, trainer.dtype, after["run_updates"]))
-    # what each rank's allocator holds while the engines are awake (the preflight gates it against their share)
-    held = M.reserved_gib()
-    reserved = M.gather_values(torch.tensor([math.nan if held is None else held], device=device)).tolist()
-    if is_main and progress.save_state and release_init_state:    # the newest train state replaces the older ones
-        for older in range(s):
-            shutil.rmtree(records.stage_dir(run_dir, older) / records.TRAIN_STATE, ignore_errors=True)
-    write_timing(progress, {**timing, "attention": trainer.attention, "wait_seconds": waited})
-    if is_main:
-        partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": t0, "end": time.time(),
-                          "wait_seconds": waited, "gradient_bytes_kept": timing["gradient_bytes_kept"],
-                          "reserved_gib_per_rank": [common.finite_or_none(x) for x in reserved],
-                          "handoff": policy_handoff,
-                          **{k: v for k, v in timing.items() if k.endswith(("seconds", "per_s"))}})
-    return after
-
-
 if __name__ == "__main__":
-    resident_main() if resident else main()
+    main()

@@ -180,11 +180,11 @@ EVAL_ARGS=($EVAL_PROTOCOL --max_prompt_tokens="$MAX_PROMPT" --max_response_token
            "${NODE_ARGS[@]}")
 GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --max_prompt_tokens=$MAX_PROMPT
                --max_response_tokens=$MAX_RESPONSE --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" $GENERATE_FLAGS
-               "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}"     # and the evaluations due before the stage, by its engines:
-               --eval_every="$EVAL_EVERY" --eval_args="$EVAL_PROTOCOL" --results="$RUN/results.jsonl" --run_start="$START")
+               "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}"     # and the evaluation due before the stage, by its engines:
+               --eval_args="$EVAL_PROTOCOL" --results="$RUN/results.jsonl" --run_start="$START")
 OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --seed="$SEED" $OPTIMIZE_FLAGS $LOSS_ARGS "${KL_ARGS[@]}"
                --checkpoint_every=$(( UPDATES_PER_STAGE >= 64 ? 64 : 0 )) --stage_end="$STAGE_END" --hsdp="$HSDP"
-               --release_init_state=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true) $DRIFT_ARGS)
+               --release_older_states=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true) $DRIFT_ARGS)
 if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0 on node 0 (static rendezvous)
   TRAIN=($PY -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$TRAIN_RANKS"
          --master_addr="$MASTER_ADDR" --master_port=$((MASTER_PORT + 1)) --rdzv_conf=timeout="$JOIN_TIMEOUT")
@@ -198,32 +198,26 @@ if [[ "$PREFLIGHT_ONLY" == true ]]; then (( NODE_RANK > 0 )) || echo "the prefli
 if [[ "$RESIDENT" == true ]]; then   # two processes for every stage (a failed one stops the other); a rerun resumes
   $PY -m mu_grpo.launch --command=resident --logs="$RUN/logs" \
       $PY generate.py --resident=true --stage=0 --policy="$MODEL" "${GENERATE_ARGS[@]}" \
-      --prompts_per_stage="$PROMPTS_PER_STAGE" --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" \
-      --policy_handoff="$HANDOFF" :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" \
-      --stages="$STAGES" --policy_handoff="$HANDOFF" --engines="$ENGINES" \
-      --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" --updates_per_stage="$UPDATES_PER_STAGE" --save_every="$SAVE_EVERY" \
-      --total_updates="$TOTAL_UPDATES" --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" 9>&- || exit 1
+      --prompts_per_stage="$PROMPTS_PER_STAGE" --evaluate="$EVALUATE_INITIAL" \
+      --gpu_memory_utilization="$RESIDENT_GPU_MEMORY" --policy_handoff="$HANDOFF" \
+      :: "${TRAIN[@]}" optimize.py --resident=true --run_dir="$RUN" --policy="$MODEL" "${OPTIMIZE_ARGS[@]}" \
+      --stages="$STAGES" --updates_per_stage="$UPDATES_PER_STAGE" --total_updates="$TOTAL_UPDATES" \
+      --drift_growth="$DRIFT_GROWTH" --drift_max_updates="$DRIFT_MAX_UPDATES" --eval_every="$EVAL_EVERY" \
+      --save_every="$SAVE_EVERY" --policy_handoff="$HANDOFF" --engines="$ENGINES" 9>&- || exit 1
 else
   s=0 POLICY=$MODEL STATE_ARGS=()      # stage s > 0 continues stage s-1's fp32 weights, AdamW moments, update count
-  plan=($($PY -m mu_grpo.launch --command=plan --stage=0))  # μ, prompts (stage_rules.StagePlan); 0 0: over; nodes: node 0's
-  while (( plan[0] > 0 )); do
-    STAGE_DIR=$RUN/stage_$s
-    (( NODE_RANK > 0 )) || $PY -m mu_grpo.tracking --command=where --run_dir="$RUN" --total_updates="$RUN_UPDATES" --stage=$s
+  while :; do      # stage s decided once (stage_rules.StagePlan.stage, its line on stderr; several nodes: node 0's)
+    STAGE=$( (( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=stage --stage=$s )  # a failure stops the run here
+    STAGE=$(share "stage/$s" "$STAGE"); eval "$STAGE"    # STAGE_UPDATES (0: the run is over), STAGE_PROMPTS, EVALUATE
+    (( STAGE_UPDATES > 0 )) || break
     phase "generate_$s" $s $PY generate.py --policy="$POLICY" --stage=$s "${GENERATE_ARGS[@]}" \
-        --prompts_per_stage="${plan[1]}"
-    phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$POLICY" \
-        "${OPTIMIZE_ARGS[@]}" --updates_per_stage="${plan[0]}" "${STATE_ARGS[@]}"
-    POLICY=$STAGE_DIR/policy STATE_ARGS=(--init_state="$STAGE_DIR/train_state")
-    if (( s > 0 && NODE_RANK == 0 )) && [[ "$KEEP_TRAIN_STATES" != true ]]; then  # fp32 weights + AdamW: ~12 bytes
-      rm -rf "$RUN/stage_$((s - 1))/train_state"                  # per parameter; stage s carries it on
-    fi
-    NEXT=$( (( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=plan --stage=$((s + 1)) )   # a failure stops the run here
-    next=($(share "planned/$((s + 1))" "$NEXT"))
-    if (( EVAL_EVERY > 0 && next[0] == 0 )); then    # the last policy (the others: the next stage's engines)
-      phase "eval_$s" $s $PY evaluate.py --policy="$POLICY" --stage=$s "${EVAL_ARGS[@]}"
-    fi
-    s=$((s + 1)) plan=("${next[@]}")
+        --prompts_per_stage="$STAGE_PROMPTS" --evaluate="$EVALUATE"     # its engines evaluate $POLICY first if due
+    phase "optimize_$s" $s "${TRAIN[@]}" optimize.py --stage_dir="$RUN/stage_$s" --policy="$POLICY" \
+        "${OPTIMIZE_ARGS[@]}" --updates_per_stage="$STAGE_UPDATES" "${STATE_ARGS[@]}"
+    POLICY=$RUN/stage_$s/policy STATE_ARGS=(--init_state="$RUN/stage_$s/train_state") s=$((s + 1))
   done
+  [[ "$EVALUATE" != true ]] || phase "eval_$((s - 1))" $((s - 1)) $PY evaluate.py --policy="$POLICY" \
+      --stage=$((s - 1)) "${EVAL_ARGS[@]}"     # the last policy (the others: the next stage's engines)
 fi
 if (( NODE_RANK > 0 )); then echo "node $NODE_RANK: run $RUN done (node 0 summarizes it)"; exit 0; fi
 $PY tools/plot.py --run_dir="$RUN" --summary=true | tee "$RUN/logs/summary.log"

@@ -101,17 +101,39 @@ def reset(run_dir):
     state_dir(run_dir).mkdir(parents=True)
 
 
-class PolicyHandover:
-    """The trainer's side of handing each policy to the engines (rank 0 writes; every rank sends), for the two ways a
-    resident run does it: files (policy_<s>/ in the fast directory, fast_dir, for the engines to load) or transfer
-    (vLLM's weight-transfer API: `sender`, a transfer.Sender). With processes per phase nothing is handed over: the
-    next generate process loads the policy saved into the stage directory. `plan` (stage_rules.StagePlan) and
-    prompts_per_update size the stage each policy generates."""
+class StageDirectory:
+    """The process-per-phase loop's hand-over (optimize.py's, beside PolicyHandover's): the policy is saved into the
+    stage directory (optimize.py --out), where the next stage's generate.py process loads it. Nothing is waited for
+    (the rollouts are in before the process starts), sent, or timed beyond optimize_timing.json (run_stages.sh times
+    the phase)."""
+    kind = "stage directory"
 
-    def __init__(self, partner, plan, prompts_per_update, is_main, sender=None):
-        self.partner, self.plan, self.prompts_per_update, self.is_main = partner, plan, prompts_per_update, is_main
-        self.sender = sender
+    def policy_dirs(self, stage_policy, s, due):
+        return (stage_policy,)
+
+    def before_stage(self, s):
+        pass
+
+    def hand_over(self, s, trainer, run_updates):
+        return {}
+
+    def record(self, s, start, timing):
+        pass
+
+    def close(self):
+        pass
+
+
+class PolicyHandover:
+    """The resident trainer's side of handing each policy to the engines (rank 0 writes; every rank sends), for the
+    two ways a resident run does it: files (policy_<s>/ in the fast directory, fast_dir, for the engines to load) or
+    transfer (vLLM's weight-transfer API: `sender`, a transfer.Sender). `plan` (stage_rules.StagePlan) decides the
+    stage each policy generates: its prompts and whether the engines evaluate the policy first go with it."""
+
+    def __init__(self, partner, plan, is_main, sender=None):
+        self.partner, self.plan, self.is_main, self.sender = partner, plan, is_main, sender
         self.fast = None        # files: the directory, chosen once the trainer knows the policy's size (use_files)
+        self.waited = self.reserved = None      # the last stage's wait for its rollouts; what each rank then held
 
     @property
     def kind(self):
@@ -119,6 +141,9 @@ class PolicyHandover:
 
     def use_files(self, where):
         self.fast = Path(where)
+
+    def wait_for_rollouts(self, s):
+        self.waited = self.partner.wait_for_rollouts(s)
 
     def policy_dirs(self, stage_policy, s, due):
         """Where train_stage saves the policy trained on stage s: the fast directory's policy_<s> (files), and the
@@ -131,30 +156,43 @@ class PolicyHandover:
             shutil.rmtree(self.fast / f"policy_{s - 2}", ignore_errors=True)
 
     def publish_saved(self, s, directory):
-        """Hand over the policy trained on stage s, saved at `directory`, with its recorded counts and the size of the
-        stage it generates (0: the run is over)."""
+        """Hand over the policy trained on stage s, saved at `directory`, with its recorded counts."""
         if self.is_main:
             record = common.policy_record(directory)
-            self.partner.publish_policy(s, directory, records.stage_dir(self.partner.run_dir, s) / records.POLICY,
-                                        record["fingerprint"], run_updates=record["run_updates"],
-                                        next_stage_prompts=self.next_stage_prompts(s))
+            self.publish(s, directory, record["fingerprint"], record["run_updates"])
 
-    def hand_over(self, s, model, dtype, run_updates):
-        """Hand over the policy trained on stage s (train_stage has saved it where policy_dirs said); returns its
-        timing: the transfer's seconds and (rank 0) GB/s."""
+    def publish(self, s, path, fingerprint, run_updates, engine_weights=None):
+        """The policy trained on stage s (at `path`, or None: in the engines already), with the stage it generates as
+        the plan decides it."""
+        after = self.plan.stage(self.partner.run_dir, s + 1)
+        self.partner.publish_policy(s, path, records.stage_dir(self.partner.run_dir, s) / records.POLICY, fingerprint,
+                                    run_updates=run_updates, next_stage_prompts=after.prompts, evaluate=after.evaluate,
+                                    engine_weights=engine_weights)
+
+    def hand_over(self, s, trainer, run_updates):
+        """Hand over the policy trained on stage s (train_stage has saved it where policy_dirs said), the trainer
+        first keeping only its resident state (fp32 weights, AdamW; not the gradients) as the engines wake. Returns
+        the timing: the rollouts' wait, the gradient bytes kept, the transfer's seconds and (rank 0) GB/s."""
+        timing = {"wait_seconds": self.waited, "gradient_bytes_kept": trainer.release_gradients()}
         if self.sender is None:
             self.publish_saved(s, self.fast / f"policy_{s}")
-            return {}
-        record, fingerprint, seconds, sent = self.sender.send(model, dtype)
-        if not self.is_main:
-            return {"handoff_seconds": seconds}
-        self.partner.publish_policy(s, None, records.stage_dir(self.partner.run_dir, s) / records.POLICY, fingerprint,
-                                    run_updates=run_updates, next_stage_prompts=self.next_stage_prompts(s),
-                                    engine_weights=record)
-        return {"handoff_seconds": seconds, "handoff_gb_per_s": sent / 1e9 / seconds}
+        else:
+            record, fingerprint, timing["handoff_seconds"], sent = self.sender.send(trainer.model, trainer.dtype)
+            if self.is_main:
+                self.publish(s, None, fingerprint, run_updates, engine_weights=record)
+                timing["handoff_gb_per_s"] = sent / 1e9 / timing["handoff_seconds"]
+        # what each rank's allocator holds while the engines are awake (the preflight gates it against their share)
+        self.reserved = trainer.reserved_gib_per_rank()
+        return timing
 
-    def next_stage_prompts(self, s):
-        return self.plan.prompts_at(self.partner.run_dir, s + 1, self.prompts_per_update)
+    def record(self, s, start, timing):
+        """Stage s's row in the run's timeline (rank 0)."""
+        if self.is_main:
+            self.partner.timeline({"phase": "optimize", "name": f"optimize_{s}", "stage": s, "start": start,
+                                   "end": time.time(), "wait_seconds": self.waited,
+                                   "gradient_bytes_kept": timing["gradient_bytes_kept"],
+                                   "reserved_gib_per_rank": self.reserved, "handoff": self.kind,
+                                   **{k: v for k, v in timing.items() if k.endswith(("seconds", "per_s"))}})
 
     def close(self):
         if self.sender is not None:
@@ -280,14 +318,17 @@ class Partner:
 
     # the trainer → the engine
 
-    def publish_policy(self, stage, path, label, fingerprint, run_updates, next_stage_prompts, engine_weights=None):
+    def publish_policy(self, stage, path, label, fingerprint, run_updates, next_stage_prompts, evaluate,
+                       engine_weights=None):
         """The policy trained on `stage` is at `path` (complete), or (path None) is in the engines already, handed over
         through vLLM's weight-transfer API (mu_grpo/transfer.py) with `engine_weights` the hashes they must hold; `label` is
         its run-directory name, run_updates the run's updates it was trained for (its policy_id.json record),
-        next_stage_prompts the prompts of the stage it generates, as the trainer planned it (0: the run's last)."""
+        next_stage_prompts the prompts of the stage it generates and `evaluate` whether the engines evaluate it first,
+        as the trainer's plan decides (0 prompts: the run's last policy)."""
         self._write(f"trained_{stage}.json", {"stage": stage, "path": str(path) if path else None,
                                               "policy": str(label), "fingerprint": fingerprint,
                                               "run_updates": run_updates, "next_stage_prompts": next_stage_prompts,
+                                              "evaluate": evaluate,
                                               **({"engine_weights": engine_weights} if engine_weights else {})})
 
     def trained(self, stage):

@@ -16,8 +16,10 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
     python -m mu_grpo.launch --command=preflight  mu_grpo/preflight.py at the run's settings
     python -m mu_grpo.launch --command=handoff    resident: the hand-off the run uses (HANDOFF, or files after the preflight's
                                           fallback)
-    python -m mu_grpo.launch --command=plan --stage=S   μ of stage S and its prompts (stage_rules.StagePlan), 0 0 once the run
-                                          is over
+    python -m mu_grpo.launch --command=stage --stage=S  stage S as the plan decides it (stage_rules.StagePlan.stage): its
+                                          μ (0 once the run is over), prompts, whether the policy it starts from is
+                                          evaluated, as STAGE_UPDATES, STAGE_PROMPTS, EVALUATE; and the stage's line
+                                          where the run stands (tracking.where_line) on stderr
     python -m mu_grpo.launch --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident pair (engine, trainer),
                                           supervised: a failed one stops the other; timed into timeline.jsonl
     python -m mu_grpo.launch --command=view       a phase's output (stdin) on the terminal without the libraries' chatter
@@ -44,7 +46,7 @@ from mu_grpo import common, model_cards, processes, records, stage_rules
 
 # ----------------------------------------------------------------------------- hyperparameters
 command = ""                    # one of the commands above
-stage = 0                       # plan: the stage whose μ is asked
+stage = 0                       # stage: the stage asked about
 logs = ""                       # resident, start: the directory of the logs (engine.log, trainer.log, collective.log)
 store = "127.0.0.1:29500"  # start: node 0's MASTER_ADDR:MASTER_PORT (torchrun's rendezvous: the next port)
 name = ""                       # row: the phase's name (eval_init, generate_0, ...; its kind: the part before the last _)
@@ -190,13 +192,13 @@ def block_default(name):
 PHASE_SCRIPTS = {
     "generate.py": {"policy", "data", "run_dir", "stage", "prompts_per_stage", "grader_workers", "grader_timeout_s",
                     "gpus", "engines", "tensor_parallel", "gpu_memory_utilization", "worker_rank", "resident",
-                    "policy_handoff", "eval_every", "results", "run_start", "eval_parts", "nnodes", "node_rank",
+                    "policy_handoff", "evaluate", "results", "run_start", "eval_parts", "nnodes", "node_rank",
                     "store", "shard_prompts"},
-    "optimize.py": {"stage_dir", "policy", "out", "init_state", "save_train_state", "release_init_state",
+    "optimize.py": {"stage_dir", "policy", "out", "init_state", "save_train_state", "release_older_states",
                     "micro_batch_tokens", "gradient_checkpointing", "attn_implementation", "hsdp", "checkpoint_every",
                     "save_policy_every", "max_nonfinite", "engine_mismatch_bound", "agreement_growth",
                     "collapse_entropy_ratio", "agreement_responses", "check_packing", "resident", "run_dir", "stages",
-                    "total_updates", "save_every", "policy_handoff", "engines", "handoff_buffer_mb"},
+                    "total_updates", "save_every", "eval_every", "policy_handoff", "engines", "handoff_buffer_mb"},
     "evaluate.py": {"policy", "max_problems", "grader_workers", "grader_timeout_s", "results", "cache", "samples_dir",
                     "stage", "run_start", "gpus", "tensor_parallel", "gpu_memory_utilization", "engines",
                     "worker_rank", "parts_dir", "nnodes", "node_rank", "store"},
@@ -330,15 +332,19 @@ def resolve(knobs):
 
 
 def stage_plan(k):
+    """The run's stage_rules.StagePlan from its knobs (the loop per phase saves every stage)."""
     return stage_rules.StagePlan(int(k["UPDATES_PER_STAGE"]), int(k["STAGES"]), k["STAGE_END"],
-                              total_updates=int(k["TOTAL_UPDATES"] or 0), drift_growth=float(k["DRIFT_GROWTH"]),
-                              drift_max_updates=int(k["DRIFT_MAX_UPDATES"] or 0))
+                                 total_updates=int(k["TOTAL_UPDATES"] or 0), drift_growth=float(k["DRIFT_GROWTH"]),
+                                 drift_max_updates=int(k["DRIFT_MAX_UPDATES"] or 0),
+                                 prompts_per_update=int(k["PROMPTS_PER_UPDATE"]), eval_every=int(k["EVAL_EVERY"]),
+                                 save_every=int(k["SAVE_EVERY"] or 0) if k.get("RESIDENT") == "true" else 1)
 
 
 def derived(k):
     """The numbers and paths the loop uses, computed from the resolved knobs."""
     node0, plan = k["NODE_RANK"] == "0", stage_plan(k)
-    return {"PROMPTS_PER_STAGE": str(plan.prompts_at(k["RUN"], 0, int(k["PROMPTS_PER_UPDATE"]))),
+    first = plan.stage(k["RUN"], 0)
+    return {"PROMPTS_PER_STAGE": str(first.prompts), "EVALUATE_INITIAL": str(first.evaluate).lower(),
             "RUN_UPDATES": str(plan.run_updates),
             "LOGS": k["RUN"] + ("/logs" if node0 else f"/logs/node{k['NODE_RANK']}"),
             "LOCK": k["RUN"] + ("/.lock" if node0 else f"/.lock.node{k['NODE_RANK']}"),
@@ -530,10 +536,16 @@ def prepared(env):
     return {"MODEL": model, "RESIDENT_GPU_MEMORY": share}
 
 
-def plan_command(s):
-    """Stage s's μ and its prompts (both 0 once the run is over)."""
+def stage_command(s):
+    """Stage s as the plan decides it, in assignments run_stages.sh evals (several nodes: node 0's, shared), and the
+    stage's line on stderr."""
+    from mu_grpo import tracking  # the stage's line: only this step reads the run's records for it
     plan, run = stage_plan(os.environ), os.environ["RUN"]
-    print(plan.updates_per_stage_at(run, s), plan.prompts_at(run, s, int(os.environ["PROMPTS_PER_UPDATE"])))
+    decided = plan.stage(run, s)
+    if decided.updates:
+        print(tracking.where_line(run, plan.run_updates, s), file=sys.stderr, flush=True)
+    print(assignments({"STAGE_UPDATES": str(decided.updates), "STAGE_PROMPTS": str(decided.prompts),
+                       "EVALUATE": str(decided.evaluate).lower()}).replace("\n", " "))
 
 
 def preflight_command():
@@ -677,7 +689,7 @@ if __name__ == "__main__":
     rest = argv[n_own:]
     commands = {"lock": lock_command, "preset": preset_command, "settings": settings_command, "start": start_up_command,
                 "preflight": preflight_command, "handoff": handoff_command,
-                "plan": lambda: plan_command(stage),
+                "stage": lambda: stage_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
                 "end": end_command,
                 "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}

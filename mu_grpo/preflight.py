@@ -579,7 +579,7 @@ def miniature(results, figures, model):
     # training problems, k = 2, the paper's top_p
     (work / "eval").mkdir(parents=True, exist_ok=True)
     common.atomic_write_lines(work / "eval" / "train.jsonl", common.read_jsonl(data)[:16])
-    run("generate_1", [*generate_cmd(stage0 / records.POLICY, 1), "--eval_every=1",
+    run("generate_1", [*generate_cmd(stage0 / records.POLICY, 1), "--evaluate=true",
                        f"--eval_args=--benchmarks=train --data_dir={work / 'eval'} --k=2 --top_p=0.7",
                        f"--results={work / 'eval' / records.RESULTS}"])
     run("optimize_1", optimize_cmd(stage1, stage1 / records.POLICY, 1, f"--policy={model}",

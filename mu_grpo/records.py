@@ -65,8 +65,9 @@ class StageProgress:
     before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (mu_grpo/trainer_model.py's records)
     start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
     save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
-    policy_dirs: tuple = None   # where the final policy goes (None: out_dir; (): nowhere, a resident transfer's stage
-                                # without a save due)
+    policy_dirs: tuple = ()     # where the final policy goes (the hand-over's policy_dirs: the stage directory's
+                                # policy/ when it is saved there; (): nowhere, a resident transfer's stage without a save)
+    check_saves: bool = False   # check the disk for both saves even when none is due (a resident run's first stage)
 
     def counts(self, done):
         """The run's and AdamW's update counts after `done` updates of this stage."""

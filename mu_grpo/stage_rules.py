@@ -10,20 +10,38 @@ from mu_grpo import records
 
 
 @dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage as the plan decides it (StagePlan.stage): the one record run_stages.sh's loop, the resident trainer
+    (and through its hand-over the engines) and the preflight read."""
+    index: int
+    updates: int                        # μ: its minibatches (0: the run is over)
+    prompts: int                        # its rollouts' prompts: μ minibatches of prompts_per_update
+    evaluate: bool                      # the policy it starts from (trained on stage index − 1, the initial one at 0)
+                                        # is evaluated before its rollouts; with updates 0, the run's last policy
+    save: bool                          # its policy and train state go into the run directory when it ends (the
+                                        # run's older train states then go, unless they are kept: optimize.py)
+
+
+@dataclasses.dataclass(frozen=True)
 class StagePlan:
-    """How a run's stages are sized: μ (updates_per_stage) of each stage, the one rule run_stages.sh's loop, the
-    resident trainer and the preflight follow. stage_end="fixed": `stages` stages of `updates_per_stage` updates.
-    stage_end="drift": stage 0 of `updates_per_stage`; after a stage that ended on the drift warning after u
-    updates, ceil(drift_growth · u) (the warning came at u: the next stage plans a little past it); after one that
-    trained on all its μ minibatches without a warning, 2μ; at least the μ_min below which no stage ends (its
-    record's drift_min_updates), at most drift_max_updates, never past the run's total_updates. Read from the
-    records alone (stage_<s>/stage_end.json), so a rerun plans the same stages."""
+    """How a run's stages are decided, the one rule run_stages.sh's loop, the resident trainer and the preflight
+    follow (stage). μ: stage_end="fixed": `stages` stages of `updates_per_stage` updates. stage_end="drift": stage 0
+    of `updates_per_stage`; after a stage that ended on the drift warning after u updates, ceil(drift_growth · u) (the
+    warning came at u: the next stage plans a little past it); after one that trained on all its μ minibatches
+    without a warning, 2μ; at least the μ_min below which no stage ends (its record's drift_min_updates), at most
+    drift_max_updates, never past the run's total_updates. Evaluated: the initial policy, the one after every
+    eval_every-th stage and the last (0: none). Saved into the run directory: every save_every-th stage and any that
+    may be the run's last (0: the last only; the loop per phase saves every stage: 1). Read from the records alone
+    (stage_<s>/stage_end.json), so a rerun plans the same stages."""
     updates_per_stage: int              # μ: fixed, every stage's; drift, the first stage's
     stages: int                         # fixed: the run's stages (drift: total_updates' default)
     stage_end: str = "fixed"            # fixed | drift
     total_updates: int = 0              # drift: the run's updates (0: stages × updates_per_stage)
     drift_growth: float = 1.25
     drift_max_updates: int = 0          # drift: the largest μ a stage is planned with (0: 4 × updates_per_stage)
+    prompts_per_update: int = 1
+    eval_every: int = 0
+    save_every: int = 1
 
     def __post_init__(self):
         if self.stage_end not in ("fixed", "drift"):
@@ -38,17 +56,20 @@ class StagePlan:
         """The updates of the whole run."""
         return self.stages * self.updates_per_stage if self.stage_end == "fixed" else self.total_updates
 
-    def prompts_at(self, run_dir, s, prompts_per_update):
-        """The prompts stage s generates: its μ minibatches of prompts_per_update prompts each (0 once the run is
-        over). run_stages.sh's loop, the resident trainer's hand-over and the preflight's estimate all take it here."""
-        return self.updates_per_stage_at(run_dir, s) * prompts_per_update
+    def stage(self, run_dir, s):
+        """Stage s of the run at run_dir, decided."""
+        updates, before = self._updates(run_dir, s)
+        may_be_last = s == self.stages - 1 if self.stage_end == "fixed" else before + updates >= self.total_updates
+        return Stage(s, updates, updates * self.prompts_per_update,
+                     evaluate=bool(self.eval_every) and (s == 0 or s % self.eval_every == 0 or not updates),
+                     save=bool(updates) and (may_be_last or bool(self.save_every) and (s + 1) % self.save_every == 0))
 
-    def updates_per_stage_at(self, run_dir, s):
-        """μ of stage s, 0 once the run is over."""
+    def _updates(self, run_dir, s):
+        """(μ of stage s, 0 once the run is over; the run's updates before it: drift's, from stage s − 1's record)."""
         if self.stage_end == "fixed":
-            return self.updates_per_stage if s < self.stages else 0
+            return (self.updates_per_stage if s < self.stages else 0), s * self.updates_per_stage
         if s == 0:
-            return min(self.updates_per_stage, self.total_updates)
+            return min(self.updates_per_stage, self.total_updates), 0
         path = records.stage_dir(run_dir, s - 1) / records.STAGE_END
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: stage {s - 1} has not been trained on, so stage {s} has no "
@@ -56,14 +77,7 @@ class StagePlan:
         end = json.loads(path.read_text())
         size = math.ceil(self.drift_growth * end["updates"]) if end["reason"] == "drift" else 2 * end["generated_updates"]
         return max(0, min(max(end["drift_min_updates"], size), self.drift_max_updates,
-                          self.total_updates - end["run_updates"]))
-
-    def may_end_run(self, s, run_updates_before, updates_per_stage):
-        """Whether stage s (of that μ, after run_updates_before updates) may be the run's last: the last fixed
-        stage, or a drift stage that reaches the run's updates unless it ends early."""
-        if self.stage_end == "fixed":
-            return s == self.stages - 1
-        return run_updates_before + updates_per_stage >= self.total_updates
+                          self.total_updates - end["run_updates"])), end["run_updates"]
 
 
 @dataclasses.dataclass(frozen=True)

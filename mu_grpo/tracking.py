@@ -8,7 +8,7 @@ The trackers are fed from the run's own records, by one process on node 0 that f
                                    every poll_s: the records' rows not yet logged go to every tracker; after a last
                                    pass it ends when F exists (run_stages.sh's exit), run_stages.sh (pid) has ended,
                                    or on SIGTERM
-    python -m mu_grpo.tracking --command=where --run_dir=RUN --total_updates=N --stage=S    the stage line
+The stage line (where_line) is printed by run_stages.sh's stage step (mu_grpo/launch.py) and the resident trainer.
 
 What goes in, each row at the step of the **recorded** run update (never recomputed) with the wall-clock hours
 since the run started beside it:
@@ -43,7 +43,7 @@ from mu_grpo import common, processes, records
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the command, the run and its trackers
-command = ""                    # check | follow | where
+command = ""                    # check | follow
 run_dir = ""                    # the run directory (run_stages.sh RUN)
 report_to = "none"              # none | tensorboard | wandb | a comma list of the last two
 
@@ -55,10 +55,6 @@ group = ""                      # the tracker group of this run (frontier.sh, ab
 poll_s = 10.0                   # seconds between passes over the records (each stats them and reads what changed)
 close_s = 120.0                 # seconds the trackers may take to close at the end (W&B's finish uploads what is left)
 project = "mu-grpo"             # the W&B project (WANDB_PROJECT wins); W&B's mode is WANDB_MODE's (online, offline)
-
-# where
-total_updates = 0               # the run's updates
-stage = 0                       # the stage about to start
 # -----------------------------------------------------------------------------
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}     # REPORT_TO → the package it needs
@@ -355,10 +351,8 @@ def parse_settings(text):
 
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
-    common.check_choice("command", command, ("check", "follow", "where"))
+    common.check_choice("command", command, ("check", "follow"))
     if command == "check":
         check(report_to)
-    elif command == "where":
-        print(where_line(run_dir, total_updates, stage), flush=True)
     else:
         follow(run_dir, report_to, parse_settings(settings), pid, stop_file)

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from mu_grpo import benchmarks, common, nodes
+from mu_grpo import benchmarks, common, nodes, stage_rules
 from conftest import whole_checkpoint, ROOT
 
 # a: problem 0 right in 1 of 2 samples, problem 1 in none → avg@2 = 0.25, pass@2 = 0.5; b: problem 0 right in both,
@@ -78,7 +78,7 @@ def test_generate_pys_evaluations_write_evaluate_pys_rows_and_samples_byte_for_b
     evaluate = evaluate_alone(monkeypatch, tmp_path, policy)
     alone = capsys.readouterr().out.splitlines()[:2]
     generate = import_script(monkeypatch, "generate", f"--run_dir={tmp_path / 'run'}",
-                             "--eval_every=1", f"--eval_args=--benchmarks=a,b --data_dir={tmp_path / 'bench'} --k=2 "
+                             "--evaluate=true", f"--eval_args=--benchmarks=a,b --data_dir={tmp_path / 'bench'} --k=2 "
                              f"--top_p=0.7", "--run_start=1000", "--engines=1",
                              f"--results={tmp_path / 'generate' / 'results.jsonl'}", *PROMPTS)
     monkeypatch.setattr(generate, "time", CLOCK)
@@ -101,7 +101,7 @@ def test_an_evaluation_scored_after_the_stages_shards_is_timed_by_its_sampling(f
     # per phase the engines sample the evaluation (10-14 s on engine 0, 11-13 s on engine 1), generate their shards,
     # and only then (at 100 s) is it scored: the row's seconds and the timeline row are the sampling, not the shards
     tmp_path, policy = files
-    generate = import_script(monkeypatch, "generate", f"--run_dir={tmp_path / 'run'}", "--eval_every=1",
+    generate = import_script(monkeypatch, "generate", f"--run_dir={tmp_path / 'run'}", "--evaluate=true",
                              f"--eval_args=--benchmarks=a,b --data_dir={tmp_path / 'bench'} --k=2", "--engines=2", f"--results={tmp_path / 'run' / 'results.jsonl'}", *PROMPTS)
     monkeypatch.setattr(generate, "time", types.SimpleNamespace(time=lambda: 100.0))
     benchmarks.write_part(tmp_path / "parts", 0, [SAMPLES[:3]], 10.0, 14.0)
@@ -112,14 +112,23 @@ def test_an_evaluation_scored_after_the_stages_shards_is_timed_by_its_sampling(f
 
 
 @pytest.mark.parametrize("every,due", [(1, [-1, 0, 1, 2, 3]), (2, [-1, 1, 3]), (3, [-1, 2, 3]), (0, [])])
-def test_one_rule_says_which_policies_are_evaluated(monkeypatch, tmp_path, every, due):
-    # a 4-stage run: the initial policy (−1), every every-th stage's, and the last (3) whatever every is; none at 0
-    for stage in (0, 2):          # whichever stage's engines ask (per phase, stage 2's evaluate stage 1's policy)
-        generate = import_script(monkeypatch, "generate", f"--eval_every={every}", f"--stage={stage}",
-                                 f"--results={tmp_path / 'r.jsonl'}")
-        assert [t for t in range(-1, 4) if generate.eval_due(t, last=t == 3)] == due
-    generate = import_script(monkeypatch, "generate", f"--eval_every={every}")      # no results table: none
-    assert not any(generate.eval_due(t, last=t == 3) for t in range(-1, 4))
+def test_one_rule_says_which_policies_are_evaluated(files, monkeypatch, every, due):
+    tmp_path, policy = files
+    # a 4-stage run: the initial policy (−1), every every-th stage's, and the last (3) whatever every is; none at 0.
+    # The policy trained on stage t is evaluated before stage t + 1 (its record's evaluate; t = 3: the run is over)
+    plan = stage_rules.StagePlan(updates_per_stage=2, stages=4, eval_every=every)
+    assert [t for t in range(-1, 4) if plan.stage(tmp_path, t + 1).evaluate] == due
+    # the engines evaluate it when the record says so and the results table lacks it; without a table, never
+    generate = import_script(monkeypatch, "generate", f"--results={tmp_path / 'r.jsonl'}",
+                             f"--eval_args=--benchmarks=a,b --data_dir={tmp_path / 'bench'} --k=2", *PROMPTS)
+    assert generate.evaluation_due(nodes.OneNode(), 1, {"evaluate": True}) \
+        and not generate.evaluation_due(nodes.OneNode(), 1, {"evaluate": False})
+    monkeypatch.setattr(benchmarks, "sample_and_grade", lambda llm, ev, rank, n: list(SAMPLES))
+    generate.sample_evaluation(None, generate.evaluation(), tmp_path / "parts")
+    generate.score_evaluation(generate.evaluation(), 0, str(policy), 0, tmp_path / "parts")
+    assert not generate.evaluation_due(nodes.OneNode(), 1, {"evaluate": True})     # the table holds it: not again
+    generate = import_script(monkeypatch, "generate")
+    assert not generate.evaluation_due(nodes.OneNode(), 1, {"evaluate": True})
 
 
 # a node's evaluate.py, its engines' sampling replaced: engine r of n gets every n-th prompt from r on (a0, a1, b0)

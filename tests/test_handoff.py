@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -59,10 +60,11 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
     (tmp_path / "shm").mkdir()
     trainer = handoff.Partner(tmp_path / "run", "trainer")
     trainer.announce()
-    trainer.publish_policy(0, "/x/policy_0", "run/stage_0/policy", "abc", run_updates=8, next_stage_prompts=32)
+    trainer.publish_policy(0, "/x/policy_0", "run/stage_0/policy", "abc", run_updates=8, next_stage_prompts=32,
+                           evaluate=True)
     flag, waited = handoff.Partner(tmp_path / "run", "engine").wait_for_policy(0)
     assert flag == {"stage": 0, "path": "/x/policy_0", "policy": "run/stage_0/policy", "fingerprint": "abc", "run_updates": 8,
-                    "next_stage_prompts": 32}
+                    "next_stage_prompts": 32, "evaluate": True}
     for d in handoff.policy_locations(tmp_path / "run"):
         (d / "policy_0").mkdir(parents=True)
     handoff.reset(tmp_path / "run")
@@ -71,11 +73,13 @@ def test_a_published_policy_is_read_back_and_reset_clears_every_flag(tmp_path, m
 
 
 def test_the_file_hand_over_saves_where_the_engines_load_and_publishes_the_next_stages_size(tmp_path):
-    # a drift-free fixed run of 3 stages × μ = 4, 8 prompts per update: the policy trained on stage 0 generates stage 1
-    # (4 × 8 = 32 prompts), the one trained on stage 2 none (the run is over)
+    # a drift-free fixed run of 3 stages × μ = 4, 8 prompts per update, evaluated every 2nd stage: the policy trained on
+    # stage 0 generates stage 1 (4 × 8 = 32 prompts; not evaluated: 1 % 2), the one trained on stage 2 none (the run is
+    # over: evaluated)
     from mu_grpo import stage_rules
     run, fast = tmp_path / "run", tmp_path / "fast"
-    handover = handoff.PolicyHandover(handoff.Partner(run, "trainer"), stage_rules.StagePlan(4, stages=3), 8, is_main=True)
+    plan = stage_rules.StagePlan(4, stages=3, prompts_per_update=8, eval_every=2)
+    handover = handoff.PolicyHandover(handoff.Partner(run, "trainer"), plan, is_main=True)
     handover.use_files(fast)
     assert handover.kind == "files"
     assert handover.policy_dirs(run / "stage_1" / "policy", 1, due=False) == (fast / "policy_1",)
@@ -83,12 +87,15 @@ def test_the_file_hand_over_saves_where_the_engines_load_and_publishes_the_next_
     for s, updates in [(0, 4), (2, 12)]:
         (fast / f"policy_{s}").mkdir(parents=True)
         (fast / f"policy_{s}" / common.POLICY_ID_FILE).write_text(json.dumps({"fingerprint": f"fp{s}", "run_updates": updates}))
-    assert handover.hand_over(0, model=None, dtype=None, run_updates=4) == {}          # files: nothing timed here
-    assert handover.hand_over(2, model=None, dtype=None, run_updates=12) == {}
+    # the trainer's side the hand-over asks for: its gradients freed (bytes still held), its ranks' reserved memory
+    trainer = types.SimpleNamespace(release_gradients=lambda: 0, reserved_gib_per_rank=lambda: [None])
+    assert handover.hand_over(0, trainer, run_updates=4) == {"wait_seconds": None, "gradient_bytes_kept": 0}
+    handover.hand_over(2, trainer, run_updates=12)
     engine = handoff.Partner(run, "engine")
     assert engine.trained(0) == {"stage": 0, "path": str(fast / "policy_0"), "policy": str(run / "stage_0" / "policy"),
-                                 "fingerprint": "fp0", "run_updates": 4, "next_stage_prompts": 32}
-    assert engine.trained(2)["next_stage_prompts"] == 0 and engine.trained(2)["fingerprint"] == "fp2"
+                                 "fingerprint": "fp0", "run_updates": 4, "next_stage_prompts": 32, "evaluate": False}
+    assert (engine.trained(2)["next_stage_prompts"], engine.trained(2)["evaluate"], engine.trained(2)["fingerprint"]) \
+        == (0, True, "fp2")
     handover.before_stage(2)                      # policy_0 goes before policy_2 is written; policy_1 stays (s − 1)
     assert not (fast / "policy_0").exists() and (fast / "policy_2").exists()
 
@@ -98,7 +105,8 @@ def test_clearing_policies_at_the_end_keeps_the_flags_and_the_run_directory(tmp_
     monkeypatch.setenv("MU_GRPO_SHM", str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir()
     handoff.reset(tmp_path / "run")
-    handoff.Partner(tmp_path / "run", "trainer").publish_policy(1, "/x", "y", "fp", run_updates=4, next_stage_prompts=0)
+    handoff.Partner(tmp_path / "run", "trainer").publish_policy(1, "/x", "y", "fp", run_updates=4, next_stage_prompts=0,
+                                                                      evaluate=False)
     for d in handoff.policy_locations(tmp_path / "run"):
         (d / "policy_1").mkdir(parents=True)
     (tmp_path / "run" / "stage_1" / "policy").mkdir(parents=True)

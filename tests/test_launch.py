@@ -214,10 +214,14 @@ def test_the_start_up_gives_its_assignments_on_descriptor_3_and_the_runs_start_o
     assert (bad.returncode, bad.stdout) == (2, "") and f"TRAIN_DATA={data} has no problems" in bad.stderr
 
 
-def test_the_plan_command_is_the_stage_plan(tmp_path):
-    env = {**TOY, "RUN": str(tmp_path), "TOTAL_UPDATES": "24", "DRIFT_MAX_UPDATES": "32"}
-    assert [run_launch("--command=plan", f"--stage={s}", env=env).stdout.strip() for s in (0, 2, 3)] == [
-        "8 128", "8 128", "0 0"]                                                       # μ, μ · 16 prompts
+def test_the_stage_command_is_the_stage_plans_record(tmp_path):
+    env = {**TOY, "RUN": str(tmp_path), "TOTAL_UPDATES": "24", "DRIFT_MAX_UPDATES": "32", "EVAL_EVERY": "2"}
+    out = [run_launch("--command=stage", f"--stage={s}", env=env) for s in (0, 1, 3)]
+    assert [p.stdout.strip() for p in out] == [             # μ, μ · 16 prompts; evaluated: the initial policy, the
+        "STAGE_UPDATES=8 STAGE_PROMPTS=128 EVALUATE=true",  # one after stage 1 (2 % 2), the last (the run is over)
+        "STAGE_UPDATES=8 STAGE_PROMPTS=128 EVALUATE=false",
+        "STAGE_UPDATES=0 STAGE_PROMPTS=0 EVALUATE=true"]
+    assert out[0].stderr.startswith("[stage 0] update 0 of 24") and out[2].stderr == ""   # the stage's line
 
 
 def test_the_lock_tells_another_holder_from_a_filesystem_without_locks(tmp_path, monkeypatch):

@@ -528,12 +528,16 @@ def test_a_stage_continues_the_previous_train_state_exactly_or_releases_it(toy, 
                f"--init_state={stage / 'train_state'}", f"--out={tmp_path / 'zero' / 'policy'}")
     a, b = _weights(stage / "policy"), _weights(tmp_path / "zero" / "policy")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    # --release_init_state: the previous stage's state is deleted once this stage has written its own (update 1
-    # here), so two train states coexist on disk, not three
-    shutil.copytree(stage / "train_state", tmp_path / "previous")
-    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, f"--init_state={tmp_path / 'previous'}",
-               "--release_init_state=true", "--checkpoint_every=1", f"--out={tmp_path / 'released' / 'policy'}")
-    assert not (tmp_path / "previous").exists() and (tmp_path / "released" / "train_state" / "progress.json").exists()
+    # --release_older_states: the run's older train states go once this stage has written its own (update 1 here), so
+    # two coexist on disk, not three; a state beside another run's outputs (--out elsewhere) stays
+    shutil.copytree(stage / "train_state", tmp_path / "stage_0" / "train_state")
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, "--release_older_states=true",
+               f"--init_state={tmp_path / 'stage_0' / 'train_state'}", f"--out={tmp_path / 'elsewhere' / 'policy'}")
+    assert (tmp_path / "stage_0" / "train_state").exists()
+    run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, "--release_older_states=true",
+               f"--init_state={tmp_path / 'stage_0' / 'train_state'}", "--checkpoint_every=1")
+    assert not (tmp_path / "stage_0" / "train_state").exists()
+    assert (tmp_path / "stage_1" / "train_state" / "progress.json").exists()
 
 
 @pytest.mark.slow

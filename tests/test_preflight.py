@@ -258,7 +258,8 @@ def test_a_failed_phase_is_named_by_its_own_last_line_not_torchruns(check_functi
 def fake_resident_run(run_dir, engine_rows, trainer_rows=()):
     """The files resident_checks reads: the hand-off flag, stage 1's manifest and saved policy, the timeline."""
     from mu_grpo import handoff
-    handoff.Partner(run_dir, "trainer").publish_policy(0, "x", "y", "fp", run_updates=1, next_stage_prompts=4)
+    handoff.Partner(run_dir, "trainer").publish_policy(0, "x", "y", "fp", run_updates=1, next_stage_prompts=4,
+                                                        evaluate=False)
     (run_dir / "stage_1" / "rollouts").mkdir(parents=True)
     (run_dir / "stage_1" / "rollouts" / "manifest.json").write_text(json.dumps(
         {"policy_id": "fp", "prompts": 4, "engines_ran": len({r["engine"] for r in engine_rows if r["stage"] == 1})}))

@@ -1,5 +1,6 @@
 """Stages that end on drift (optimize.py --stage_end=drift) and the next stage planned from where the last one ended
 (stage_rules.StagePlan): the rule by hand, the records it leaves, and a run of them that resumes exactly."""
+import dataclasses
 import json
 import math
 import shutil
@@ -50,7 +51,7 @@ def write_end(run_dir, s, reason, updates, generated, run_updates, min_updates=1
 def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
     plan = lambda s, **kw: stage_rules.StagePlan(**{  # noqa: E731
         "updates_per_stage": 64, "stages": 0, "stage_end": "drift", "drift_growth": 1.25, "drift_max_updates": 100,
-        "total_updates": 1000, **kw}).updates_per_stage_at(tmp_path, s)
+        "total_updates": 1000, **kw}).stage(tmp_path, s).updates
     assert plan(0) == 64 and plan(0, total_updates=10) == 10
     with pytest.raises(FileNotFoundError, match="stage_0/stage_end.json is missing"):
         plan(1)
@@ -66,13 +67,32 @@ def test_the_next_stage_is_planned_from_where_the_last_one_ended(tmp_path):
 
 def test_a_fixed_plan_and_the_drift_defaults():
     fixed = stage_rules.StagePlan(updates_per_stage=8, stages=3)
-    assert [fixed.updates_per_stage_at("/nonexistent", s) for s in range(4)] == [8, 8, 8, 0]
-    assert fixed.run_updates == 24 and fixed.may_end_run(2, 16, 8) and not fixed.may_end_run(1, 8, 8)
+    assert [fixed.stage("/nonexistent", s).updates for s in range(4)] == [8, 8, 8, 0]
+    assert fixed.run_updates == 24
     drift = stage_rules.StagePlan(updates_per_stage=8, stages=3, stage_end="drift")
     assert (drift.total_updates, drift.drift_max_updates, drift.run_updates) == (24, 32, 24)   # 3 · 8, 4 · 8
-    assert drift.may_end_run(1, 16, 8) and not drift.may_end_run(1, 15, 8)
     with pytest.raises(ValueError, match="stage_end"):
         stage_rules.StagePlan(updates_per_stage=8, stages=3, stage_end="early")
+
+
+def test_a_stage_is_decided_in_one_record(tmp_path):
+    # 3 fixed stages of 8 updates × 16 prompts, evaluated every 2nd stage, saved at the end only (save_every 0)
+    fixed = stage_rules.StagePlan(updates_per_stage=8, stages=3, prompts_per_update=16, eval_every=2, save_every=0)
+    assert [dataclasses.astuple(fixed.stage(tmp_path, s)) for s in range(4)] == [
+        (0, 8, 128, True, False),         # the initial policy is evaluated; not the last stage: not saved
+        (1, 8, 128, False, False),        # trained on stage 0: 1 % 2 ≠ 0
+        (2, 8, 128, True, True),          # trained on stage 1: 2 % 2 = 0; the last stage is saved
+        (3, 0, 0, True, False)]           # the run is over: its last policy is evaluated
+    assert [fixed.stage(tmp_path, s).save for s in range(4)] == [False, False, True, False]
+    every = dataclasses.replace(fixed, save_every=1, eval_every=0)
+    assert [(every.stage(tmp_path, s).save, every.stage(tmp_path, s).evaluate) for s in range(4)] == [
+        (True, False)] * 3 + [(False, False)]
+    # drift, 24 updates: a stage may be the last when the updates before it and its μ reach them
+    drift = stage_rules.StagePlan(updates_per_stage=8, stages=3, stage_end="drift", save_every=0)
+    write_end(tmp_path, 0, "drift", 4, 8, 4, min_updates=2)        # μ_1 = ceil(1.25 · 4) = 5: 4 + 5 < 24
+    assert (drift.stage(tmp_path, 1).updates, drift.stage(tmp_path, 1).save) == (5, False)
+    write_end(tmp_path, 0, "all minibatches", 8, 8, 16)            # μ_1 = min(2 · 8, 24 − 16) = 8: 16 + 8 = 24
+    assert (drift.stage(tmp_path, 1).updates, drift.stage(tmp_path, 1).save) == (8, True)
 
 
 def test_a_stages_prompts_follow_the_previous_stages_as_its_plan_records_them(monkeypatch, tmp_path):
