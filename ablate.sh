@@ -101,7 +101,7 @@ replay() {
       --report_to="$REPORT_TO" --group="$TRACKER_GROUP" --settings="LOSS=$variant"$'\n'"SEED=$seed"
 }
 export -f replay loss_args
-export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA LOSS_PRESETS
+export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA LOSS_PRESETS NAV_PRESETS
 for variant in $VARIANTS; do
   for seed in $SEEDS; do echo "replay_${variant}_seed$seed replay $variant $seed"; done
 done | $PY -m mu_grpo.pool --jobs="$JOBS" --logs="$OUT/logs" --done="$OUT/.done" 9>&-

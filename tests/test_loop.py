@@ -610,7 +610,8 @@ def test_a_model_that_cannot_be_fetched_is_one_line(toy, tmp_path):
     env = {**os.environ, **loop_env(toy, tmp_path / "run"), "MODEL": "no-such-org/no-such-model", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines() == [next(l for l in proc.stderr.splitlines() if l.startswith("could not"))]
+    run_line, *said = proc.stderr.strip().splitlines()      # the settings check's line of the run, then the failure's
+    assert run_line.startswith(f"run {tmp_path / 'run'}: toy preset") and len(said) == 1 and said[0].startswith("could not")
     assert "'no-such-org/no-such-model'" in proc.stderr and "MODEL=/path/to/model" in proc.stderr
 
 
@@ -792,8 +793,10 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
             continue
         killed_at = time.time()
         os.kill(pid(target), signal.SIGKILL)
-        proc.wait(timeout=120)
-        assert time.time() - killed_at < 30, (target, seed)     # within seconds
+        proc.wait(timeout=300)
+        # within a poll and the other process's shutdown (seconds; about 40 s on 2 cores shared with another run),
+        # not the START_GRACE_S (600 s) a partner that never announced itself gets, nor a hang
+        assert time.time() - killed_at < handoff.START_GRACE_S / 5, (target, seed)
         assert_none_left(run_dir)            # no engine process outlives the run (engine: its workers end with it)
         assert proc.returncode != 0, (target, seed)
         # the failed run leaves no handed-over policy behind (up to two, 15 GB each at 7B, in /dev/shm)
@@ -811,8 +814,9 @@ def test_ctrl_c_stops_the_run_in_one_line_saying_how_it_resumes(toy, tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(["bash", "run_stages.sh"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env={**os.environ, **loop_env(toy, run), "STAGES": "1"})
-    deadline = time.time() + 300
-    while "stage 0 prompts" not in read_log(run / "logs" / "generate_0.log") and time.time() < deadline:
+    deadline = time.time() + 600
+    while "stage 0 prompts" not in read_log(run / "logs" / "generate_0.log"):     # the stage's generation under way
+        assert time.time() < deadline and proc.poll() is None, "the run never reached its generation"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)

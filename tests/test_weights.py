@@ -265,7 +265,7 @@ STALE = {
     "resident": "from mu_grpo import engine; engine.load_policy = lambda llm, path, kv_cache=True: 0.0",
     # resident, HANDOFF=transfer at the box's shape: every trainer rank's transport leaves the final norm out of the
     # hand-off, so the engines keep the initial model's
-    "transfer": ("import transfer; ship = transfer.ShmTrainer._ship; transfer.ShmTrainer._ship = "
+    "transfer": ("from mu_grpo import transfer; ship = transfer.ShmTrainer._ship; transfer.ShmTrainer._ship = "
                  "lambda self, chunk: ship(self, [c for c in chunk if c[0] != 'model.norm.weight'])"),
     # a phase per process: the engine of stage 1 is built on the initial model, not on stage 0's policy
     "per-phase": ("import os; from mu_grpo import engine; make = engine.make_llm; engine.make_llm = lambda policy, **kw: "
@@ -285,8 +285,11 @@ def test_a_stale_engine_stops_the_run_naming_the_engine_and_stage(toy, tmp_path,
     fault = tmp_path / "fault"
     fault.mkdir()
     script = "optimize.py" if mode == "transfer" else "generate.py"
+    # a fault that cannot be planted (a module moved) stops the process, not only prints: Python's site module would
+    # report a failing sitecustomize and run on without the fault
     (fault / "sitecustomize.py").write_text(
-        f"import sys\nif sys.argv and sys.argv[0].endswith('{script}'):\n    {STALE[mode]}\n")
+        f"import os, sys\nif sys.argv and sys.argv[0].endswith('{script}'):\n    try:\n        {STALE[mode]}\n"
+        f"    except Exception as e:\n        print('the planted fault failed:', repr(e), file=sys.stderr); os._exit(3)\n")
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": f"{fault}:{ROOT}", "PRESET": "toy", "RUN": str(run),
            "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"), "EVAL_DATA_DIR": str(toy),
