@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import loss as L
-from mu_grpo import checkpoint, common, rollouts
+from mu_grpo import checkpoint, common, records, rollouts
 from mu_grpo import trainer_model as M
 from conftest import ROOT, kill_when, needs_vllm, read_lines, run_script
 
@@ -530,13 +530,15 @@ def test_a_stage_continues_the_previous_train_state_exactly_or_releases_it(toy, 
     assert all(torch.equal(a[k], b[k]) for k in a)
     # --release_older_states: the run's older train states go once this stage has written its own (update 1 here), so
     # two coexist on disk, not three; a state beside another run's outputs (--out elsewhere) stays
-    shutil.copytree(stage / "train_state", tmp_path / "stage_0" / "train_state")
+    assert stage == tmp_path / "stage_0"           # the run's older stage, with its train state
+    manifest = tmp_path / "stage_1" / "rollouts" / records.MANIFEST    # the copy is stage 1's rollouts from here on
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "stage": 1}))
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, "--release_older_states=true",
-               f"--init_state={tmp_path / 'stage_0' / 'train_state'}", f"--out={tmp_path / 'elsewhere' / 'policy'}")
-    assert (tmp_path / "stage_0" / "train_state").exists()
+               f"--init_state={stage / 'train_state'}", f"--out={tmp_path / 'elsewhere' / 'policy'}")
+    assert (stage / "train_state").exists()
     run_script("optimize.py", f"--stage_dir={tmp_path / 'stage_1'}", *args, "--release_older_states=true",
-               f"--init_state={tmp_path / 'stage_0' / 'train_state'}", "--checkpoint_every=1")
-    assert not (tmp_path / "stage_0" / "train_state").exists()
+               f"--init_state={stage / 'train_state'}", "--checkpoint_every=1")
+    assert not (stage / "train_state").exists()
     assert (tmp_path / "stage_1" / "train_state" / "progress.json").exists()
 
 
