@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from mu_grpo import common  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+from mu_grpo import common, records  # noqa: E402
 import plot  # noqa: E402
-from mu_grpo import records  # noqa: E402
 
 command = "report"              # report | evaluate
 out = "runs/multistage"         # bench/multistage_runs.sh's OUT
+data = "data"                   # where the runs' lab builds are (data/lab_fork_build<b>)
 lrs = "1e-4,3e-5,1e-5"          # the grid (more points as they are run)
 arms = "reset,relaxed-high,relaxed-low,beta2-0.95,stage-warmup-16"
 fall = 0.02                     # a fall: held-out accuracy down by more than this at the next evaluation (2 SE)
@@ -151,9 +151,9 @@ def evaluate_within_stages():
         if not policies:
             continue
         build = run.parent.parent.name[len("build"):]
-        data = "data/lab_fork" + ("" if build == "0" else f"_build{build}")
+        data_dir = Path(data) / ("lab_fork" + ("" if build == "0" else f"_build{build}"))
         print(f"{run}: {len(policies)} policies", flush=True)
-        subprocess.run([sys.executable, "evaluate.py", f"--policy={','.join(policies)}", f"--data_dir={data}",
+        subprocess.run([sys.executable, "evaluate.py", f"--policy={','.join(policies)}", f"--data_dir={data_dir}",
                         "--benchmarks=heldout", "--k=1", "--temperature=1.0", "--top_p=1.0",
                         "--max_prompt_tokens=64", "--max_response_tokens=160", "--prompt_template={problem}",
                         f"--results={results}", "--stage=-2"], cwd=ROOT, check=True)
