@@ -560,10 +560,9 @@ def resident_start():
         # as every stage's hand-over does (release_gradients)
         M.release_memory()
         handover.publish_saved(last, last_dir / records.POLICY)
-    gc.collect()      # the train state's load leaves garbage, which a freeze would keep for the run; then what lives
-    gc.freeze()       # for the run (the model, the libraries' modules: vLLM's with the transfer) is out of every later
-    # gc.collect (model.release_memory's, every stage): on a CPU a collect takes 0.1 s with torch and transformers
-    # imported, 0.3 s with vLLM too, a few ms once they are frozen
+    gc.collect()      # (the train state's load leaves garbage) then what lives for the run (the model, the modules:
+    gc.freeze()       # vLLM's with the transfer) is out of every later gc.collect (model.release_memory's): on a CPU
+    # a collect takes 0.1 s with torch and transformers imported, 0.3 s with vLLM too, a few ms once they are frozen
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
     return trainer, handover, resident_stages(handover, first)
