@@ -106,6 +106,14 @@ for variant in $VARIANTS; do
   for seed in $SEEDS; do echo "replay_${variant}_seed$seed replay $variant $seed"; done
 done | $PY -m mu_grpo.pool --jobs="$JOBS" --logs="$OUT/logs" --done="$OUT/.done" 9>&-
 
+# the policies step 4 evaluates: the initial one, the replays', then (step 3) the reference's stage policies
+POLICIES=$MODEL
+for variant in $VARIANTS; do
+  for seed in $SEEDS; do
+    for p in "$OUT/$variant/seed$seed"/policy_u* "$OUT/$variant/seed$seed/policy"; do POLICIES+=",$p"; done
+  done
+done
+
 # 3. the on-policy reference: fresh rollouts every ONPOLICY_UPDATES updates, the same total updates
 if (( ONPOLICY_UPDATES > 0 )); then
   for loss in $ONPOLICY_LOSSES; do
@@ -114,24 +122,12 @@ if (( ONPOLICY_UPDATES > 0 )); then
           EVAL_DATA_DIR="$LAB_DIR" LOSS="$loss" RUN="$OUT/onpolicy-$loss/seed$seed" SEED="$seed" LR="$LR" \
           STAGES=$((UPDATES_PER_STAGE / ONPOLICY_UPDATES)) UPDATES_PER_STAGE="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
           GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 RESIDENT=true SAVE_EVERY=1 bash run_stages.sh
-    done
-  done
-fi
-
-# 4. every policy on the test set, one engine: the initial one, the replays' and the reference's stage policies
-POLICIES=$MODEL
-for variant in $VARIANTS; do
-  for seed in $SEEDS; do
-    for p in "$OUT/$variant/seed$seed"/policy_u* "$OUT/$variant/seed$seed/policy"; do POLICIES+=",$p"; done
-  done
-done
-if (( ONPOLICY_UPDATES > 0 )); then
-  for loss in $ONPOLICY_LOSSES; do
-    for seed in $ONPOLICY_SEEDS; do
       for ((s = 0; s < UPDATES_PER_STAGE / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$loss/seed$seed/stage_$s/policy"; done
     done
   done
 fi
+
+# 4. every policy on the test set, one engine
 step evaluate $PY evaluate.py --policy="$POLICIES" --benchmarks=test --data_dir="$LAB_DIR" --k="$EVAL_K" \
     --temperature=1.0 --top_p=1.0 --results="$OUT/results.jsonl" --gpus=0 "${SAMPLING[@]}"
 

@@ -411,15 +411,8 @@ def merge_stats(a, b):
     """Stats of two disjoint sets of tokens (micro-batches, ranks) combined: sums add, extremes extreme."""
     if not a:
         return dict(b)
-    out = {}
-    for k in a:
-        if k.endswith("_min"):
-            out[k] = torch.minimum(a[k], b[k])
-        elif k.endswith("_max"):
-            out[k] = torch.maximum(a[k], b[k])
-        else:
-            out[k] = a[k] + b[k]
-    return out
+    combine = {"_min": torch.minimum, "_max": torch.maximum}
+    return {k: combine.get(k[-4:], torch.add)(a[k], b[k]) for k in a}
 
 
 def metrics(stats, extra=None):

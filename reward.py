@@ -112,7 +112,6 @@ def final_boxed(text):
 
 
 _E_NOTATION = re.compile(r"^([-+]?\d*\.?\d+)[eE]([-+]?\d+)$")
-_DECIMAL = re.compile(r"^[-+]?(\d+\.\d*|\.\d+|\d+)$")
 
 
 def normalize_gold(gold, dataset=None):

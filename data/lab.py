@@ -112,8 +112,9 @@ def heldout(train, test, warm_start_problems, per_length, min_steps, max_steps, 
     return by_length(random.Random(seed + 2), per_length, min_steps, max_steps, seen)
 
 
-def demonstration(row, rng, p_slip, p_no_box):
-    """One imperfect worked solution: a step's result slips by ±1 or ±10 with probability p_slip."""
+def steps(row, rng, p_slip):
+    """The steps (value, sign, operand, result) of a worked solution in which a step's result slips by ±1 or ±10
+    with probability p_slip (the chain goes on from the wrong value), and the value they reach."""
     start = int(row["problem"].split()[1])
     tokens = row["problem"].split()[2:-3]
     value, lines = start, []
@@ -122,18 +123,31 @@ def demonstration(row, rng, p_slip, p_no_box):
         result = value + d if sign == "+" else value - d
         if rng.random() < p_slip and (slips := [s for s in (-10, -1, 1, 10) if 0 <= result + s <= 19]):
             result += rng.choice(slips)
-        lines.append(f"Step {k // 2 + 1}: {value} {sign} {d} = {result}")
+        lines.append((value, sign, d, result))
         value = result
+    return lines, value
+
+
+def step_lines(lines):
+    return [f"Step {k + 1}: {a} {s} {d} = {r}" for k, (a, s, d, r) in enumerate(lines)]
+
+
+def demonstration(row, rng, p_slip, p_no_box):
+    """One imperfect worked solution: a step's result slips by ±1 or ±10 with probability p_slip."""
+    lines, value = steps(row, rng, p_slip)
     final = f"Answer: {value}" if rng.random() < p_no_box else f"\\boxed{{{value}}}"
-    return " " + "\n".join(lines + [final])
+    return " " + "\n".join(step_lines(lines) + [final])
 
 
 def build(out_dir, *, train_problems=4096, test_per_length=100, heldout_per_length=420, min_steps=3, max_steps=8,
           seed=0, hidden_size=128, layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_slip=0.05,
-          p_no_box=0.2):
-    """Write the lab's train/test/held-out sets and its warm-started policy (HF directory) under out_dir."""
+          p_no_box=0.2, demonstrate=None, corpus_copies=1):
+    """Write the lab's train/test/held-out sets and its warm-started policy (HF directory) under out_dir.
+    demonstrate(row, rng): a worked solution (default: demonstration's with p_slip, p_no_box; data/lab_fork.py gives
+    its own); corpus_copies: how many of them per training problem the tokenizer is trained on."""
     import torch  # torch after toy.portable_kernels set ATEN_CPU_CAPABILITY (the builder's main)
     torch.set_num_threads(common.usable_cores())
+    demonstrate = demonstrate or (lambda row, rng: demonstration(row, rng, p_slip, p_no_box))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = problems(train_problems, test_per_length, min_steps, max_steps, seed)
@@ -142,7 +156,7 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, heldout_per_leng
     toy.write_jsonl(out / "train.jsonl", train)
     toy.write_jsonl(out / "test.jsonl", test)
     corpus_rng = random.Random(seed + 1)
-    corpus = [r["problem"] + demonstration(r, corpus_rng, p_slip, p_no_box) for r in train]
+    corpus = [r["problem"] + demonstrate(r, corpus_rng) for r in train for _ in range(corpus_copies)]
     tokenizer = toy.build_tokenizer(corpus, vocab_size)
     model = toy.build_model(tokenizer, hidden_size, layers, seed)
     test_ids = {r["id"] for r in test}
@@ -152,7 +166,7 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, heldout_per_leng
         while len(rows) < batch:
             row = problem_row(*chain(rng, rng.randint(min_steps, max_steps)))
             if row["id"] not in test_ids:
-                rows.append((row["problem"], demonstration(row, rng, p_slip, p_no_box)))
+                rows.append((row["problem"], demonstrate(row, rng)))
         return rows
     warm_problems = toy.warm_start_problems(examples, sft_steps, sft_batch, seed)
     held = heldout(train, test, warm_problems, heldout_per_length, min_steps, max_steps, seed)
@@ -166,8 +180,5 @@ def build(out_dir, *, train_problems=4096, test_per_length=100, heldout_per_leng
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
     toy.portable_kernels()      # the same task and policy on any x86-64 machine (before torch is imported)
-    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length,
-                 heldout_per_length=heldout_per_length, min_steps=min_steps,
-                 max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
-                 sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_slip=p_slip, p_no_box=p_no_box)
+    path = build(**common.hyperparameters(globals()))
     print(f"lab task and policy written: {out_dir}/train.jsonl, test.jsonl, heldout.jsonl, {path}")

@@ -19,7 +19,6 @@ pushing it down reaches the solution's own tokens more (restate) or less (revers
 with probability p_slip on either path. The warm-started policy takes the detour about p_detour of the
 time: its best answer starts with a low-probability choice.
 """
-import random
 import sys
 from pathlib import Path
 
@@ -58,31 +57,16 @@ p_slip = 0.01               # chance that a step's result is off by ±1 or ±10 
 FORKS, DETOURS = ("start", "end"), ("restate", "reverse")
 
 
-def steps(row, rng, p_slip):
-    """The step lines of a (possibly slipping) solution and the value they reach."""
-    start = int(row["problem"].split()[1])
-    tokens = row["problem"].split()[2:-3]
-    value, lines = start, []
-    for k in range(0, len(tokens), 2):
-        sign, d = tokens[k], int(tokens[k + 1])
-        result = value + d if sign == "+" else value - d
-        if rng.random() < p_slip and (slips := [s for s in (-10, -1, 1, 10) if 0 <= result + s <= 19]):
-            result += rng.choice(slips)
-        lines.append((value, sign, d, result))
-        value = result
-    return lines, value
-
-
 def detour_lines(lines, detour):
     if detour == "restate":
-        return [f"Step {k + 1}: {a} {s} {d} = {r}" for k, (a, s, d, r) in enumerate(lines)]
+        return lab.step_lines(lines)
     return [f"Undo {k + 1}: {r} {'-' if s == '+' else '+'} {d} = {a}" for k, (a, s, d, r) in reversed(list(enumerate(lines)))]
 
 
 def demonstration(row, rng, *, p_detour, fork, detour, p_slip):
     """One worked solution: the detour (unboxed) with probability p_detour, else the boxed solution."""
-    lines, value = steps(row, rng, p_slip)
-    solution = [f"Step {k + 1}: {a} {s} {d} = {r}" for k, (a, s, d, r) in enumerate(lines)]
+    lines, value = lab.steps(row, rng, p_slip)
+    solution = lab.step_lines(lines)
     if rng.random() >= p_detour:
         return " " + "\n".join(solution + [f"\\boxed{{{value}}}"])
     if fork == "start":
@@ -92,40 +76,15 @@ def demonstration(row, rng, *, p_detour, fork, detour, p_slip):
     return " " + "\n".join(solution + ["Check:"] + detour_lines(lines, detour) + [f"Answer: {value}"])
 
 
-def build(out_dir, *, train_problems=4096, test_per_length=50, heldout_per_length=625, min_steps=3, max_steps=6, seed=0,
-          hidden_size=128, layers=4, vocab_size=400, sft_steps=500, sft_batch=64, sft_lr=3e-3, p_detour=0.8,
-          fork="start", detour="restate", p_slip=0.01):
-    """Write the task's train/test/held-out sets and its warm-started policy (HF directory) under out_dir."""
-    import torch  # torch after toy.portable_kernels set ATEN_CPU_CAPABILITY (the builder's main)
-    torch.set_num_threads(common.usable_cores())
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train, test = lab.problems(train_problems, test_per_length, min_steps, max_steps, seed)
-    print(f"{len(train)} training problems, {len(test)} test problems ({test_per_length} per chain length, "
-          f"{max_steps - min_steps + 1} lengths: {min_steps}..{max_steps} steps)")
-    toy.write_jsonl(out / "train.jsonl", train)
-    toy.write_jsonl(out / "test.jsonl", test)
+def build(out_dir, *, test_per_length=50, heldout_per_length=625, max_steps=6, p_detour=0.8, fork="start",
+          detour="restate", p_slip=0.01, **lab_settings):
+    """Write the task's train/test/held-out sets and its warm-started policy (HF directory) under out_dir: the lab's
+    build (data/lab.py, lab_settings: its other settings) with this task's demonstrations, two per training problem
+    in the tokenizer's corpus."""
     options = dict(p_detour=p_detour, fork=fork, detour=detour, p_slip=p_slip)
-    corpus_rng = random.Random(seed + 1)
-    corpus = [r["problem"] + demonstration(r, corpus_rng, **options) for r in train for _ in range(2)]
-    tokenizer = toy.build_tokenizer(corpus, vocab_size)
-    model = toy.build_model(tokenizer, hidden_size, layers, seed)
-    test_ids = {r["id"] for r in test}
-
-    def examples(rng, batch):   # fresh chains (never a test problem), so the warm start does not memorize
-        rows = []
-        while len(rows) < batch:
-            row = lab.problem_row(*lab.chain(rng, rng.randint(min_steps, max_steps)))
-            if row["id"] not in test_ids:
-                rows.append((row["problem"], demonstration(row, rng, **options)))
-        return rows
-    warm_problems = toy.warm_start_problems(examples, sft_steps, sft_batch, seed)
-    held = lab.heldout(train, test, warm_problems, heldout_per_length, min_steps, max_steps, seed)
-    toy.write_jsonl(out / "heldout.jsonl", held)
-    print(f"{len(held)} held-out problems ({heldout_per_length} per chain length; none trained or warm-started on)")
-    if sft_steps:
-        toy.warm_start(model, tokenizer, examples, sft_steps, sft_batch, sft_lr, seed)
-    return toy.save_model(model, tokenizer, out / "model")
+    return lab.build(out_dir, test_per_length=test_per_length, heldout_per_length=heldout_per_length,
+                     max_steps=max_steps, demonstrate=lambda row, rng: demonstration(row, rng, **options),
+                     corpus_copies=2, **lab_settings)
 
 
 if __name__ == "__main__":
@@ -133,9 +92,5 @@ if __name__ == "__main__":
     toy.portable_kernels()      # the same task and policy on any x86-64 machine (before torch is imported)
     common.check_choice("fork", fork, FORKS)
     common.check_choice("detour", detour, DETOURS)
-    path = build(out_dir, train_problems=train_problems, test_per_length=test_per_length,
-                 heldout_per_length=heldout_per_length, min_steps=min_steps,
-                 max_steps=max_steps, seed=seed, hidden_size=hidden_size, layers=layers, vocab_size=vocab_size,
-                 sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr, p_detour=p_detour, fork=fork, detour=detour,
-                 p_slip=p_slip)
+    path = build(**common.hyperparameters(globals()))
     print(f"lab-fork task and policy written: {out_dir}/train.jsonl, test.jsonl, heldout.jsonl, {path}")

@@ -129,13 +129,7 @@ def warm_start_problems(examples, steps, batch, seed):
 
 
 def write_jsonl(path, rows):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    common.atomic_write(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def build(out_dir, *, max_operand=12, test_fraction=0.25, seed=0, hidden_size=128, layers=4, vocab_size=400,
@@ -194,7 +188,5 @@ def save_model(model, tokenizer, final):
 
 if __name__ == "__main__":
     common.apply_overrides(globals(), sys.argv[1:])
-    path = build(out_dir, max_operand=max_operand, test_fraction=test_fraction, seed=seed, hidden_size=hidden_size,
-                 layers=layers, vocab_size=vocab_size, sft_steps=sft_steps, sft_batch=sft_batch, sft_lr=sft_lr,
-                 p_correct=p_correct, p_give_up=p_give_up)
+    path = build(**common.hyperparameters(globals()))
     print(f"toy task and policy written: {out_dir}/train.jsonl, {out_dir}/test.jsonl, {path}")

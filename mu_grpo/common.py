@@ -100,6 +100,12 @@ def usable_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def refuse(line):
+    """A bad setting: one line on stderr, exit status 2 (run_stages.sh's "refused before any phase")."""
+    print(line, file=sys.stderr)
+    sys.exit(2)
+
+
 def check_choice(name, value, allowed):
     if value not in allowed:
         sys.exit(f"--{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")

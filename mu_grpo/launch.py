@@ -228,8 +228,7 @@ def setting_changes(recorded, now):
             if part == "knobs" and key in EXTENDABLE and str(a).isdigit() and str(b).isdigit() and int(b) > int(a):
                 raised = True
                 continue
-            changed.append(f"{'' if part == 'knobs' else part + ' '}{key} {a!r} → {b!r}" if part != "knobs"
-                           else f"{key} {a} → {b}")
+            changed.append(f"{key} {a} → {b}" if part == "knobs" else f"{part} {key} {a!r} → {b!r}")
     return changed, raised
 
 
@@ -248,7 +247,7 @@ def rerun_check(k):
     if not finished:
         return {"FRESH": "1" if changed or raised else "0", "EXTEND": "0"}
     if changed:
-        refuse(f"RUN={run} was run with other settings: {'; '.join(changed)}. Rerun with its settings "
+        common.refuse(f"RUN={run} was run with other settings: {'; '.join(changed)}. Rerun with its settings "
                f"({path}), or choose a new RUN (what a rerun may change: docs/running.md)")
     return {"FRESH": "0", "EXTEND": "1" if raised else "0"}
 
@@ -356,29 +355,23 @@ def assignments(values):
     return "\n".join(f"{name}={shlex.quote(value)}" for name, value in values.items())
 
 
-def refuse(line):
-    """A bad setting: one line on stderr, exit status 2 (run_stages.sh's "refused before any phase")."""
-    print(line, file=sys.stderr)
-    sys.exit(2)
-
-
 def settings_command():
     for old, new in RENAMED.items():    # a knob's old name: ignored, it would leave the setting unsaid
         if old in os.environ:
-            refuse(f"{old}={os.environ[old]}: the knob is {new} now")
+            common.refuse(f"{old}={os.environ[old]}: the knob is {new} now")
     for name, knob in misspelt_knobs(os.environ):
-        refuse(f"{name}={os.environ[name]} is not a knob: did you mean {knob}? (run_stages.sh's variables)")
+        common.refuse(f"{name}={os.environ[name]} is not a knob: did you mean {knob}? (run_stages.sh's variables)")
     knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
     knobs["GPUS"] = knobs.get("GPUS") or os.environ.get("VISIBLE_GPUS", "")     # empty: every GPU torch sees
     k, problem = resolve(knobs)
     if problem:
-        refuse(problem)
+        common.refuse(problem)
     if k["REPORT_TO"] != "none":
         from mu_grpo import tracking  # the trackers' module: only the settings step reads it
         try:
             tracking.check(k["REPORT_TO"])
         except SystemExit as e:
-            refuse(str(e))
+            common.refuse(str(e))
     values = assignments({**k, **derived(k), **rerun_check(k)})
     plan = (f"stages that end on drift, the first of {k['UPDATES_PER_STAGE']} updates, until {k['TOTAL_UPDATES']} "
             f"updates" if k["STAGE_END"] == "drift" else f"{k['STAGES']} stages × {k['UPDATES_PER_STAGE']} updates")
@@ -408,7 +401,7 @@ def preset_command():
     preset = os.environ.get("PRESET", "auto")
     if preset not in ("auto", "paper"):
         if preset not in ("toy", "lab", "lab-fork"):
-            refuse(f"PRESET must be auto, paper, toy, lab or lab-fork, got '{preset}'")
+            common.refuse(f"PRESET must be auto, paper, toy, lab or lab-fork, got '{preset}'")
         print(assignments({"PRESET": preset}))
         return
     visible = common.gpu_count()
@@ -417,7 +410,7 @@ def preset_command():
         print(f"PRESET=auto: using the '{preset}' preset ("
               f"{f'{visible} GPU(s) found' if preset == 'paper' else 'no GPU found'})", file=sys.stderr)
     if preset == "paper" and visible == 0:
-        refuse(f"PRESET=paper needs GPUs and torch sees none here (CUDA_VISIBLE_DEVICES="
+        common.refuse(f"PRESET=paper needs GPUs and torch sees none here (CUDA_VISIBLE_DEVICES="
                f"'{os.environ.get('CUDA_VISIBLE_DEVICES', '')}'); on a CPU machine use PRESET=toy or PRESET=lab")
     print(assignments({"PRESET": preset, "VISIBLE_GPUS": str(visible)}))
 
@@ -512,17 +505,17 @@ def prepared(env):
     try:
         common.require_policy(model, "MODEL", given=env["MODEL"])
     except SystemExit as e:
-        refuse(str(e))
+        common.refuse(str(e))
     try:
         rows = common.load_problems(env["TRAIN_DATA"])
     except (OSError, ValueError) as e:
-        refuse(f"TRAIN_DATA={env['TRAIN_DATA']} is not a prepared problem file (see data/prepare.py): {e}")
+        common.refuse(f"TRAIN_DATA={env['TRAIN_DATA']} is not a prepared problem file (see data/prepare.py): {e}")
     if not rows:
-        refuse(f"TRAIN_DATA={env['TRAIN_DATA']} has no problems (see data/prepare.py)")
+        common.refuse(f"TRAIN_DATA={env['TRAIN_DATA']} has no problems (see data/prepare.py)")
     if env["TEMPLATE"] in ("chat", "chat-system") or model_cards.known(env["MODEL"]):   # the prompt its model card shows
         from transformers import AutoTokenizer      # (2-3 s: not for the toy and lab tasks' plain prompts)
         if (problem := model_cards.check_prompt(AutoTokenizer.from_pretrained(model), env["MODEL"], env["TEMPLATE"])):
-            refuse(problem)
+            common.refuse(problem)
     share = env["RESIDENT_GPU_MEMORY"]
     if env["RESIDENT"] == "true" and int(env["GPUS"]) > 0:   # the engines' share must leave the trainer its memory
         import torch              # (2 s, and mu_grpo/trainer_model.py's: only on a resident GPU run, not for every phase's row)

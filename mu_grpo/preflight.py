@@ -372,9 +372,8 @@ def run_resident(run_dir, model, how):
         path.write_text("")
     _, codes = processes.run_together({"engine": [str(c) for c in engine_cmd], "trainer": [str(c) for c in trainer_cmd]},
                                       logs, cwd=ROOT)
-    codes = [codes["engine"], codes["trainer"]]
-    if any(codes):
-        raise PhaseError("resident", f"engine exit {codes[0]}, trainer exit {codes[1]}")
+    if any(codes.values()):
+        raise PhaseError("resident", f"engine exit {codes['engine']}, trainer exit {codes['trainer']}")
 
 
 def resident_checks(results, figures, run_dir, how):
@@ -508,16 +507,12 @@ def libraries_version():
 
 def gpu_gib():
     """The first GPU's memory in GiB; None on a CPU."""
-    if not on_gpu:
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else None
 
 
 def gpu_names():
     """The model of each GPU the run uses (torch's names, CUDA_VISIBLE_DEVICES honoured); [] on a CPU."""
-    if not on_gpu:
-        return []
-    return [torch.cuda.get_device_name(i) for i in range(n_gpus)]
+    return [torch.cuda.get_device_name(i) for i in range(n_gpus)] if on_gpu else []
 
 
 def cache_key(model):
@@ -603,7 +598,7 @@ def throughput(results, figures, model, metrics, manifest, rows, saved):
     train_tps = sum(m["tokens"] for m in steady) / sum(m["seconds"] for m in steady)
     peak = max((m.get("memory/peak_gib") or 0.0) for m in metrics)
     if on_gpu:
-        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        total = gpu_gib()
         check(results, "headroom: peak GPU memory per rank at the run's micro-batch", peak <= 0.9 * total,
               round(peak, 2), round(0.9 * total, 1), "GiB")
         mfu = 6 * M.parameter_count(model) * train_tps / (peak_tflops * 1e12 * n_ranks)

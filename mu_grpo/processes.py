@@ -62,13 +62,8 @@ def alive(pid):
     return fields is not None and fields[0] != "Z"
 
 
-def descendants(root):
-    """Every process below `root` (by parent pid, read from /proc), children before grandchildren."""
-    return _below([root])
-
-
-def _below(roots):
-    """Every process below any of roots, from one read of /proc: children before grandchildren."""
+def descendants(*roots):
+    """Every process below any of roots (by parent pid, from one read of /proc), children before grandchildren."""
     children = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -107,7 +102,7 @@ def _freeze(roots, me):
         deadline = time.monotonic() + 1.0   # stopped on its way back to user space: a fork under way completes first
         while time.monotonic() < deadline and any((_stat(p) or "Z")[0] not in "TtZX" for p in todo):
             time.sleep(0.005)
-        todo = [p for p in _below(todo) if p != me and p not in seen]
+        todo = [p for p in descendants(*todo) if p != me and p not in seen]
     return frozen
 
 
@@ -129,7 +124,7 @@ def stop_tree(root, grace_s=5.0, start=None):
         living = [p for p in procs if alive(p)]
         if not living:
             break
-        started = [c for c in _below(living) if c != me and c not in procs]
+        started = [c for c in descendants(*living) if c != me and c not in procs]
         _signal(started, signal.SIGTERM)
         procs += started
         time.sleep(0.1)

@@ -145,11 +145,11 @@ def close_killed_attempt(run_dir):
 
 def read(run_dir):
     """The run's timeline rows ([] before its first)."""
-    path = Path(run_dir) / TIMELINE
-    return common.read_jsonl(path) if path.exists() else []
+    return jsonl_rows(Path(run_dir) / TIMELINE)
 
 
-def _rows(path):
+def jsonl_rows(path):
+    """A JSONL file's rows, [] where it does not exist."""
     return common.read_jsonl(path) if Path(path).exists() else []
 
 
@@ -157,17 +157,14 @@ def load_run(path):
     """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
     path = Path(path)
     metrics, manifests, stage_ends = [], {}, {}
-    for _, stage_dir in stage_dirs(path):
-        s = int(stage_dir.name.split("_")[1])
-        for row in _rows(stage_dir / METRICS):
-            metrics.append({**row, "stage": s})
+    for s, stage_dir in stage_dirs(path):
+        metrics += [{**row, "stage": s} for row in jsonl_rows(stage_dir / METRICS)]
         if (stage_dir / STAGE_END).exists():      # where training on the stage ended, and why
             stage_ends[s] = json.loads((stage_dir / STAGE_END).read_text())
         if (stage_dir / ROLLOUTS / MANIFEST).exists():
             manifests[s] = json.loads((stage_dir / ROLLOUTS / MANIFEST).read_text())
-    for row in _rows(path / METRICS):   # an ablation replay: optimize.py --out=<path>/policy
-        metrics.append(row)
-    return {"name": path.name, "results": _rows(path / RESULTS), "timeline": _rows(path / TIMELINE),
+    metrics += jsonl_rows(path / METRICS)     # an ablation replay: optimize.py --out=<path>/policy
+    return {"name": path.name, "results": jsonl_rows(path / RESULTS), "timeline": jsonl_rows(path / TIMELINE),
             "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
 
 

@@ -16,7 +16,9 @@ while a shard is parsed, so building them needs no more memory than one line; np
 with nothing beyond numpy (a notebook too: np.fromfile(path, dtype)); and a token's position in the
 stage is a plain offset, which the per-stage log-prob passes (TokenColumn) share.
 """
+import collections
 import concurrent.futures
+import io
 import json
 import math
 import multiprocessing
@@ -170,9 +172,7 @@ def shard_counts(lines, group_size):
     """A shard's counts for its stats file, from its lines (whole groups of group_size, in group order)."""
     rewards, lengths = [x["reward"] for x in lines], [len(x["response_token_ids"]) for x in lines]
     groups = [rewards[j:j + group_size] for j in range(0, len(rewards), group_size)]
-    reasons = {}
-    for x in lines:
-        reasons[x["reward_info"]["reason"]] = reasons.get(x["reward_info"]["reason"], 0) + 1
+    reasons = dict(collections.Counter(x["reward_info"]["reason"] for x in lines))
     return {"responses": len(lines), "reward_sum": sum(rewards),
             "groups_all_correct": sum(min(g) == 1.0 for g in groups),
             "groups_all_wrong": sum(max(g) == 0.0 for g in groups),
@@ -187,10 +187,9 @@ def stage_summary(stats, plan):
     total = lambda key: sum(st[key] for st in stats)  # noqa: E731
     responses, groups = total("responses"), total("prompts")
     wall = max(st.get("finished_at", 0.0) for st in stats) - min(st.get("started_at", 0.0) for st in stats)
-    reasons, engine_seconds = {}, {}
+    reasons, engine_seconds = collections.Counter(), {}
     for st in stats:
-        for reason, n in st["reasons"].items():
-            reasons[reason] = reasons.get(reason, 0) + n
+        reasons.update(st["reasons"])
         engine_seconds[st.get("engine", 0)] = engine_seconds.get(st.get("engine", 0), 0) + st["generation_seconds"]
     slowest = max(engine_seconds.values(), default=0.0)
     return {
@@ -202,7 +201,7 @@ def stage_summary(stats, plan):
         "mean_response_tokens": total("response_tokens") / max(1, responses),
         "max_response_tokens": max((st["max_response_tokens"] for st in stats), default=0),
         "truncation_rate": total("truncated") / max(1, responses),
-        "grader_reasons": reasons,
+        "grader_reasons": dict(reasons),
         # the engines that generated this stage's shards ran side by side: the stage took its slowest
         # engine's time; tokens/s per engine is what a run with another engine count scales
         "engines_ran": len(engine_seconds),
@@ -449,13 +448,10 @@ def write_column_part(column_path, rank, seq, indices, values):
     """Rank `rank`'s seq-th part of a TokenColumn pass: the responses `indices` it computed and their per-token
     `values` (arrays, in order), one file written whole beside the column. Returns its path."""
     path = Path(column_path).with_name(f"{Path(column_path).name}.part-r{rank}-{seq:05d}.npz")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.savez(f, indices=np.asarray(indices, dtype=np.int64),
-                 values=np.concatenate(values).astype("<f4") if values else np.zeros(0, "<f4"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, indices=np.asarray(indices, dtype=np.int64),
+             values=np.concatenate(values).astype("<f4") if values else np.zeros(0, "<f4"))
+    common.atomic_write(path, buffer.getvalue())
     return path
 
 

@@ -89,10 +89,6 @@ def _numbers(row, prefix, skip=()):
             if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v}
 
 
-def _stage_dirs(run):
-    return [d for _, d in records.stage_dirs(run)]
-
-
 class RecordFiles:
     """The run's record files, each read again only when its size, mtime or inode changed: a pass over a 1,024-stage
     run stats its ~4k files and opens only the new or grown ones (a finished stage's files never change)."""
@@ -139,12 +135,11 @@ def rows(run, files=None):
     between passes (a follower's), so that only what changed is read."""
     run, out, files = Path(run), [], files or RecordFiles()
     # an ablation replay's directory holds its metrics.jsonl (ablate.sh: optimize.py --out=<dir>/policy); a run's stages
-    for metrics in [run / records.METRICS, *(d / records.METRICS for d in _stage_dirs(run))]:
+    for metrics in [run / records.METRICS, *(d / records.METRICS for _, d in records.stage_dirs(run))]:
         for r in files.jsonl(metrics):
             out.append((f"train/{r['run_update']}", r["run_update"], r.get("time"),
                         _numbers(r, "train/", skip=("update", "run_update", "stage", "time"))))
-    for d in _stage_dirs(run):
-        s = int(d.name[6:])
+    for s, d in records.stage_dirs(run):
         manifest = d / records.ROLLOUTS / records.MANIFEST
         read = files.read(manifest, lambda p: (json.loads(Path(p).read_text()), os.stat(p).st_mtime))
         if read is not None and (step := _updates_after(run, s - 1, files)) is not None:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mu_grpo import common  # noqa: E402
 from mu_grpo import records  # noqa: E402
-from synthetic import SHAPES, build_model, count_parameters, model_flops, trained_lengths, write_stage  # noqa: E402,F401
+from synthetic import build_model, count_parameters, model_flops, trained_lengths, write_stage  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the model and the box
@@ -51,14 +51,11 @@ if __name__ == "__main__":
     out = Path(out_dir)
     model_dir = out / (f"model-{shape}" + (f"-{layers}layers" if layers else ""))
     if not (model_dir / "config.json").exists():
-        n_params, layers, hidden, vocab, _ = build_model(model_dir, shape, layers)
-    else:
-        from transformers import AutoConfig
-        c = AutoConfig.from_pretrained(model_dir)
-        layers, hidden, vocab = c.num_hidden_layers, c.hidden_size, c.vocab_size
-        n_params = None
+        build_model(model_dir, shape, layers)
     from transformers import AutoConfig
-    tied = bool(AutoConfig.from_pretrained(model_dir).tie_word_embeddings)
+    c = AutoConfig.from_pretrained(model_dir)
+    layers, hidden, vocab, tied = c.num_hidden_layers, c.hidden_size, c.vocab_size, bool(c.tie_word_embeddings)
+    n_params = count_parameters(model_dir)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"] if gpus > 1 \
         else [sys.executable]
     table = []
@@ -78,8 +75,6 @@ if __name__ == "__main__":
             continue
         metrics = [json.loads(line) for line in open(stage / records.METRICS)]
         timing = json.loads((stage / records.OPTIMIZE_TIMING).read_text())
-        if n_params is None:
-            n_params = count_parameters(model_dir)
         steady = range(1, updates) if updates > 1 else range(1)
         seconds = sum(metrics[u]["seconds"] for u in steady)
         tokens = sum(metrics[u]["tokens"] for u in steady)

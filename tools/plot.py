@@ -25,11 +25,8 @@ collapse_below = 0.5            # ablation table: a seed has collapsed once its 
 # -----------------------------------------------------------------------------
 
 
-def _rows(path):
-    return common.read_jsonl(path) if Path(path).exists() else []
-
-
-def figures(runs, out):
+def canvas(out):
+    """(pyplot, save(fig, name): the figure written into out, the list of what was written) for a figure function."""
     import matplotlib  # matplotlib: only for figures (the notebook and bench/ also read its tables)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after the backend is chosen
@@ -42,7 +39,11 @@ def figures(runs, out):
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
         written.append(out / name)
+    return plt, save, written
 
+
+def figures(runs, out):
+    plt, save, written = canvas(out)
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in runs:
         acc = records.accuracy_by_stage(run)
@@ -102,7 +103,7 @@ def load_ablation(path):
     the on-policy reference is the variant "onpolicy-<loss>", its curve the stage policies'. The initial
     policy (updates 0) starts every curve."""
     path = Path(path).resolve()
-    rows = _rows(path / records.RESULTS)
+    rows = records.jsonl_rows(path / records.RESULTS)
     initial = [r["avg_at_k"] for r in rows if path not in Path(r["policy"]).resolve().parents]
     out = {}
     for r in rows:
@@ -116,7 +117,7 @@ def load_ablation(path):
     for variant, v in out.items():
         for seed, curve in v["curves"].items():
             v["curves"][seed] = sorted(([(0, initial[0])] if initial else []) + curve)
-            v["metrics"][seed] = _rows(path / variant / f"seed{seed}" / records.METRICS)
+            v["metrics"][seed] = records.jsonl_rows(path / variant / f"seed{seed}" / records.METRICS)
     return out, (initial[0] if initial else float("nan"))
 
 
@@ -291,17 +292,12 @@ def table_markdown(table, initial):
 def ablation_figures(ablation, out):
     """Fig. 2: accuracy vs updates of the clip variants and their clipped-token fraction; Fig. 3: accuracy
     vs updates per NAV veto scope and E[ρ | A<0]. Lines: mean over seeds; bands: min–max."""
-    import matplotlib  # matplotlib: only for figures
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after the backend is chosen
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    plt, save, written = canvas(out)
     reference = [v for v in ablation if v.startswith("onpolicy-")]
     figs = [("fig2_clip.png", "clipping dilemma", CLIP_VARIANTS, "clipped (or M2PO-masked) token fraction",
              ("clip/upper_frac", "clip/lower_frac", "m2po/masked_frac")),
             ("fig3_nav_scope.png", "NAV veto scope", SCOPE_VARIANTS, "E[ρ | A<0] (collapse warning)",
              ("ratio/mean_neg_adv",))]
-    written = []
     for name, title, variants, right_label, keys in figs:
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
         for variant in [v for v in variants if v in ablation] + reference:
@@ -330,10 +326,7 @@ def ablation_figures(ablation, out):
             right.yaxis.set_minor_formatter(NullFormatter())
         left.legend(fontsize=7)
         right.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=120)
-        plt.close(fig)
-        written.append(out / name)
+        save(fig, name)
     return written
 
 

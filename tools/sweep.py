@@ -51,43 +51,33 @@ common.apply_overrides(globals(), sys.argv[1:] if __name__ == "__main__" else []
 T0 = time.time()
 
 
-def refuse(message):
-    """A setting frontier.sh cannot run with: one line, exit 2, before anything runs."""
-    print(message, file=sys.stderr)
-    sys.exit(2)
-
-
-def whole(text):
-    return text.isdigit()
-
-
 def check():
     """frontier.sh's settings, each refused in one line naming it. Returns the GPUs' count."""
     for name in ("total_updates", "eval_updates", "resident_max_mu", "drift_first"):
-        if not whole(globals()[name]) or int(globals()[name]) < 1:
-            refuse(f"{name.upper()} must be a whole number >= 1, got '{globals()[name]}'")
+        if not globals()[name].isdigit() or int(globals()[name]) < 1:
+            common.refuse(f"{name.upper()} must be a whole number >= 1, got '{globals()[name]}'")
     for mu in mus.split():
-        if mu != "drift" and not (whole(mu) and int(mu) >= 1 and int(total_updates) % int(mu) == 0):
-            refuse(f"MUS: each μ must divide TOTAL_UPDATES={total_updates} (or be 'drift'), got '{mu}'")
+        if mu != "drift" and not (mu.isdigit() and int(mu) >= 1 and int(total_updates) % int(mu) == 0):
+            common.refuse(f"MUS: each μ must divide TOTAL_UPDATES={total_updates} (or be 'drift'), got '{mu}'")
     numbers = [*seeds.split(), *builds.split(), jobs, *candidates.split(), min_builds, probe_updates, probe_seed,
                *sweep_seeds.split(), *([] if sweep_builds == "first" else sweep_builds.split())]
     for x in numbers:
-        if not whole(x):
-            refuse(f"SEEDS, BUILDS, JOBS, CANDIDATES, MIN_BUILDS, PROBE_UPDATES, PROBE_SEED and SWEEP_* must be whole "
+        if not x.isdigit():
+            common.refuse(f"SEEDS, BUILDS, JOBS, CANDIDATES, MIN_BUILDS, PROBE_UPDATES, PROBE_SEED and SWEEP_* must be whole "
                    f"numbers (SWEEP_BUILDS or 'first'), got '{x}'")
     for r in regimes.split():
         name, _, quota = r.partition(":")
-        if name not in ("saturated", "learns", "stalls") or not (whole(quota) and int(quota) >= 1):
-            refuse(f"REGIMES: each is <regime>:<quota>, a regime of saturated, learns or stalls, got '{r}'")
+        if name not in ("saturated", "learns", "stalls") or not (quota.isdigit() and int(quota) >= 1):
+            common.refuse(f"REGIMES: each is <regime>:<quota>, a regime of saturated, learns or stalls, got '{r}'")
     if int(jobs) < 1:
-        refuse(f"JOBS must be at least 1, got {jobs}")
+        common.refuse(f"JOBS must be at least 1, got {jobs}")
     if preflight not in ("auto", "0", "1", "force"):
-        refuse(f"PREFLIGHT must be auto, 0, 1 or force, got '{preflight}'")
+        common.refuse(f"PREFLIGHT must be auto, 0, 1 or force, got '{preflight}'")
     n_gpus = gpus or str(common.gpu_count())
-    if not whole(n_gpus):
-        refuse(f"GPUS must be a whole number, got '{n_gpus}'")
+    if not n_gpus.isdigit():
+        common.refuse(f"GPUS must be a whole number, got '{n_gpus}'")
     if not preset.startswith("lab") and builds not in ("", "0"):
-        refuse("BUILDS: only the lab tasks have builds; use BUILDS=0")
+        common.refuse("BUILDS: only the lab tasks have builds; use BUILDS=0")
     return int(n_gpus)
 
 
@@ -96,7 +86,7 @@ def loss_flags(loss, nav_delta="1e-4"):
     proc = subprocess.run(["bash", "-c", 'source losses.sh && loss_args "$1" && echo "$LOSS_ARGS"', "_", loss],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NAV_DELTA": nav_delta})
     if proc.returncode:
-        refuse(proc.stderr.strip())
+        common.refuse(proc.stderr.strip())
     return proc.stdout.strip()
 
 
@@ -118,7 +108,7 @@ def all_points():
             found += [f"{label}:{mu}" for mu in mus.split()]
     for p in [*points.split(), baseline, *key_points.split()]:
         if p not in found:
-            refuse(f"'{p}' (POINTS, BASELINE or KEY_POINTS) is not one of the points: {' '.join(found)}")
+            common.refuse(f"'{p}' (POINTS, BASELINE or KEY_POINTS) is not one of the points: {' '.join(found)}")
     return points.split() or found
 
 
@@ -214,8 +204,8 @@ def chosen_builds(slot_list, task_dirs):
     """The rule (tools/regimes.py): candidates in order, each built and probed (GRPO at the smallest μ for
     PROBE_UPDATES updates), until every regime has its quota. Returns (the kept builds, the first of each regime)."""
     small = mus.split()[0]
-    if not whole(small) or int(probe_updates) % int(small):
-        refuse(f"PROBE_UPDATES={probe_updates} must be a multiple of the smallest μ ({small})")
+    if not small.isdigit() or int(probe_updates) % int(small):
+        common.refuse(f"PROBE_UPDATES={probe_updates} must be a multiple of the smallest μ ({small})")
     looked, kept, firsts = [], [], []
     selection_log = Path(out) / "regimes" / "selection.log"
     for b in map(int, candidates.split()):
@@ -265,7 +255,7 @@ def main():
         try:
             slices = pool.gpu_slices(n_gpus, n_jobs, os.environ.get("CUDA_VISIBLE_DEVICES"))
         except SystemExit as e:
-            refuse(str(e))
+            common.refuse(str(e))
     gpu_envs = [{"CUDA_VISIBLE_DEVICES": s, "GPUS": str(n_gpus // n_jobs)} for s in slices]
     selected = all_points()
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -48,19 +48,14 @@ CPU_PRESETS = ("toy", "lab", "lab-fork")     # stand-in models: run_stages.sh's 
 NAMES = {"grpo": "GRPO", "m2po": "M2PO", "mu-grpo": "μ-GRPO", "dapo": "DAPO"}
 
 
-def refuse(message):
-    print(message, file=sys.stderr)
-    sys.exit(2)
-
-
 def parse_method(method):
     """'loss:μ' → (loss, μ), the LOSS a preset of losses.sh and μ dividing total_updates, or one line refusing it."""
     loss, _, mu = method.partition(":")
     if not mu.isdigit() or int(mu) < 1:
-        refuse(f"METHODS: '{method}' is not <LOSS preset>:<μ>, e.g. grpo:4 or mu-grpo:1024")
+        common.refuse(f"METHODS: '{method}' is not <LOSS preset>:<μ>, e.g. grpo:4 or mu-grpo:1024")
     sweep.loss_flags(loss)          # an unknown preset: losses.sh's line naming them
     if total_updates % int(mu):
-        refuse(f"METHODS: μ = {mu} of '{method}' does not divide TOTAL_UPDATES={total_updates} (the runs compare at "
+        common.refuse(f"METHODS: μ = {mu} of '{method}' does not divide TOTAL_UPDATES={total_updates} (the runs compare at "
                f"equal updates)")
     return loss, int(mu)
 
@@ -74,7 +69,7 @@ def plan(paper_hours=None):
     (stages too short to pay a process start each) and then saving a resume point every SAVE_HOURS of the paper's
     hours for that run (paper_hours: {(model, method): hours}), else every 32nd of its stages."""
     if not models.split() or not methods.split():
-        refuse("MODELS and METHODS must each name at least one")
+        common.refuse("MODELS and METHODS must each name at least one")
     paper_hours = paper_hours or {}
     prepares, runs = [], []
     for model in models.split():
@@ -97,7 +92,7 @@ def plan(paper_hours=None):
         checked = preset == "paper" and model not in CPU_PRESETS      # its preflight ran (PREFLIGHT=auto: paper)
         runs += [(run, {**env, **({"PREFLIGHT": "0"} if checked else {})}) for run, env in model_runs]
     if len({r for r, _ in runs}) < len(runs):
-        refuse(f"MODELS={models!r} × METHODS={methods!r} names a run twice")
+        common.refuse(f"MODELS={models!r} × METHODS={methods!r} names a run twice")
     return prepares, runs
 
 
@@ -109,7 +104,7 @@ def write_plan(prepares, runs):
     for name, entries in ((PREPARE_FILE, prepares), (RUNS_FILE, runs)):
         for run, env in entries:
             if any(c.isspace() for v in env.values() for c in v):
-                refuse(f"{run}: a setting holds a space ({env}); {name} cannot carry it")
+                common.refuse(f"{run}: a setting holds a space ({env}); {name} cannot carry it")
         common.atomic_write(Path(runs_dir) / name,
                             "".join(" ".join(f"{k}={v}" for k, v in env.items()) + "\n" for _, env in entries))
     print(len(prepares), len(runs))
@@ -271,7 +266,7 @@ def main():
         write_plan(*plan({(m, method): r["t_total_h"] for m, rows in numbers.items() for method, r in rows.items()}))
         return
     if command != "table":
-        refuse(f"--command must be table, plan or agreement, got {command!r}")
+        common.refuse(f"--command must be table, plan or agreement, got {command!r}")
     plan_rows = read_plan(runs_dir)
     paper_numbers = json.loads(Path(paper).read_text()) if paper else {"benchmarks": [], "models": {}}
     rows = table(plan_rows, paper_numbers)
