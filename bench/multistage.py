@@ -32,6 +32,8 @@ arms = "reset,relaxed-high,relaxed-low,beta2-0.95,stage-warmup-16"
 fall = 0.02                     # a fall: held-out accuracy down by more than this at the next evaluation (2 SE)
 bootstrap = 4000                # resamples of the builds for the AUC's interval
 figures_dir = "docs"            # where the figures go
+within_runs = "mu-grpo-d1e-4-mu64"   # --command=evaluate: the runs whose within-stage policies are evaluated
+within_stages = "1"             # ... and their stages (the first stage after which the lr-1e-4 runs fall)
 common.apply_overrides(globals(), sys.argv[1:] if __name__ == "__main__" else [])
 
 METHODS = {"GRPO μ = 4": "grpo-mu4", "GRPO μ = 64": "grpo-mu64", "μ-GRPO μ = 64": "mu-grpo-d1e-4-mu64"}
@@ -146,8 +148,9 @@ def boundaries(runs):
 def evaluate_within_stages():
     """evaluate.py on every policy saved within a stage (policy_u<k>) of the runs that saved them, held-out at the
     runs' protocol; rows into <run>/within_stage.jsonl (done policies skipped)."""
-    for run in sorted(Path(out).glob("fair/lr*/build*/seed0/*")):
-        policies = sorted(str(p) for p in run.glob("stage_*/policy_u*") if (p / "config.json").exists())
+    for run in sorted(r for name in within_runs.split(",") for r in Path(out).glob(f"fair/lr*/build*/seed0/{name}")):
+        policies = sorted(str(p) for s in within_stages.split(",") for p in run.glob(f"stage_{s}/policy_u*")
+                          if (p / "config.json").exists())
         results = run / "within_stage.jsonl"
         done = {r["policy"] for r in common.read_jsonl(results)} if results.exists() else set()
         policies = [p for p in policies if p not in done]
