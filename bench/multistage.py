@@ -199,8 +199,9 @@ SIGNALS = {          # name → (the value at boundary s → s + 1, the sign tha
 }
 
 
-def signal_points(configs):
-    """[(build, {signal: value}, fell)] over every boundary s → s + 1 (s = 0, 1, 2) of every four-stage run."""
+def signal_points(configs, labelled=False):
+    """[(build, {signal: value}, fell)] over every boundary s → s + 1 (s = 0, 1, 2) of every four-stage run
+    (labelled: (build, {signal: value}, fell, configuration))."""
     points = []
     for label, runs in configs.items():
         if "μ = 4 @" in label:
@@ -215,7 +216,7 @@ def signal_points(configs):
                 if s + 1 not in m or ends.get(s) not in acc or ends.get(s + 1) not in acc:
                     continue
                 values = {name: f(m, manifests, s) for name, (f, _) in SIGNALS.items()}
-                points.append((b, values, acc[ends[s + 1]] < acc[ends[s]] - fall))
+                points.append((b, values, acc[ends[s + 1]] < acc[ends[s]] - fall) + ((label,) if labelled else ()))
     return points
 
 
@@ -239,6 +240,19 @@ def signal_aucs(points):
             (None, None)
         out_[name] = (whole, *ci, sum(f for _, _, f in usable), len(usable))
     return out_
+
+
+def within_configuration_auc(points, name):
+    """The AUC counting only pairs (a fall, a non-fall) of the same configuration: whether the signal tells a fall
+    from a calm boundary beyond telling the configurations apart (labelled points); None without such pairs."""
+    _, sign = SIGNALS[name]
+    hits = pairs = 0.0
+    for label in {p[3] for p in points}:
+        pos = [sign * v[name] for _, v, f, lab in points if lab == label and f and v[name] is not None]
+        neg = [sign * v[name] for _, v, f, lab in points if lab == label and not f and v[name] is not None]
+        hits += sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+        pairs += len(pos) * len(neg)
+    return hits / pairs if pairs else None
 
 
 def youden_threshold(points, name):
@@ -321,10 +335,17 @@ def report():
     aucs = signal_aucs(points) if points else {}
     lines += ["", f"## The signals ({len(points)} boundaries, {sum(f for _, _, f in points)} falls of more than "
               f"{fall} at the next evaluation)", "", "| signal | AUC | bootstrap 95 % over builds | lab threshold "
-              "(Youden) | J |", "|---|---|---|---|---|"]
+              "(Youden) | J | AUC within configurations |", "|---|---|---|---|---|---|"]
+    labelled = signal_points(configs, labelled=True)
     for name, (a, low, high, falls, n) in aucs.items():
         t, j = youden_threshold(points, name)
-        lines.append(f"| {name} | {fmt(a)} | {fmt(low)} to {fmt(high)} | {fmt(t, 4)} | {fmt(j)} |")
+        lines.append(f"| {name} | {fmt(a)} | {fmt(low)} to {fmt(high)} | {fmt(t, 4)} | {fmt(j)} | "
+                     f"{fmt(within_configuration_auc(labelled, name))} |")
+    falls_by = {}
+    for _, _, f, label in labelled:
+        falls_by.setdefault(label, [0, 0])[0 if f else 1] += 1
+    lines += ["", "Falls per configuration (falls / boundaries): " + "; ".join(
+        f"{label} {n_f}/{n_f + n_c}" for label, (n_f, n_c) in falls_by.items())]
     text = "\n".join(lines)
     print(text)
     common.atomic_write_json(Path(out) / "multistage.json", {

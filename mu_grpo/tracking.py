@@ -55,6 +55,13 @@ group = ""                      # the tracker group of this run (frontier.sh, ab
 poll_s = 10.0                   # seconds between passes over the records (each stats them and reads what changed)
 close_s = 120.0                 # seconds the trackers may take to close at the end (W&B's finish uploads what is left)
 project = "mu-grpo"             # the W&B project (WANDB_PROJECT wins); W&B's mode is WANDB_MODE's (online, offline)
+
+# the stage line's warning: KL(behaviour ‖ π) per token over the last stage's final updates, the lab's predictor of a fall
+# of held-out accuracy at the next evaluation (docs/multistage.md: AUC 0.73 over 198 stage boundaries; 39 of its 40
+# falls came above the threshold, 1 of 69 boundaries below it fell), lab-calibrated: a regime's mark (within one
+# configuration it did not tell which stage falls), not a GPU box's calibration
+fall_kl = 0.0237                # warn above this (Youden's threshold on the lab's 4-stage runs)
+fall_kl_updates = 16            # over the stage's last this many updates
 # -----------------------------------------------------------------------------
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}     # REPORT_TO → the package it needs
@@ -320,11 +327,19 @@ def _duration(seconds):
 
 
 def where_line(run, total, s):
-    """[stage s] the run updates recorded so far of the total, the last evaluation (its benchmarks' mean avg@k), and
-    an ETA: the phases' measured seconds so far (timeline.jsonl) per update done, times the updates left."""
+    """[stage s] the run updates recorded so far of the total, the last stage's KL to its rollouts (warned above
+    fall_kl), the last evaluation (its benchmarks' mean avg@k), and an ETA: the phases' measured seconds so far
+    (timeline.jsonl) per update done, times the updates left."""
     run = Path(run)
     done = _updates_after(run, s - 1) or 0
     parts = [f"[stage {s}] update {done} of {total}"]
+    kl = [r["ratio/kl"] for r in records.jsonl_rows(records.stage_dir(run, s - 1) / records.METRICS)[-fall_kl_updates:]
+          if r.get("ratio/kl") is not None] if s > 0 else []
+    if kl:
+        mean_kl = sum(kl) / len(kl)
+        parts.append(f"KL to its rollouts over stage {s - 1}'s last {len(kl)} updates {mean_kl:.4f}"
+                     + (f" ⚠ above {fall_kl:g}, where the lab's falls of held-out accuracy came (a lab-calibrated "
+                        f"threshold: docs/multistage.md)" if mean_kl > fall_kl else ""))
     results = common.read_jsonl(run / records.RESULTS) if (run / records.RESULTS).exists() else []
     if results:
         last = max(results, key=lambda r: r["time"])

@@ -87,6 +87,9 @@ def test_the_terminal_shows_the_phases_without_library_chatter(finished_run):
     assert "[cpu_worker.py" not in terminal and " WARNING " not in terminal
     assert "[generate_0]" in terminal and "stage 0 rollouts:" in terminal and "stage 1 updates:" in terminal
     assert "test: avg@4" in terminal
+    # the second stage's line: the first stage's KL to its rollouts over its (6 < 16) updates, from its metrics rows
+    kl = [r["ratio/kl"] for r in read_lines(finished_run / "stage_0" / "metrics.jsonl")]
+    assert f"[stage 1] update 6 of 12 · KL to its rollouts over stage 0's last 6 updates {sum(kl) / 6:.4f}" in terminal
 
 
 @pytest.mark.slow

@@ -185,6 +185,28 @@ def test_the_stage_line_says_the_updates_done_the_last_evaluation_and_an_eta_fro
     assert tracking.where_line(run, 8, 2).endswith("ETA 4 h 02 min (4 h 02 min measured for 4 updates)")
 
 
+def test_the_stage_line_shows_the_last_stages_kl_over_its_final_updates_and_warns_above_the_lab_threshold(
+        tmp_path, monkeypatch):
+    # stage 1's 20 updates: the first 4 at KL 1.0, the last 16 alternating 0.004 / 0.008 → 0.006 over the last 16
+    # (over all 20 it would be 0.2048); one row without a KL (an update skipped) is not counted
+    run = tmp_path / "run"
+    write_records(run, 2)
+    monkeypatch.setattr(tracking, "fall_kl", 0.01)
+    kl = [1.0] * 4 + [0.004, 0.008] * 8
+    common.atomic_write_lines(run / "stage_1" / "metrics.jsonl", [{"update": u, "run_update": 2 + u, "ratio/kl": k}
+                                                                  for u, k in enumerate(kl)] + [{"update": 20}])
+    line = tracking.where_line(run, 8, 2)
+    assert "KL to its rollouts over stage 1's last 15 updates" in line     # the last 16 rows hold 15 KLs
+    monkeypatch.setattr(tracking, "fall_kl_updates", 17)                 # the last 17 rows: 16 KLs, mean 0.006
+    line = tracking.where_line(run, 8, 2)
+    assert "over stage 1's last 16 updates 0.0060 ·" in line and "⚠" not in line
+    common.atomic_write_lines(run / "stage_1" / "metrics.jsonl", [{"update": u, "ratio/kl": k}
+                                                                  for u, k in enumerate([0.02, 0.03])])
+    line = tracking.where_line(run, 8, 2)      # (0.02 + 0.03) / 2 = 0.025 > 0.01
+    assert "over stage 1's last 2 updates 0.0250 ⚠ above 0.01, where the lab's falls" in line and "lab-calibrated" in line
+    assert "KL" not in tracking.where_line(run, 8, 0)                   # before the first stage: nothing to show
+
+
 def test_following_ends_after_a_last_pass_once_run_stages_sh_says_it_exits(tmp_path, monkeypatch):
     # run_stages.sh's exit creates the stop file and waits for the follower: a file, not a signal, since the exit may
     # come before the follower has set its handler (a rerun of a finished run exits at once). Rows written just before
