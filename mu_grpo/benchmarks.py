@@ -161,7 +161,7 @@ def update_results(path, rows):
     rows and keeps the others."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = common.read_jsonl(path) if path.exists() else []
+    old = common.read_jsonl(path, missing_ok=True)
     new_keys = {(r["stage"], r["benchmark"], r["policy"]) for r in rows}
     common.atomic_write_lines(path, [r for r in old if (r["stage"], r["benchmark"], r.get("policy")) not in new_keys]
                               + rows)
@@ -170,7 +170,7 @@ def update_results(path, rows):
 def evaluated(results, stage, ev):
     """Whether the results table holds a row of every benchmark of ev for `stage` (a resumed run does not redo
     them)."""
-    rows = common.read_jsonl(results) if Path(results).exists() else []
+    rows = common.read_jsonl(results, missing_ok=True)
     return set(ev.sets) <= {r["benchmark"] for r in rows if r["stage"] == stage}
 
 

@@ -198,9 +198,11 @@ def append_jsonl(path, row):
         os.fsync(f.fileno())
 
 
-def read_jsonl(path, numbered=False):
-    """Rows of a JSONL file (numbered: (line number, row) pairs); a bad line (not UTF-8, not JSON, cut short) is an
-    error naming the file and line number."""
+def read_jsonl(path, numbered=False, missing_ok=False):
+    """Rows of a JSONL file (numbered: (line number, row) pairs; missing_ok: [] where it does not exist); a bad line
+    (not UTF-8, not JSON, cut short) is an error naming the file and line number."""
+    if missing_ok and not Path(path).exists():
+        return []
     rows = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):

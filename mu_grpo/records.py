@@ -12,6 +12,7 @@ files: mu_grpo/rollouts.py) and of where a stage's training starts and writes (S
 drift rule that read them are mu_grpo/stage_rules.py.
 """
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -145,26 +146,22 @@ def close_killed_attempt(run_dir):
 
 def read(run_dir):
     """The run's timeline rows ([] before its first)."""
-    return jsonl_rows(Path(run_dir) / TIMELINE)
-
-
-def jsonl_rows(path):
-    """A JSONL file's rows, [] where it does not exist."""
-    return common.read_jsonl(path) if Path(path).exists() else []
+    return common.read_jsonl(Path(run_dir) / TIMELINE, missing_ok=True)
 
 
 def load_run(path):
     """Everything a figure needs from a run directory: results, timeline, per-update metrics, manifests."""
+    rows = functools.partial(common.read_jsonl, missing_ok=True)
     path = Path(path)
     metrics, manifests, stage_ends = [], {}, {}
     for s, stage_dir in stage_dirs(path):
-        metrics += [{**row, "stage": s} for row in jsonl_rows(stage_dir / METRICS)]
+        metrics += [{**row, "stage": s} for row in rows(stage_dir / METRICS)]
         if (stage_dir / STAGE_END).exists():      # where training on the stage ended, and why
             stage_ends[s] = json.loads((stage_dir / STAGE_END).read_text())
         if (stage_dir / ROLLOUTS / MANIFEST).exists():
             manifests[s] = json.loads((stage_dir / ROLLOUTS / MANIFEST).read_text())
-    metrics += jsonl_rows(path / METRICS)     # an ablation replay: optimize.py --out=<path>/policy
-    return {"name": path.name, "results": jsonl_rows(path / RESULTS), "timeline": jsonl_rows(path / TIMELINE),
+    metrics += rows(path / METRICS)     # an ablation replay: optimize.py --out=<path>/policy
+    return {"name": path.name, "results": rows(path / RESULTS), "timeline": rows(path / TIMELINE),
             "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
 
 

@@ -333,14 +333,14 @@ def where_line(run, total, s):
     run = Path(run)
     done = _updates_after(run, s - 1) or 0
     parts = [f"[stage {s}] update {done} of {total}"]
-    kl = [r["ratio/kl"] for r in records.jsonl_rows(records.stage_dir(run, s - 1) / records.METRICS)[-fall_kl_updates:]
-          if r.get("ratio/kl") is not None] if s > 0 else []
+    last_stage = common.read_jsonl(records.stage_dir(run, s - 1) / records.METRICS, missing_ok=True)  # none at s = 0
+    kl = [r["ratio/kl"] for r in last_stage[-fall_kl_updates:] if r.get("ratio/kl") is not None]
     if kl:
         mean_kl = sum(kl) / len(kl)
         parts.append(f"KL to its rollouts over stage {s - 1}'s last {len(kl)} updates {mean_kl:.4f}"
                      + (f" ⚠ above {fall_kl:g}, where the lab's falls of held-out accuracy came (a lab-calibrated "
                         f"threshold: docs/multistage.md)" if mean_kl > fall_kl else ""))
-    results = common.read_jsonl(run / records.RESULTS) if (run / records.RESULTS).exists() else []
+    results = common.read_jsonl(run / records.RESULTS, missing_ok=True)
     if results:
         last = max(results, key=lambda r: r["time"])
         same = [r for r in results if r["stage"] == last["stage"] and r.get("policy") == last.get("policy")]

@@ -103,7 +103,7 @@ def load_ablation(path):
     the on-policy reference is the variant "onpolicy-<loss>", its curve the stage policies'. The initial
     policy (updates 0) starts every curve."""
     path = Path(path).resolve()
-    rows = records.jsonl_rows(path / records.RESULTS)
+    rows = common.read_jsonl(path / records.RESULTS, missing_ok=True)
     initial = [r["avg_at_k"] for r in rows if path not in Path(r["policy"]).resolve().parents]
     out = {}
     for r in rows:
@@ -117,7 +117,7 @@ def load_ablation(path):
     for variant, v in out.items():
         for seed, curve in v["curves"].items():
             v["curves"][seed] = sorted(([(0, initial[0])] if initial else []) + curve)
-            v["metrics"][seed] = records.jsonl_rows(path / variant / f"seed{seed}" / records.METRICS)
+            v["metrics"][seed] = common.read_jsonl(path / variant / f"seed{seed}" / records.METRICS, missing_ok=True)
     return out, (initial[0] if initial else float("nan"))
 
 
