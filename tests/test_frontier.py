@@ -375,34 +375,52 @@ def test_a_95_percent_t_interval_and_the_verdicts_by_hand(monkeypatch):
     half = 2.042 * math.sqrt(sum((v - 0.5) ** 2 for v in values) / 35) / 6
     assert plot.t_interval(values) == pytest.approx((0.5, 0.5 - half, 0.5 + half))
     assert plot.t_interval([0.3]) == (0.3, None, None)
-    assert [regimes.verdict("<", *ci) for ci in ((-0.2, -0.1), (-0.2, 0.1), (0.1, 0.2))] == \
+    assert [regimes.verdict("<", *ci, 0.01) for ci in ((-0.2, -0.1), (-0.2, 0.1), (0.1, 0.2))] == \
         ["reproduced", "not shown", "reversed"]
-    assert [regimes.verdict(">", *ci) for ci in ((0.1, 0.2), (-0.2, 0.1), (-0.2, -0.1))] == \
+    assert [regimes.verdict(">", *ci, 0.01) for ci in ((0.1, 0.2), (-0.2, 0.1), (-0.2, -0.1))] == \
         ["reproduced", "not shown", "reversed"]
     # "matches" (margin 0.05): the interval above −0.05, however far up; below zero entirely: reversed
-    assert [regimes.verdict("≥", *ci) for ci in ((-0.04, 0.3), (-0.06, 0.01), (-0.2, -0.01), (-0.04, -0.01))] == \
+    assert [regimes.verdict("≥", *ci, 0.01) for ci in ((-0.04, 0.3), (-0.06, 0.01), (-0.2, -0.01), (-0.04, -0.01))] == \
         ["reproduced", "not shown", "reversed", "reproduced"]
-    assert regimes.verdict("<", None, None) == "—"
+    assert regimes.verdict("<", None, None, None) == "—"
+    # an interval that excludes zero is not enough: its Holm-adjusted p above alpha (0.05) is "not shown"
+    assert [regimes.verdict("<", -0.2, -0.1, p) for p in (0.05, 0.06)] == ["reproduced", "not shown"]
 
 
-def test_the_comparisons_are_paired_by_build_and_seed_and_split_by_regime(monkeypatch):
+def test_the_comparisons_are_over_builds_with_seeds_averaged_within_each_and_holm_over_the_family(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import regimes
-    final = {("grpo", 4): {("build0", "seed0"): 0.10, ("build0", "seed1"): 0.12, ("build2", "seed0"): 0.80,
-                           ("build2", "seed1"): 0.78, ("build7", "seed0"): 0.5},
-             ("grpo", 256): {("build0", "seed0"): 0.04, ("build0", "seed1"): 0.03, ("build2", "seed0"): 0.25,
-                             ("build2", "seed1"): 0.27}}
-    points = {k: {run: {"final": f} for run, f in runs.items()} for k, runs in final.items()}
-    measured = {"build0": {"regime": "stalls"}, "build2": {"regime": "learns"}}
+    # grpo 256 − grpo 4 per seed: build0 (stalls) −0.06, −0.09; build1 −0.50, −0.40; build2 −0.55, −0.45; build3
+    # −0.35, −0.45 (learn); build7 has no μ = 256 run: in no pair
+    diffs = {"build0": (-0.06, -0.09), "build1": (-0.50, -0.40), "build2": (-0.55, -0.45), "build3": (-0.35, -0.45)}
+    points = {("grpo", 4): {(b, f"seed{s}"): {"final": 0.6} for b in diffs for s in (0, 1)},
+              ("grpo", 256): {(b, f"seed{s}"): {"final": 0.6 + d[s]} for b, d in diffs.items() for s in (0, 1)}}
+    points[("grpo", 4)][("build7", "seed0")] = {"final": 0.5}
+    measured = {"build0": {"regime": "stalls"}, **{f"build{b}": {"regime": "learns"} for b in (1, 2, 3)}}
     rows = {r["regime"]: r for r in regimes.comparisons(points, measured)}
-    assert sorted(rows) == ["all", "learns", "stalls"]         # build7 has no pair: it is in none
+    assert sorted(rows) == ["all", "learns", "stalls"]
     stalls, learns, both = rows["stalls"], rows["learns"], rows["all"]
-    assert stalls["differences"] == pytest.approx([-0.06, -0.09]) and stalls["pairs"] == 2
-    assert learns["differences"] == pytest.approx([-0.55, -0.51]) and learns["builds"] == ["build2"]
-    # learns: mean −0.53, sd 0.02828, df 1: half-width 12.706 · 0.02828 / √2 = 0.2541
-    assert (learns["mean"], learns["low"], learns["high"]) == pytest.approx((-0.53, -0.7841, -0.2759), abs=1e-4)
-    assert learns["verdict"] == "reproduced" and stalls["claim"] == "GRPO's clip fails at μ = 256"
-    assert both["pairs"] == 4 and both["mean"] == pytest.approx((-0.06 - 0.09 - 0.55 - 0.51) / 4)
+    assert stalls["claim"] == "GRPO's clip fails at μ = 256"
+    # one build per difference, the mean of its seeds': learns −0.45, −0.50, −0.40 (not the six seeds' pairs)
+    assert learns["differences"] == pytest.approx([-0.45, -0.50, -0.40]) and learns["pairs"] == 6
+    # over builds: mean −0.45, sd 0.05, df 2: half-width 4.303 · 0.05 / √3 = 0.1242; t = −0.45 / (0.05 / √3) =
+    # −15.588, df 2: p = 1 − |t| / √(t² + 2) = 0.00410
+    assert (learns["mean"], learns["low"], learns["high"]) == pytest.approx((-0.45, -0.5742, -0.3258), abs=1e-4)
+    t = 0.45 / (0.05 / math.sqrt(3))
+    assert learns["p"] == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-6)
+    # the stalling regime has one build: no interval, no p, no verdict
+    assert stalls["differences"] == pytest.approx([-0.075]) and (stalls["p"], stalls["verdict"]) == (None, "—")
+    # all four builds: −0.075, −0.45, −0.50, −0.40: mean −0.35625, sd 0.19493, t = −3.6552, df 3: p = 1 − (2/π)(atan u
+    # + u / (1 + u²)), u = |t| / √3
+    values = [-0.075, -0.45, -0.50, -0.40]
+    sd = math.sqrt(sum((v + 0.35625) ** 2 for v in values) / 3)
+    u = 0.35625 / (sd / 2) / math.sqrt(3)
+    assert both["mean"] == pytest.approx(-0.35625) and both["pairs"] == 8
+    assert both["p"] == pytest.approx(1 - 2 / math.pi * (math.atan(u) + u / (1 + u * u)), rel=1e-6)
+    # Holm over the family's two p values: the smaller × 2, the larger × 1 but never below the first
+    small, large = sorted((learns["p"], both["p"]))
+    assert sorted((learns["holm"], both["holm"])) == pytest.approx([2 * small, max(2 * small, large)])
+    assert learns["verdict"] == "reproduced" and stalls["holm"] is None
 
 
 def test_the_papers_claims_are_made_at_each_large_mu_and_say_how_many_stages_it_ran(monkeypatch):
@@ -411,8 +429,9 @@ def test_the_papers_claims_are_made_at_each_large_mu_and_say_how_many_stages_it_
     # 256 updates each: μ = 64 is four stages (the paper's shape), μ = 256 one stage on the initial policy's rollouts
     final = {("grpo", 4): [0.6, 0.7], ("grpo", 64): [0.5, 0.4], ("grpo", 256): [0.2, 0.3],
              ("mu-grpo-d1e-4", 64): [0.1, 0.2], ("mu-grpo-d1e-4", 256): [0.7, 0.6]}
-    points = {k: {("build1", f"seed{s}"): {"final": f, "updates": 256} for s, f in enumerate(v)} for k, v in final.items()}
-    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})}
+    points = {k: {(f"build{b + 1}", "seed0"): {"final": f, "updates": 256} for b, f in enumerate(v)} for k, v in final.items()}
+    learning = {"build1": {"regime": "learns"}, "build2": {"regime": "learns"}}
+    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, learning)}
     assert rows["grpo:64", "grpo:4"]["claim"] == "GRPO's clip fails at μ = 64 (4 stages)"
     assert rows["grpo:256", "grpo:4"]["claim"] == "GRPO's clip fails at μ = 256 (1 stage)"
     four = rows["mu-grpo-d1e-4:64", "grpo:4"]
@@ -454,8 +473,9 @@ def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_witho
     # sd 0.01414, df 1: half-width 12.706 · 0.01414 / √2 = 0.1271) and +0.01, −0.01 (mean 0: not shown)
     final = {("grpo", 4): [0.30, 0.40], ("mu-grpo-d1e-4", 4): [0.24, 0.34], ("relaxed-low-d1e-4", 4): [0.25, 0.33],
              ("grpo", 256): [0.1, 0.2], ("relaxed-low-d1e-4", 256): [0.5, 0.5]}
-    points = {k: {("build1", f"seed{s}"): {"final": f} for s, f in enumerate(v)} for k, v in final.items()}
-    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})}
+    points = {k: {(f"build{b + 1}", "seed0"): {"final": f} for b, f in enumerate(v)} for k, v in final.items()}
+    learning = {"build1": {"regime": "learns"}, "build2": {"regime": "learns"}}
+    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, learning)}
     low = rows["relaxed-low-d1e-4:4", "grpo:4"]
     assert (low["direction"], low["verdict"]) == ("≠", "not shown")
     assert (low["mean"], low["low"], low["high"]) == pytest.approx((-0.06, -0.1871, 0.0671), abs=1e-4)
@@ -464,14 +484,14 @@ def test_other_losses_at_small_mu_are_compared_with_grpo_and_mu_grpo_there_witho
     assert rows["relaxed-low-d1e-4:256", "grpo:256"]["differences"] == pytest.approx([0.4, 0.3])
     assert ("relaxed-low-d1e-4:256", "mu-grpo-d1e-4:256") not in rows
     # the drift rule against each fixed μ of its loss: 0.5 − 0.1, 0.5 − 0.2 against grpo μ = 256 (+0.35)
-    points[("grpo", "drift")] = {("build1", f"seed{s}"): {"final": 0.5} for s in range(2)}
-    listed = [(r["point"], r["against"]) for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})]
+    points[("grpo", "drift")] = {(f"build{b}", "seed0"): {"final": 0.5} for b in (1, 2)}
+    listed = [(r["point"], r["against"]) for r in regimes.comparisons(points, learning)]
     assert len(listed) == len(set(listed)) == 7     # each once: grpo 256 − 4, μ-GRPO 4 − grpo 4, drift − 4 and − 256,
                                                     # relaxed-low − 2 at μ = 4, − grpo at μ = 256
-    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, {"build1": {"regime": "learns"}})}
+    rows = {(r["point"], r["against"]): r for r in regimes.comparisons(points, learning)}
     assert rows["grpo:drift", "grpo:256"]["differences"] == pytest.approx([0.4, 0.3])
     assert rows["grpo:drift", "grpo:256"]["direction"] == "≠" and ("grpo:drift", "grpo:4") in rows
-    assert [regimes.verdict("≠", *ci) for ci in ((-0.2, -0.1), (-0.1, 0.1), (0.1, 0.2))] == \
+    assert [regimes.verdict("≠", *ci, 0.01) for ci in ((-0.2, -0.1), (-0.1, 0.1), (0.1, 0.2))] == \
         ["below", "not shown", "above"]
 
 

@@ -302,11 +302,11 @@ def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
     b = {("build1", "seed0"): {"final": 0.1}, ("build1", "seed1"): {"final": 0.3}, ("build0", "seed0"): {"final": 0.25}}
     measured = {"build0": {"regime": "stalls"}, "build1": {"regime": "learns"}}
     rows = {r["regime"]: r for r in paired.regimes.paired_by_regime(a, b, measured, "≠")}
-    # learns: 0.5, 0.4: mean 0.45, sd 0.07071, df 1: half-width 12.706 · 0.07071 / √2 = 0.6353
-    assert rows["learns"]["differences"] == pytest.approx([0.5, 0.4])
-    assert (rows["learns"]["low"], rows["learns"]["high"]) == pytest.approx((-0.1853, 1.0853), abs=1e-4)
+    # learns: build1's two seeds 0.5, 0.4 are one build's difference, 0.45: no interval over one build
+    assert rows["learns"]["differences"] == pytest.approx([0.45]) and rows["learns"]["verdict"] == "—"
     assert rows["stalls"]["mean"] == pytest.approx(-0.05) and rows["stalls"]["verdict"] == "—"
-    # all three pairs (build2 has none): mean 0.28333, sd 0.29297, df 2: half-width 4.303 · 0.29297 / √3 = 0.7278
-    assert rows["all"]["pairs"] == 3
-    assert (rows["all"]["mean"], rows["all"]["low"], rows["all"]["high"]) == pytest.approx((0.2833, -0.4445, 1.0111), abs=1e-3)
+    # all: three pairs (build2 has none) on two builds, −0.05 and 0.45: mean 0.2, sd 0.35355, df 1: half-width
+    # 12.706 · 0.35355 / √2 = 3.1765
+    assert rows["all"]["pairs"] == 3 and rows["all"]["differences"] == pytest.approx([-0.05, 0.45])
+    assert (rows["all"]["mean"], rows["all"]["low"], rows["all"]["high"]) == pytest.approx((0.2, -2.9765, 3.3765), abs=1e-4)
 

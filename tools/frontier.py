@@ -13,8 +13,8 @@ Reads <runs_dir>/build<b>/seed<s>/<label>-mu<μ>/ (label: the LOSS preset, with 
 <out>/frontier.md (the table), frontier.json (every number, per run and per point) and plots/frontier_*.png.
 
 The paper's comparisons (GRPO's clip fails at large μ, μ-GRPO learns where it stalls, μ-GRPO at large μ matches GRPO
-at small μ) are paired differences with 95 % t intervals, per build regime (tools/regimes.py: each build's regime, the
-rule that chose the builds, the statistics); a last table shows, per point and regime, where the ratio leaves GRPO's
+at small μ) are paired differences per build regime, over builds (each build's seeds averaged) with 95 % t intervals
+and Holm over the family (tools/regimes.py: each build's regime, the rule that chose the builds, the statistics); a last table shows, per point and regime, where the ratio leaves GRPO's
 clip [0.8, 1.2] (loss.py's grpo_clip/ metrics: the tokens on which a wider clip and GRPO's differ).
 
 Time is the run's wall-clock with its evaluations taken out (points evaluate at different counts: μ = 256 cannot be
@@ -382,8 +382,9 @@ def main():
         measured, chosen["candidates"], chosen["kept"]) + "\n\n" + chosen["summary"]] if chosen else []
     chosen = chosen["summary"] if chosen else "builds given (BUILDS), not chosen by the rule"
     table = "\n\n".join([markdown(rows)] + regimes_part + [
-        f"The paper's comparisons, paired (same build, same seed): final accuracy differences, 95 % t intervals over "
-        f"the pairs (df = pairs − 1), per regime ({chosen})", regimes.comparisons_markdown(compared),
+        f"The paper's comparisons, paired (same build, same seed), the build the unit: final accuracy differences "
+        f"(each build's seeds averaged), 95 % t intervals over builds (df = builds − 1) and p Holm-adjusted over "
+        f"these comparisons, per regime ({chosen})", regimes.comparisons_markdown(compared),
         "Where the ratio leaves GRPO's clip, per regime", diagnostics_markdown(points, measured),
         "Every run's final accuracy", runs_markdown(points)])
     common.atomic_write_json(where / "frontier.json", {
@@ -398,8 +399,9 @@ def main():
           f"other columns: mean (min–max) over the runs; matched accuracy: "
           f"each run's first evaluation at or above the lowest final accuracy of {baseline}'s seeds on that build; "
           f"c: each stage's switching re-costed at c seconds. → {where}/frontier.md, frontier.json, plots/")
-    print(f"verdicts: reproduced only where the interval excludes zero in the paper's direction (\"matches\": "
-          f"excludes −{regimes.match_margin:g}, a margin of accuracy); regimes: tools/regimes.py")
+    print(f"verdicts: reproduced only where the Holm-adjusted p is at most {regimes.alpha:g} and the interval "
+          f"excludes zero in the paper's direction (\"matches\": excludes −{regimes.match_margin:g}, a margin of "
+          f"accuracy); regimes: tools/regimes.py")
 
 
 if __name__ == "__main__":

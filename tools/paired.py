@@ -4,8 +4,9 @@ rate, which frontier.sh runs as a second frontier: `LR=3e-5 OUT=runs/frontier-lr
     python tools/paired.py --a=runs/frontier-lr3e-5:mu-grpo-d1e-4:64 --b=runs/frontier-lab-fork:mu-grpo-d1e-4:64
 
 Each side is <runs_dir>:<label>:<μ>. The runs are paired by (build, seed); per regime (the regimes of b's frontier,
-else a's) and over all of them: the mean difference a − b and its 95 % t interval over the pairs (regimes.paired_by_regime,
-as the frontier's comparisons), "above" or "below" where the interval excludes zero, else "not shown".
+else a's) and over all of them: each build's difference a − b (its seeds averaged), their mean over builds, its 95 % t
+interval and p over builds (regimes.paired_by_regime, as the frontier's comparisons; one comparison: no Holm), "above"
+or "below" where the interval excludes zero and p ≤ alpha, else "not shown".
 """
 import sys
 from pathlib import Path
@@ -40,10 +41,12 @@ def main():
     rows = regimes.paired_by_regime(runs_a, runs_b, measured, "≠")
     if not rows:
         sys.exit(f"{a} and {b} share no (build, seed)")
-    print(f"| {a} − {b} | pairs | mean | 95 % CI | verdict |\n|---|---|---|---|---|")
+    print(f"| {a} − {b} | builds | pairs | mean over builds | 95 % CI over builds | p | verdict |\n"
+          f"|---|---|---|---|---|---|---|")
     for r in rows:
         ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
-        print(f"| {r['regime']} | {r['pairs']} | {r['mean']:+.3f} | {ci} | {r['verdict']} |")
+        p = "—" if r["p"] is None else f"{r['p']:.3f}"
+        print(f"| {r['regime']} | {len(r['builds'])} | {r['pairs']} | {r['mean']:+.3f} | {ci} | {p} | {r['verdict']} |")
 
 
 if __name__ == "__main__":

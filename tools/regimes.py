@@ -9,9 +9,11 @@ and probes candidate builds in order until the rule (select_builds) has each reg
     python tools/regimes.py --regime_of=runs/frontier-lab-fork/regimes/build3     # → build3.json, one line
     python tools/regimes.py --select=runs/frontier-lab-fork/regimes --candidates="0 1 2 3" --regimes="learns:3 stalls:1"
 
-tools/frontier.py reports each comparison the paper makes as a paired difference of final accuracy (same build, same
-seed) with a 95 % t interval over the pairs (plot.t_interval), per regime, and calls it reproduced only where the
-interval excludes zero in the paper's direction.
+tools/frontier.py reports each comparison the paper makes as a paired difference of final accuracy per regime, with
+the build as the independent unit (seeds are nested in builds): each build's difference is the mean over its seeds of
+the same-seed differences, with a 95 % t interval and a two-sided p over builds (df = builds − 1, plot.paired_test),
+Holm-corrected over every comparison the frontier reports (plot.holm); a comparison is reproduced only where its
+Holm-adjusted p is at most alpha and its interval excludes zero in the paper's direction.
 """
 import json
 import sys
@@ -33,6 +35,7 @@ at_least = 4                    # with too few candidates in a regime, the next 
 solves_most = 0.5               # a build whose initial held-out accuracy is at least this: "saturated"
 climb_min = 0.1                 # else GRPO at small μ gaining at least this (accuracy) in the probe: "learns"; else "stalls"
 match_margin = 0.05             # "matches": the paired difference's interval lies above −match_margin (accuracy)
+alpha = 0.05                    # a comparison is shown where its Holm-adjusted p (over the frontier's family) is ≤ this
 common.apply_overrides(globals(), sys.argv[1:] if __name__ == "__main__" else [])  # imported: not our argv
 
 
@@ -194,12 +197,15 @@ def claims(points):
     return [c for c in out if c[1] in points and c[2] in points and c[1] != c[2]]
 
 
-def verdict(direction, low, high):
+def verdict(direction, low, high, p):
     """"reproduced" only where the interval excludes zero in the paper's direction (for "≥", excludes −match_margin
     from below); "reversed" where it excludes zero the other way; else "not shown". With no paper's sign ("≠"):
-    "below" or "above" where the interval excludes zero, else "not shown"."""
+    "below" or "above" where the interval excludes zero, else "not shown". p: the comparison's (Holm-adjusted) p;
+    above alpha it is "not shown" whatever its interval."""
     if low is None:
         return "—"
+    if p is None or p > alpha:
+        return "not shown"
     if direction == "≠":
         return "below" if high < 0 else "above" if low > 0 else "not shown"
     if direction == "<":
@@ -211,39 +217,52 @@ def verdict(direction, low, high):
 
 def paired_by_regime(runs_a, runs_b, measured, direction):
     """Runs of two points ({(build, seed): summary}) paired by build and seed, per regime and over all regimes (when
-    there are several): {regime, builds, pairs, differences a − b of final accuracy, mean, low, high (95 % t
-    interval), verdict}."""
+    there are several), the build the independent unit: {regime, builds, pairs (same-seed pairs), differences (each
+    build's a − b of final accuracy, the mean over its seeds; in the builds' order), mean, low, high (95 % t interval
+    over builds), p (two-sided, over builds, against 0; for "≥" against −match_margin, what "matches" rejects),
+    verdict (unadjusted: comparisons adjusts it over its family)}."""
     pairs = sorted(k for k in runs_a if k in runs_b)
     names = sorted({build_regime(measured, k[0]) for k in pairs})
+    shift = match_margin if direction == "≥" else 0.0
     rows = []
     for name in names + (["all"] if len(names) > 1 else []):    # one regime: "all" would be the same rows again
         chosen = [k for k in pairs if name == "all" or build_regime(measured, k[0]) == name]
-        diffs = [runs_a[k]["final"] - runs_b[k]["final"] for k in chosen]
+        builds = sorted({k[0] for k in chosen})
+        per_seed = {b: [runs_a[k]["final"] - runs_b[k]["final"] for k in chosen if k[0] == b] for b in builds}
+        diffs = [sum(d) / len(d) for d in per_seed.values()]
         mean, low, high = plot.t_interval(diffs)
-        rows.append({"regime": name, "builds": sorted({k[0] for k in chosen}), "pairs": len(chosen),
-                     "differences": diffs, "mean": mean, "low": low, "high": high,
-                     "verdict": verdict(direction, low, high)})
+        p = plot.paired_test([d + shift for d in diffs])[3]
+        rows.append({"regime": name, "builds": builds, "pairs": len(chosen), "differences": diffs, "mean": mean,
+                     "low": low, "high": high, "p": p, "verdict": verdict(direction, low, high, p)})
     return rows
 
 
 def comparisons(points, measured):
-    """Per claim and regime (and all regimes together): the paired differences of final accuracy (same build, same
-    seed), their mean and 95 % t interval over the pairs, and the verdict."""
-    return [{"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction, **row}
+    """Per claim and regime (and all regimes together): paired_by_regime's row, its p Holm-adjusted over every row
+    (the frontier's family of comparisons: "holm") and its verdict at that p."""
+    rows = [{"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction, **row}
             for claim, a, b, direction in claims(points)
             for row in paired_by_regime(points[a], points[b], measured, direction)]
+    tested = [r for r in rows if r["p"] is not None]
+    for r, adjusted in zip(tested, plot.holm([r["p"] for r in tested])):
+        r["holm"] = adjusted
+    for r in rows:
+        r.setdefault("holm", None)
+        r["verdict"] = verdict(r["direction"], r["low"], r["high"], r["holm"])
+    return rows
 
 
 def comparisons_markdown(rows):
     if not rows:
         return "(none: the frontier has no pair of the points the comparisons need, e.g. grpo at its smallest and largest μ)"
-    lines = ["| claim | difference | regime | builds × seeds | mean | 95 % CI | paper's direction | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| claim | difference | regime | builds × seeds | mean | 95 % CI over builds | Holm | paper's direction | "
+             "verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
+        holm = "—" if r["holm"] is None else f"{r['holm']:.3f}"
         want = {"<": "< 0", ">": "> 0", "≥": f"> −{match_margin:g}", "≠": "(none)"}[r["direction"]]
         lines.append(f"| {r['claim']} | {r['point']} − {r['against']} | {r['regime']} | {len(r['builds'])} builds, "
-                     f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {want} | {r['verdict']} |")
+                     f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {holm} | {want} | {r['verdict']} |")
     return "\n".join(lines)
 
 
