@@ -36,7 +36,10 @@ esac
 # ---- the points (label:μ): LOSS presets × NAV δ × MUS, over seeds and builds; the baseline
 LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (losses.sh)
 NAV_DELTAS=${NAV_DELTAS:-1e-4 0.1}  # NAV δ of the presets with NAV (one point each; grpo has none)
-SEEDS=${SEEDS:-0 1}             # run_stages.sh's SEED: prompt order, sampling, minibatch order
+SEEDS=${SEEDS:-0}               # run_stages.sh's SEED: prompt order, sampling, minibatch order. One by default: the
+                                # comparisons are over builds (each build's seeds averaged), so a second seed narrows
+                                # a build's difference but adds no degree of freedom, and doubles the key points' runs
+                                # (SEEDS="0 1": the two-seed frontier of docs/frontier.md, 66 runs: its time there)
 KEY_POINTS=${KEY_POINTS-$([[ $PRESET == lab* ]] && echo "grpo:4 grpo:64 grpo:256 mu-grpo-d1e-4:64 mu-grpo-d1e-4:256 mu-grpo-d0.1:256 mu-grpo-d1e-4:4" || :)}
                                 # the points the paper's claims rest on: run on every build and seed; the others (the
                                 # rest of the μ sweep) only on SWEEP_BUILDS × SWEEP_SEEDS. Empty: every point everywhere.
@@ -54,7 +57,7 @@ BUILDS=${BUILDS:-}              # given: exactly these builds, no probe and no r
 CANDIDATES=${CANDIDATES:-0 1 2 3 4 5 6 7}
 REGIMES=${REGIMES:-learns:3 stalls:1}  # <regime>:<quota>, the first quota candidates of each: the paper's setting (a
                                 # model that solves some problems at the start and that GRPO at small μ improves) on
-                                # three builds, so each claim has 6 pairs there; the lab's first builds' (GRPO barely
+                                # three builds, so each claim has df 2 there; the lab's first builds' (GRPO barely
                                 # moves them) on one, as the contrast: such builds are rare (1 of 8 candidates)
 MIN_BUILDS=${MIN_BUILDS:-4}
 PROBE_UPDATES=${PROBE_UPDATES:-64}
