@@ -396,8 +396,13 @@ def test_the_comparisons_are_over_builds_with_seeds_averaged_within_each_and_hol
     points = {("grpo", 4): {(b, f"seed{s}"): {"final": 0.6} for b in diffs for s in (0, 1)},
               ("grpo", 256): {(b, f"seed{s}"): {"final": 0.6 + d[s]} for b, d in diffs.items() for s in (0, 1)}}
     points[("grpo", 4)][("build7", "seed0")] = {"final": 0.5}
+    # a point of the rest of the sweep (not a key point), on two of the builds: described, not in Holm's family
+    points[("grpo", 16)] = {(b, "seed0"): {"final": f} for b, f in (("build0", 0.5), ("build1", 0.3))}
     measured = {"build0": {"regime": "stalls"}, **{f"build{b}": {"regime": "learns"} for b in (1, 2, 3)}}
-    rows = {r["regime"]: r for r in regimes.comparisons(points, measured)}
+    compared = regimes.comparisons(points, measured, {("grpo", 4), ("grpo", 256)})
+    sweep = {r["regime"]: r for r in compared if r["point"] == "grpo:16"}
+    assert sweep["all"]["p"] is not None and (sweep["all"]["holm"], sweep["all"]["verdict"]) == (None, "sweep")
+    rows = {r["regime"]: r for r in compared if r["point"] == "grpo:256"}
     assert sorted(rows) == ["all", "learns", "stalls"]
     stalls, learns, both = rows["stalls"], rows["learns"], rows["all"]
     assert stalls["claim"] == "GRPO's clip fails at μ = 256"
@@ -417,7 +422,8 @@ def test_the_comparisons_are_over_builds_with_seeds_averaged_within_each_and_hol
     u = 0.35625 / (sd / 2) / math.sqrt(3)
     assert both["mean"] == pytest.approx(-0.35625) and both["pairs"] == 8
     assert both["p"] == pytest.approx(1 - 2 / math.pi * (math.atan(u) + u / (1 + u * u)), rel=1e-6)
-    # Holm over the family's two p values: the smaller × 2, the larger × 1 but never below the first
+    # Holm over the family's two p values (grpo 16's is not in it): the smaller × 2, the larger × 1 but never below
+    # the first
     small, large = sorted((learns["p"], both["p"]))
     assert sorted((learns["holm"], both["holm"])) == pytest.approx([2 * small, max(2 * small, large)])
     assert learns["verdict"] == "reproduced" and stalls["holm"] is None

@@ -39,6 +39,8 @@ import regimes  # noqa: E402  (bench/: the builds' regimes, the paired compariso
 runs_dir = "runs/frontier-lab-fork"   # holds build<b>/seed<s>/<label>-mu<μ>/ run directories
 baseline = "grpo:4"             # label:μ of the point the speed-ups are measured against (the paper's GRPO μ = 4)
 costs = "0,2,20,180"            # per-stage switching costs c of the re-costing, seconds
+key_points = ""                 # label:μ of the points the paper's claims rest on (frontier.sh's KEY_POINTS): the
+                                # comparisons Holm corrects over are theirs, the rest described; empty: every point
 out = ""                        # where frontier.md, frontier.json and plots/ go (default: runs_dir)
 estimate_from = ""              # a preflight.json: print each point's estimated hours instead (no runs needed)
 estimate_points = ""            # its points, label:μ space-separated (frontier.sh passes them)
@@ -373,7 +375,7 @@ def main():
     speed = speedups(points, baseline_key(points, baseline), costs_s)
     rows = point_rows(points, speed)
     measured = regimes.load_regimes(Path(runs_dir) / "regimes")
-    compared = regimes.comparisons(points, measured)
+    compared = regimes.comparisons(points, measured, {point_key(p) for p in key_points.split()} or None)
     where = Path(out or runs_dir)
     where.mkdir(parents=True, exist_ok=True)
     selection = Path(runs_dir) / "regimes" / "selection.json"
@@ -384,7 +386,8 @@ def main():
     table = "\n\n".join([markdown(rows)] + regimes_part + [
         f"The paper's comparisons, paired (same build, same seed), the build the unit: final accuracy differences "
         f"(each build's seeds averaged), 95 % t intervals over builds (df = builds − 1) and p Holm-adjusted over "
-        f"these comparisons, per regime ({chosen})", regimes.comparisons_markdown(compared),
+        f"the comparisons between {'the key points ' + key_points if key_points else 'any points'}, per regime "
+        f"({chosen})", regimes.comparisons_markdown(compared),
         "Where the ratio leaves GRPO's clip, per regime", diagnostics_markdown(points, measured),
         "Every run's final accuracy", runs_markdown(points)])
     common.atomic_write_json(where / "frontier.json", {

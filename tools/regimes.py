@@ -12,8 +12,9 @@ and probes candidate builds in order until the rule (select_builds) has each reg
 tools/frontier.py reports each comparison the paper makes as a paired difference of final accuracy per regime, with
 the build as the independent unit (seeds are nested in builds): each build's difference is the mean over its seeds of
 the same-seed differences, with a 95 % t interval and a two-sided p over builds (df = builds − 1, plot.paired_test),
-Holm-corrected over every comparison the frontier reports (plot.holm); a comparison is reproduced only where its
-Holm-adjusted p is at most alpha and its interval excludes zero in the paper's direction.
+Holm-corrected over the family of the claims between frontier.sh's key points (the rest of the sweep is described,
+not tested; plot.holm); a comparison is reproduced only where its Holm-adjusted p is at
+most alpha and its interval excludes zero in the paper's direction.
 """
 import json
 import sys
@@ -237,18 +238,22 @@ def paired_by_regime(runs_a, runs_b, measured, direction):
     return rows
 
 
-def comparisons(points, measured):
-    """Per claim and regime (and all regimes together): paired_by_regime's row, its p Holm-adjusted over every row
-    (the frontier's family of comparisons: "holm") and its verdict at that p."""
-    rows = [{"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction, **row}
-            for claim, a, b, direction in claims(points)
-            for row in paired_by_regime(points[a], points[b], measured, direction)]
-    tested = [r for r in rows if r["p"] is not None]
+def comparisons(points, measured, key_points=None):
+    """Per claim and regime (and all regimes together): paired_by_regime's row and its verdict at its p Holm-adjusted
+    over the family ("holm"): the rows of the claims between two of key_points ({(label, μ)}: frontier.sh's
+    KEY_POINTS, declared before the runs; None: every claim). A claim with a point of the rest of the sweep is
+    described, not tested: verdict "sweep", no Holm."""
+    rows = []
+    for claim, a, b, direction in claims(points):
+        key = key_points is None or (a in key_points and b in key_points)
+        rows += [{"claim": claim, "point": f"{a[0]}:{a[1]}", "against": f"{b[0]}:{b[1]}", "direction": direction,
+                  "family": key, **row} for row in paired_by_regime(points[a], points[b], measured, direction)]
+    tested = [r for r in rows if r["family"] and r["p"] is not None]
     for r, adjusted in zip(tested, plot.holm([r["p"] for r in tested])):
         r["holm"] = adjusted
     for r in rows:
         r.setdefault("holm", None)
-        r["verdict"] = verdict(r["direction"], r["low"], r["high"], r["holm"])
+        r["verdict"] = verdict(r["direction"], r["low"], r["high"], r["holm"]) if r["family"] else "sweep"
     return rows
 
 
@@ -260,9 +265,10 @@ def comparisons_markdown(rows):
     for r in rows:
         ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
         holm = "—" if r["holm"] is None else f"{r['holm']:.3f}"
+        verdict_ = "— (sweep: not tested)" if r["verdict"] == "sweep" else r["verdict"]
         want = {"<": "< 0", ">": "> 0", "≥": f"> −{match_margin:g}", "≠": "(none)"}[r["direction"]]
         lines.append(f"| {r['claim']} | {r['point']} − {r['against']} | {r['regime']} | {len(r['builds'])} builds, "
-                     f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {holm} | {want} | {r['verdict']} |")
+                     f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {holm} | {want} | {verdict_} |")
     return "\n".join(lines)
 
 

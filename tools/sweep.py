@@ -292,6 +292,7 @@ def main():
         print(f"[{i + 1}/{len(tasks)}] {name} ({minutes()}{where})", flush=True)
     pool.run(tasks, slot_list, started)
     table = python("tools/frontier.py", f"--runs_dir={out}", f"--baseline={baseline}", f"--costs={costs}",
+                   f"--key_points={key_points}",
                    stdout=subprocess.PIPE).stdout
     print(table, end="")
     (Path(out) / "frontier.log").write_text(table)
