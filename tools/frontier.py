@@ -14,8 +14,9 @@ Reads <runs_dir>/build<b>/seed<s>/<label>-mu<μ>/ (label: the LOSS preset, with 
 
 The paper's comparisons (GRPO's clip fails at large μ, μ-GRPO learns where it stalls, μ-GRPO at large μ matches GRPO
 at small μ) are paired differences per build regime, over builds (each build's seeds averaged) with 95 % t intervals
-and Holm over the family (tools/regimes.py: each build's regime, the rule that chose the builds, the statistics); a last table shows, per point and regime, where the ratio leaves GRPO's
-clip [0.8, 1.2] (loss.py's grpo_clip/ metrics: the tokens on which a wider clip and GRPO's differ).
+and Holm over the family (tools/regimes.py: each build's regime, the rule that chose the builds, the statistics); a
+last table shows, per point and regime, where the ratio leaves GRPO's clip [0.8, 1.2] (loss.py's grpo_clip/ metrics:
+the tokens on which a wider clip and GRPO's differ).
 
 Time is the run's wall-clock with its evaluations taken out (points evaluate at different counts: μ = 256 cannot be
 evaluated inside its one stage), split by records.time_split into generation, training, switching and idle. Re-costing

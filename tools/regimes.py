@@ -242,7 +242,7 @@ def comparisons(points, measured, key_points=None):
     """Per claim and regime (and all regimes together): paired_by_regime's row and its verdict at its p Holm-adjusted
     over the family ("holm"): the rows of the claims between two of key_points ({(label, μ)}: frontier.sh's
     KEY_POINTS, declared before the runs; None: every claim). A claim with a point of the rest of the sweep is
-    described, not tested: verdict "sweep", no Holm."""
+    described, not tested: verdict "not tested (sweep)", no Holm."""
     rows = []
     for claim, a, b, direction in claims(points):
         key = key_points is None or (a in key_points and b in key_points)
@@ -253,7 +253,7 @@ def comparisons(points, measured, key_points=None):
         r["holm"] = adjusted
     for r in rows:
         r.setdefault("holm", None)
-        r["verdict"] = verdict(r["direction"], r["low"], r["high"], r["holm"]) if r["family"] else "sweep"
+        r["verdict"] = verdict(r["direction"], r["low"], r["high"], r["holm"]) if r["family"] else "not tested (sweep)"
     return rows
 
 
@@ -265,10 +265,9 @@ def comparisons_markdown(rows):
     for r in rows:
         ci = "—" if r["low"] is None else f"{r['low']:+.3f} to {r['high']:+.3f}"
         holm = "—" if r["holm"] is None else f"{r['holm']:.3f}"
-        verdict_ = "— (sweep: not tested)" if r["verdict"] == "sweep" else r["verdict"]
         want = {"<": "< 0", ">": "> 0", "≥": f"> −{match_margin:g}", "≠": "(none)"}[r["direction"]]
         lines.append(f"| {r['claim']} | {r['point']} − {r['against']} | {r['regime']} | {len(r['builds'])} builds, "
-                     f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {holm} | {want} | {verdict_} |")
+                     f"{r['pairs']} pairs | {r['mean']:+.3f} | {ci} | {holm} | {want} | {r['verdict']} |")
     return "\n".join(lines)
 
 
