@@ -52,6 +52,8 @@ cache = ""                      # a directory of kept evaluations: one policy's 
                                 # and kept there (run_stages.sh EVAL_CACHE: runs from one initial policy evaluate it once)
 samples_dir = ""                # graded samples go here (default: next to the results table)
 stage = -1                      # labels for the results row: stage index (-1: the initial policy)
+skip_evaluated = False          # true: one policy whose stage the results table holds under this protocol is not
+                                # evaluated again (run_stages.sh: a resumed run's evaluation phase)
 run_start = 0.0                 # unix time the run started (for hours since start; 0: now)
 
 # engines
@@ -161,6 +163,9 @@ def main():
         sys.exit(f"--policy lists checkpoints of different models ({len(shapes)} shapes): one engine reloads the "
                  f"weights of one architecture; evaluate them separately")
     ev = evaluation()
+    if skip_evaluated and results and len(policies) == 1 and B.evaluated(results, stage, ev):
+        print(f"stage {stage}: {results} holds its evaluation under this protocol already")
+        return
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file
         _, first, total = engines_here()
         write_part(parts_dir, policies, ev, first + worker_rank, total)

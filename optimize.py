@@ -309,7 +309,7 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     kept = None
     if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
         progress.work_dir.mkdir(parents=True, exist_ok=True)
-        rows = common.read_jsonl(progress.metrics_path, missing_ok=True)
+        rows = common.read_jsonl(progress.metrics_path, missing_ok=True, torn_tail_ok=True)   # (killed mid-line)
         kept = [r for r in rows if r.get("update", 0) < start]
         common.atomic_write_lines(progress.metrics_path, kept)
     neg_ratios = M.broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal

@@ -3,6 +3,10 @@
 # Rerunning continues from the first unfinished phase; a finished run does nothing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
+if (( $# )); then     # (a knob given as an argument would be ignored: the run would not be the one asked for)
+  echo "run_stages.sh takes no arguments, got '$*': knobs are environment variables (LR=1e-3 bash run_stages.sh); see README" >&2
+  exit 2
+fi
 set -a     # every knob below is exported: mu_grpo/launch.py checks them all against one table before any phase runs
 
 GIVEN=" $(compgen -e | tr '\n' ' ') "   # the knobs the environment gives: they win over every default here and in presets
@@ -142,12 +146,13 @@ if [[ "$REPORT_TO" != none ]] && (( NODE_RANK == 0 )); then
   echo "[tracking] $REPORT_TO: every update, stage and evaluation as it is recorded ($LOGS/tracking.log)"
 fi
 
-# phase NAME STAGE CMD...: skipped when done; its whole output in $LOGS/NAME.log, on the terminal without the libraries'
-# chatter; timed into timeline.jsonl; marked done only once it succeeded. Several nodes: node 0 decides and records
+# phase NAME STAGE CMD...: skipped when the run's records say it is finished (mu_grpo/records.py phase_finished, the
+# rule of both modes); its whole output in $LOGS/NAME.log, on the terminal without the libraries' chatter; timed into
+# timeline.jsonl. Several nodes: node 0 decides and records
 phase() {
   local name=$1 stage=$2; shift 2
   local done t0 t1
-  done=$(share "done/$name" "$([[ -f "$RUN/.done/$name" ]] && echo 1 || echo 0)")
+  done=$(share "done/$name" "$( (( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=finished --name="$name")")
   if [[ "$done" == 1 ]]; then echo "[$name] done already"; return; fi
   echo "[$name] $*"
   t0=$(date +%s.%N)
@@ -158,7 +163,6 @@ phase() {
   t1=$(date +%s.%N)
   (( NODE_RANK == 0 )) || return 0
   $PY -m mu_grpo.launch --command=row --name="$name" --stage="$stage" --start="$t0" --end="$t1"
-  touch "$RUN/.done/$name"
 }
 if [[ $(share done/all "$([[ -f "$RUN/.done/all" ]] && echo 1 || echo 0)") == 1 ]]; then
   echo "run $RUN is complete; nothing to do (delete $RUN/.done/all to re-summarize, or the run directory to start over)"
@@ -176,7 +180,7 @@ KL_ARGS=(); [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 0 ]] || KL_ARGS=(--ref_p
 # PHASE_KNOBS: $OPTIMIZE_FLAGS, $GENERATE_FLAGS, $EVAL_FLAGS); the evaluation protocol given once, to both its users
 EVAL_PROTOCOL="--benchmarks=$BENCHMARKS --data_dir=$EVAL_DATA_DIR $EVAL_FLAGS"
 EVAL_ARGS=($EVAL_PROTOCOL --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
-           --results="$RUN/results.jsonl" --run_start="$START" --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"
+           --results="$RUN/results.jsonl" --run_start="$START" --skip_evaluated=true --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"
            "${NODE_ARGS[@]}")
 GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --max_prompt_tokens=$MAX_PROMPT
                --max_response_tokens=$MAX_RESPONSE --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" $GENERATE_FLAGS

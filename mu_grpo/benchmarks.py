@@ -102,6 +102,10 @@ def sample_and_grade(llm, ev, rank=0, n=1):
     params = [SamplingParams(n=ev.k[name], temperature=ev.temperature, top_p=ev.top_p, max_tokens=ev.max_response_tokens,
                              stop_token_ids=stops, seed=common.sample_seed(ev.seed, name, j))
               for name, j, _, _ in requests]
+    if empty := [name for name in ev.sets if not any(r[0] == name for r in requests)] if rank == 0 and n == 1 else []:
+        raise SystemExit(f"benchmark {empty[0]}: none of its {len(ev.sets[empty[0]])} problems fits in "
+                         f"max_prompt_tokens={ev.max_prompt_tokens} (the prompt template's tokens included): an "
+                         f"evaluation of no problem has no accuracy; raise MAX_PROMPT or leave it out of BENCHMARKS")
     outputs = llm.generate([{"prompt_token_ids": ids} for *_, ids in requests], params, use_tqdm=rank == 0)
     samples = [(name, j, c.index, c.text, row["answer"], row.get("source", name))
                for (name, j, row, _), o in zip(requests, outputs) for c in sorted(o.outputs, key=lambda c: c.index)]
@@ -125,7 +129,7 @@ def score(samples, ev, labels, sample_dir=None):
         rows.append({**labels, "benchmark": name, "k": ev.k[name], "avg_at_k": avg,
                      "avg_at_k_stderr": avg_at_k_stderr(correct), "pass_at_k": passed,
                      "problems": len(done), "skipped_long_prompts": len(problems) - len(done),
-                     "temperature": ev.temperature, "top_p": ev.top_p, "time": time.time()})
+                     **protocol_labels(ev), "time": time.time()})
         if sample_dir:
             Path(sample_dir).mkdir(parents=True, exist_ok=True)
             common.atomic_write_lines(Path(sample_dir) / f"{name}.jsonl", [
@@ -156,22 +160,39 @@ def stage_samples_dir(results, stage):
     return Path(results).parent / records.EVAL_SAMPLES / records.stage_dir("", stage)
 
 
+def protocol_labels(ev):
+    """What a results row says of its protocol besides k (records.PROTOCOL: the fields that key it)."""
+    return {"temperature": ev.temperature, "top_p": ev.top_p, "max_prompt_tokens": ev.max_prompt_tokens,
+            "max_response_tokens": ev.max_response_tokens, "prompt_template": ev.prompt_template, "seed": ev.seed}
+
+
 def update_results(path, rows):
-    """Write rows into a results table (JSONL), keyed on (stage, benchmark, policy): a rerun replaces its
-    rows and keeps the others."""
+    """Write rows into a results table (JSONL), keyed on (stage, benchmark, policy, protocol): a rerun replaces its
+    rows and keeps the others; an evaluation under another protocol (a hand evaluation at another k or top_p) adds
+    its rows beside the run's, never in their place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = common.read_jsonl(path, missing_ok=True)
-    new_keys = {(r["stage"], r["benchmark"], r["policy"]) for r in rows}
-    common.atomic_write_lines(path, [r for r in old if (r["stage"], r["benchmark"], r.get("policy")) not in new_keys]
-                              + rows)
+    replaced = lambda old: any((old["stage"], old["benchmark"], old.get("policy")) == (r["stage"], r["benchmark"],  # noqa: E731
+                                                                                    r["policy"])
+                               and records.same_protocol(old, r) for r in rows)
+    common.atomic_write_lines(path, [r for r in read_results(path) if not replaced(r)] + rows)
+
+
+def read_results(path):
+    """A results table's rows ([] where there is none); a damaged one is named in one line with what to do."""
+    try:
+        return common.read_jsonl(path, missing_ok=True)
+    except ValueError as e:
+        raise SystemExit(f"{e}: results.jsonl is written whole (never appended), so this is damage from outside the "
+                         f"run: restore it from a copy, or remove the damaged line to evaluate those policies again")
 
 
 def evaluated(results, stage, ev):
-    """Whether the results table holds a row of every benchmark of ev for `stage` (a resumed run does not redo
-    them)."""
-    rows = common.read_jsonl(results, missing_ok=True)
-    return set(ev.sets) <= {r["benchmark"] for r in rows if r["stage"] == stage}
+    """Whether the results table holds a row of every benchmark of ev for `stage` under ev's protocol (a resumed
+    run does not redo them; an evaluation under another protocol does not count)."""
+    rows = [r for r in read_results(results) if r["stage"] == stage]
+    return all(any(r["benchmark"] == name and records.same_protocol(r, {"k": k, **protocol_labels(ev)}) for r in rows)
+               for name, k in ev.k.items())
 
 
 def part_path(directory, r):

@@ -198,15 +198,19 @@ def append_jsonl(path, row):
         os.fsync(f.fileno())
 
 
-def read_jsonl(path, numbered=False, missing_ok=False):
+def read_jsonl(path, numbered=False, missing_ok=False, torn_tail_ok=False):
     """Rows of a JSONL file (numbered: (line number, row) pairs; missing_ok: [] where it does not exist); a bad line
-    (not UTF-8, not JSON, cut short) is an error naming the file and line number."""
+    (not UTF-8, not JSON, cut short) is an error naming the file and line number. torn_tail_ok: a file another
+    process appends to (append_jsonl), or whose appender was killed mid-line: a last line without its newline is not
+    a row yet, and is left out."""
     if missing_ok and not Path(path).exists():
         return []
     rows = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if not raw.endswith(b"\n"):
+                if torn_tail_ok:
+                    break
                 raise ValueError(f"{path}:{n}: truncated last line (no newline): the file is incomplete")
             try:
                 line = raw.decode("utf-8")
@@ -546,9 +550,9 @@ def require_policy(policy, name="--policy", given=None):
     line = f"{name}={given} ({policy}): {problem}" if given and given != str(policy) else f"{name}={policy}: {problem}"
     stage = re.fullmatch(r"stage_([0-9]+)", d.parent.name)
     if d.name == "policy" and stage and (d.parent.parent / ".done").is_dir():
-        s, run = stage.group(1), d.parent.parent
-        line += (f"; it is optimize_{s}'s output: `rm {run}/.done/optimize_{s}` and rerun to write it again from "
-                 f"stage {s}'s train state" if (d.parent / "train_state" / "progress.json").exists() else
+        s = stage.group(1)
+        line += (f"; it is optimize_{s}'s output: `rm -r {d}` and rerun to write it again from stage {s}'s train "
+                 f"state" if (d.parent / "train_state" / "progress.json").exists() else
                  f"; it is optimize_{s}'s output, and stage {s}'s train state is gone (only the last is kept): a new "
                  f"RUN starts over")
     raise SystemExit(line)

@@ -24,6 +24,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
                                           supervised: a failed one stops the other; timed into timeline.jsonl
     python -m mu_grpo.launch --command=view       a phase's output (stdin) on the terminal without the libraries' chatter
     python -m mu_grpo.launch --command=row --name=N --stage=S --start=T0 --end=T1   node 0: a phase's row in timeline.jsonl
+    python -m mu_grpo.launch --command=finished --name=N   node 0: 1 if the phase is finished by the run's records, else 0
     python -m mu_grpo.launch --command=attempt    node 0: this attempt's start row in timeline.jsonl (mu_grpo/records.py)
     python -m mu_grpo.launch --command=end --status=S --new_run=B   as the run ends: its engines' links and sockets in the
                                           temporary directory removed, a refused new run removed, a stopped run's line
@@ -32,6 +33,7 @@ Each prints what run_stages.sh reads, and on a bad setting one line naming it an
 """
 import contextlib
 import fcntl
+import fnmatch
 import json
 import os
 import re
@@ -188,20 +190,30 @@ def block_default(name):
     script, flag = PHASE_KNOBS[name]
     return shell_value(common.script_defaults(ROOT / script)[flag])
 # the phase scripts' blocks are the run's too (a default edited between attempts changes it), but for these knobs of
-# theirs: where and how it runs, its guards and saves, and the settings the loop always passes (the knobs above)
+# theirs: where and how it runs, its guards and saves, and the settings the loop always passes (the knobs above, and
+# LOOP_PASSED: their block's value is never used by a run, so editing it changes no run)
+LOOP_PASSED = {     # the flags run_stages.sh gives every call of the script (tests/test_launch.py reads them there)
+    "generate.py": {"data", "run_dir", "group_size", "max_prompt_tokens", "max_response_tokens", "gpus", "engines",
+                    "seed", "nnodes", "node_rank", "store", "eval_args", "results", "run_start", "policy", "stage",
+                    "prompts_per_stage", "evaluate"},
+    "optimize.py": {"prompts_per_update", "seed", "checkpoint_every", "stage_end", "hsdp", "release_older_states",
+                    "policy", "updates_per_stage"},
+    "evaluate.py": {"benchmarks", "data_dir", "max_prompt_tokens", "max_response_tokens", "results", "run_start",
+                    "gpus", "engines", "nnodes", "node_rank", "store", "policy", "stage", "skip_evaluated"},
+}
 PHASE_SCRIPTS = {
-    "generate.py": {"policy", "data", "run_dir", "stage", "prompts_per_stage", "grader_workers", "grader_timeout_s",
-                    "gpus", "engines", "tensor_parallel", "gpu_memory_utilization", "worker_rank", "resident",
-                    "policy_handoff", "evaluate", "results", "run_start", "eval_parts", "nnodes", "node_rank",
-                    "store", "shard_prompts"},
-    "optimize.py": {"stage_dir", "policy", "out", "init_state", "save_train_state", "release_older_states",
-                    "micro_batch_tokens", "gradient_checkpointing", "attn_implementation", "hsdp", "checkpoint_every",
-                    "save_policy_every", "max_nonfinite", "engine_mismatch_bound", "agreement_growth",
-                    "collapse_entropy_ratio", "agreement_responses", "check_packing", "resident", "run_dir", "stages",
-                    "total_updates", "save_every", "eval_every", "policy_handoff", "engines", "handoff_buffer_mb"},
-    "evaluate.py": {"policy", "max_problems", "grader_workers", "grader_timeout_s", "results", "cache", "samples_dir",
-                    "stage", "run_start", "gpus", "tensor_parallel", "gpu_memory_utilization", "engines",
-                    "worker_rank", "parts_dir", "nnodes", "node_rank", "store"},
+    "generate.py": LOOP_PASSED["generate.py"] | {
+        "grader_workers", "grader_timeout_s", "tensor_parallel", "gpu_memory_utilization", "worker_rank", "resident",
+        "policy_handoff", "eval_parts", "shard_prompts"},
+    "optimize.py": LOOP_PASSED["optimize.py"] | {
+        "stage_dir", "out", "init_state", "save_train_state", "micro_batch_tokens", "gradient_checkpointing",
+        "attn_implementation", "save_policy_every", "max_nonfinite", "engine_mismatch_bound", "agreement_growth",
+        "collapse_entropy_ratio", "agreement_responses", "check_packing", "resident", "run_dir", "stages",
+        "total_updates", "drift_growth", "drift_max_updates", "save_every", "eval_every", "policy_handoff", "engines",
+        "handoff_buffer_mb"},
+    "evaluate.py": LOOP_PASSED["evaluate.py"] | {
+        "max_problems", "grader_workers", "grader_timeout_s", "cache", "samples_dir", "tensor_parallel",
+        "gpu_memory_utilization", "worker_rank", "parts_dir"},
 }
 
 
@@ -233,23 +245,43 @@ def setting_changes(recorded, now):
 
 
 def rerun_check(k):
-    """The run directory's record against this attempt's settings, before any compute: assignments run_stages.sh
-    evals. A run with a finished phase keeps its settings (a change is refused in one line naming each); a longer one
-    goes on (EXTEND: a finished run's end marker goes); an attempt after one that finished nothing starts afresh
-    (FRESH: the failed attempt's partial outputs go, none of them a result)."""
+    """The run directory against this attempt's settings, before any compute (nothing is written here): assignments
+    run_stages.sh evals. RUN is a run's directory or a new one: one that holds anything else is refused. A run that
+    holds finished work (records.finished_work: a rollout shard, a train state, a trained stage, a results row) keeps
+    the settings it recorded: a change is refused in one line naming each, and nothing is removed; a raised STAGES or
+    TOTAL_UPDATES goes on to the new length (EXTEND); an attempt that left no finished work starts afresh with the
+    new settings (FRESH: settle_record removes what it left, the names a run writes and nothing else)."""
     run = Path(k["RUN"])
+    if run.exists() and not run.is_dir():
+        common.refuse(f"RUN={run} is a file, not a run's directory: choose a new RUN")
     path = run / records.RUN_SETTINGS
+    try:
+        work = records.finished_work(run)
+    except (ValueError, json.JSONDecodeError) as e:
+        common.refuse(f"RUN={run}: a record cannot be read ({e}): restore it from a copy, or choose a new RUN")
     if not path.exists():
+        others = sorted(p.name for p in run.iterdir() if not any(fnmatch.fnmatch(p.name, name)
+                                                                 for name in records.RUN_NAMES)) if run.is_dir() else []
+        if others:
+            common.refuse(f"RUN={run} is a directory that holds no run ({', '.join(others[:4])}"
+                          f"{', ...' if len(others) > 4 else ''}): a run's directory holds only what the run writes, "
+                          f"choose a new RUN (e.g. {run}/<name>)")
+        if work:
+            common.refuse(f"RUN={run} holds a run's work ({', '.join(work)}) but no {records.RUN_SETTINGS} (the "
+                          f"settings it was run with), so this attempt's cannot be checked against them: restore the "
+                          f"file, or choose a new RUN")
         return {"FRESH": "0", "EXTEND": "0"}
-    recorded, now = json.loads(path.read_text()), run_settings(k)
-    changed, raised = setting_changes(recorded, now)
-    finished = [p.name for p in (run / ".done").glob("*") if p.name != "start"] if (run / ".done").is_dir() else []
-    if not finished:
-        return {"FRESH": "1" if changed or raised else "0", "EXTEND": "0"}
-    if changed:
-        common.refuse(f"RUN={run} was run with other settings: {'; '.join(changed)}. Rerun with its settings "
-               f"({path}), or choose a new RUN (what a rerun may change: docs/running.md)")
-    return {"FRESH": "0", "EXTEND": "1" if raised else "0"}
+    try:
+        recorded = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        common.refuse(f"{path} is not valid JSON ({e}): it records the settings RUN={run} was run with; restore it "
+                      f"from a copy, or choose a new RUN")
+    changed, raised = setting_changes(recorded, run_settings(k))
+    if changed and work:
+        common.refuse(f"RUN={run} was run with other settings: {'; '.join(changed)}. It holds finished work "
+                      f"({', '.join(work)}), which is kept: rerun with its settings ({path}), or choose a new RUN "
+                      f"(what a rerun may change: docs/running.md)")
+    return {"FRESH": "1" if changed else "0", "EXTEND": "1" if raised and not changed else "0"}
 
 
 def misspelt_knobs(environment):
@@ -454,6 +486,8 @@ def start_up_command():
         is_dir = nodes_command("ready", *node_flags, f"--value={is_dir}", capture=True)
     with contextlib.redirect_stdout(sys.stderr):      # the libraries' output
         values = prepared({**e, "MODEL_IS_DIR": is_dir})
+    if node0:
+        record_settings()
     if several:
         data = ",".join([e["TRAIN_DATA"], *(f"{e['EVAL_DATA_DIR']}/{b}.jsonl" for b in e["BENCHMARKS"].split(","))])
         nodes_command("join", *node_flags, f"--run_dir={e['RUN']}", f"--model={values['MODEL']}", f"--data={data}",
@@ -470,23 +504,36 @@ def start_up_command():
 
 
 def settle_record():
-    """Node 0, under the run's lock: FRESH (rerun_check), the partial outputs of an attempt that finished no phase
-    removed (said); EXTEND, a finished run's end marker removed so that it goes on (said); the run's settings recorded
-    where none are."""
+    """Node 0, under the run's lock, before the start-up builds anything: FRESH (rerun_check), what an attempt that
+    left no finished work wrote is removed (the names a run writes, records.RUN_NAMES; its logs stay), said; EXTEND,
+    a finished run's end marker removed so that it goes on, said. The settings are recorded later (record_settings),
+    once the model and data are checked."""
     e, run = os.environ, Path(os.environ["RUN"])
     if e.get("FRESH") == "1":
-        gone = [p for p in run.iterdir() if p.name not in ("logs", ".lock") and not p.name.startswith(".lock.")]
-        print(f"[run] the last attempt on {run} finished no phase and had other settings: its partial outputs "
-              f"({', '.join(sorted(p.name for p in gone))}) are cleared", flush=True)
+        gone = [p for p in run.iterdir() if p.name not in ("logs", ".lock") and not p.name.startswith(".lock.")
+                and any(fnmatch.fnmatch(p.name, name) for name in records.RUN_NAMES)]
+        print(f"[run] the last attempt on {run} finished nothing and had other settings: what it left "
+              f"({', '.join(sorted(p.name for p in gone))}) is cleared", flush=True)
         for p in gone:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
         (run / ".done").mkdir()
-    if e.get("EXTEND") == "1" and (run / ".done" / "all").exists():
-        (run / ".done" / "all").unlink()
+    if e.get("EXTEND") == "1":
+        (run / ".done" / "all").unlink(missing_ok=True)
         print(f"[run] {run} goes on to STAGES={e['STAGES']} (TOTAL_UPDATES={e['TOTAL_UPDATES']})", flush=True)
-    record = run / records.RUN_SETTINGS
+
+
+def record_settings():
+    """Node 0, once the model and data are checked: the run's settings recorded where none are, or rewritten after
+    FRESH or EXTEND (a refused first attempt records nothing: its directory is no run yet)."""
+    e, record = os.environ, Path(os.environ["RUN"]) / records.RUN_SETTINGS
     if e.get("FRESH") == "1" or e.get("EXTEND") == "1" or not record.exists():
         common.atomic_write_json(record, run_settings(e))
+
+
+def finished_command():
+    """Whether run_stages.sh's phase `name` is finished (prints 1 or 0), by the run's records (records.phase_finished:
+    the rule both modes' records answer, so a run switched between modes skips what the other finished)."""
+    print(int(records.phase_finished(os.environ["RUN"], name)))
 
 
 def nodes_command(name, *flags, capture=False):
@@ -684,6 +731,7 @@ if __name__ == "__main__":
                 "preflight": preflight_command, "handoff": handoff_command,
                 "stage": lambda: stage_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
+                "finished": finished_command,
                 "end": end_command,
                 "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}
     common.check_choice("command", command, tuple(commands))

@@ -101,6 +101,83 @@ def metrics_row(stage, groups, place, m, seconds, extra):
     return {k: (common.finite_or_none(v) if isinstance(v, float) else v) for k, v in row.items()}
 
 
+# ----------------------------------------------------------------------------- what a run has finished
+# One rule, read from the records both modes write (no marker one mode writes and the other does not): the rerun
+# check (mu_grpo/launch.py rerun_check), the per-phase loop's skips (launch --command=finished) and the resident
+# trainer's start (checkpoint.newest_state: a stage's final state) all read it.
+# The names a run writes at its top level: the only ones it ever removes (launch.settle_record), and what a
+# directory holds when it is a run's that has not yet recorded its settings (launch.rerun_check)
+RUN_NAMES = ("logs", ".done", ".lock", ".nodes", "resident", "tracking", "preflight.json", "stage_*", TIMELINE, ATTEMPT,
+             RESULTS, EVAL_SAMPLES, RUN_SETTINGS, "plots")
+
+
+def rollouts_finished(run_dir, s):
+    """Stage s's rollouts are finished when its manifest is written (generate.py, last)."""
+    return (stage_dir(run_dir, s) / ROLLOUTS / MANIFEST).exists()
+
+
+def last_trained(run_dir):
+    """The newest stage whose training is finished, -1 before any: its stage_end.json and its policy (saved last,
+    atomically) are in its directory. Every stage before it is finished too: its rollouts came from their policies,
+    and its train state carries theirs (a resident run that saved only every few stages has older stages without a
+    policy: they are not trained again)."""
+    return max((s for s, d in stage_dirs(run_dir)
+                if (d / STAGE_END).exists() and (d / POLICY / common.POLICY_ID_FILE).exists()), default=-1)
+
+
+def phase_finished(run_dir, name):
+    """Whether run_stages.sh's phase `name` is finished by the run's records: generate_<s> once its rollouts are
+    (or a later stage is trained), optimize_<s> once stage s is trained (last_trained). An evaluation phase (eval_init,
+    eval_<s>) is never skipped here: evaluate.py skips a policy the results hold under its protocol
+    (benchmarks.evaluated), the check generate.py's evaluations make too."""
+    kind, _, s = name.rpartition("_")
+    if kind == "generate":
+        return rollouts_finished(run_dir, int(s)) or int(s) <= last_trained(run_dir)
+    if kind == "optimize":
+        return int(s) <= last_trained(run_dir)
+    if kind == "eval" or name == "eval_init":
+        return False
+    raise ValueError(f"no phase is named {name!r} (generate_<s>, optimize_<s>, eval_<s>, eval_init)")
+
+
+PROTOCOL = ("k", "temperature", "top_p", "max_prompt_tokens", "max_response_tokens", "prompt_template", "seed")
+
+
+def same_protocol(a, b):
+    """Whether two results rows (or a row and a protocol's labels) were made under one evaluation protocol, the
+    fields of PROTOCOL: what makes two rows of one policy and benchmark comparable (a hand evaluation under another
+    adds rows beside the run's, never replaces them: benchmarks.update_results). A field a row lacks (rows written
+    before rows carried it) matches any value."""
+    return all(a[key] == b[key] for key in PROTOCOL if key in a and key in b)
+
+
+def own_results(rows):
+    """The rows of a run's own protocol: its first row's (the run's first evaluation is its own, written before
+    anyone else could evaluate its policies); rows under another protocol (hand evaluations) are left out of its
+    curves and summaries."""
+    first = min(rows, key=lambda r: r.get("time", 0.0), default=None)
+    return [r for r in rows if same_protocol(r, first)]
+
+
+def finished_work(run_dir):
+    """What a run directory holds that a run computed, one phrase each (empty: nothing): rollouts (every shard is
+    written whole, so a stage's complete shards count), train states (a mid-stage checkpoint's too), trained stages,
+    results rows. A rerun with other settings is refused on any of it (launch.rerun_check)."""
+    found = []
+    for s, d in stage_dirs(run_dir):
+        if rollouts_finished(run_dir, s):
+            found.append(f"stage {s}'s rollouts")
+        elif shards := list((d / ROLLOUTS).glob("shard_*.jsonl")):
+            found.append(f"{len(shards)} rollout shard(s) of stage {s}")
+        if (d / STAGE_END).exists() and (d / POLICY / common.POLICY_ID_FILE).exists():
+            found.append(f"stage {s}'s training")
+        elif (d / TRAIN_STATE / "progress.json").exists():
+            found.append(f"stage {s}'s train state")
+    if rows := common.read_jsonl(Path(run_dir) / RESULTS, missing_ok=True):
+        found.append(f"{len(rows)} results row(s)")
+    return found
+
+
 # ----------------------------------------------------------------------------- writing
 
 def append(run_dir, row, **more):
@@ -145,8 +222,9 @@ def close_killed_attempt(run_dir):
 # ----------------------------------------------------------------------------- reading
 
 def read(run_dir):
-    """The run's timeline rows ([] before its first)."""
-    return common.read_jsonl(Path(run_dir) / TIMELINE, missing_ok=True)
+    """The run's timeline rows ([] before its first). Other processes append to it while it is read (the engine
+    process, the trainer, run_stages.sh): a last line not yet whole is not a row yet."""
+    return common.read_jsonl(Path(run_dir) / TIMELINE, missing_ok=True, torn_tail_ok=True)
 
 
 def load_run(path):

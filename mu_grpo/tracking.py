@@ -116,7 +116,7 @@ class RecordFiles:
         return hit[1]
 
     def jsonl(self, path):
-        return self.read(path, common.read_jsonl) or []
+        return self.read(path, lambda p: common.read_jsonl(p, torn_tail_ok=True)) or []    # (appended meanwhile)
 
     def json(self, path):
         return self.read(path, lambda p: json.loads(Path(p).read_text()))
@@ -333,7 +333,8 @@ def where_line(run, total, s):
     run = Path(run)
     done = _updates_after(run, s - 1) or 0
     parts = [f"[stage {s}] update {done} of {total}"]
-    last_stage = common.read_jsonl(records.stage_dir(run, s - 1) / records.METRICS, missing_ok=True)  # none at s = 0
+    last_stage = common.read_jsonl(records.stage_dir(run, s - 1) / records.METRICS, missing_ok=True,  # none at s = 0
+                                   torn_tail_ok=True)
     kl = [r["ratio/kl"] for r in last_stage[-fall_kl_updates:] if r.get("ratio/kl") is not None]
     if kl:
         mean_kl = sum(kl) / len(kl)

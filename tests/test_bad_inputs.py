@@ -66,13 +66,29 @@ def test_a_misspelt_knob_is_named_with_the_knob_it_is_close_to():
 # ----------------------------------------------------------------------------- a rerun with other settings
 
 
-def recorded_run(tmp_path, done=("generate_0",), **changes):
-    """A run directory whose first attempt ran at TOY's settings (its record) and finished the phases `done`;
-    returns the knobs of a rerun with `changes`."""
+FINISHED = {   # what a run computed, as its records show it (records.finished_work), each made by hand
+    "a shard": lambda run: write(run / "stage_0" / "rollouts" / "shard_00000.jsonl", "{}\n"),
+    "rollouts": lambda run: write(run / "stage_0" / "rollouts" / records.MANIFEST, "{}"),
+    "a train state": lambda run: write(run / "stage_0" / records.TRAIN_STATE / "progress.json", "{}"),
+    "training": lambda run: (write(run / "stage_0" / records.STAGE_END, "{}"),
+                             write(run / "stage_0" / records.POLICY / common.POLICY_ID_FILE, "{}")),
+    "a results row": lambda run: write(run / records.RESULTS, '{"stage": -1}\n'),
+}
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def recorded_run(tmp_path, done=("a shard",), **changes):
+    """A run directory whose first attempt ran at TOY's settings (its record) and left the finished work `done`
+    (FINISHED's keys); returns the knobs of a rerun with `changes`."""
     run = tmp_path / "run"
     (run / ".done").mkdir(parents=True)
-    for name in ("start", *done):
-        (run / ".done" / name).write_text("")
+    (run / ".done" / "start").write_text("")
+    for name in done:
+        FINISHED[name](run)
     first, _ = launch.resolve({**TOY, "RUN": str(run)})
     common.atomic_write_json(run / records.RUN_SETTINGS, launch.run_settings(first))
     again, problem = launch.resolve({**TOY, "RUN": str(run), **changes})
@@ -91,8 +107,19 @@ def test_a_rerun_with_a_changed_setting_is_refused_naming_each(tmp_path, capsys)
     assert refusal(k) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith(f"RUN={run} was run with other settings: LOSS_ARGS (empty) → --clip_low=0.8; "
-                           f"LR 2e-4 → 1e-3. Rerun with its settings ({run}/{records.RUN_SETTINGS})"), line
+                           f"LR 2e-4 → 1e-3. It holds finished work (1 rollout shard(s) of stage 0), which is kept: "
+                           f"rerun with its settings ({run}/{records.RUN_SETTINGS}), or choose a new RUN"), line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("work", sorted(FINISHED))
+def test_any_finished_work_keeps_the_runs_settings_and_nothing_is_removed(tmp_path, work, capsys):
+    # before: only .done/ markers counted, which resident mode never writes, so a changed knob cleared a killed
+    # resident run's trained stages (and a per-phase run's shards of its first generation)
+    run, k = recorded_run(tmp_path, done=(work,), LR="1e-3")
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    assert refusal(k) == 2 and "LR 2e-4 → 1e-3" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
 
 
 def test_a_rerun_may_change_what_does_not_change_the_science(tmp_path):
@@ -111,15 +138,29 @@ def test_an_edited_default_in_a_phase_scripts_block_is_a_changed_setting(tmp_pat
     assert "optimize.py weight_decay 0.01 → 0.1" in line and "checkpoint_every" not in line    # (a safe one)
 
 
-def test_a_finished_run_given_more_stages_goes_on_and_fewer_are_refused(tmp_path, capsys):
-    _, k = recorded_run(tmp_path, done=("generate_0", "optimize_0", "all"), STAGES="5")
+def test_an_edited_default_the_loop_always_passes_is_no_changed_setting(tmp_path, monkeypatch, capsys):
+    # the loop gives these flags on every call (tests/test_launch.py finds each in run_stages.sh), so the block's
+    # value is never a run's: editing one (a git pull that changes it) must not refuse a rerun. Every one edited at once
+    run, k = recorded_run(tmp_path)
+    real = common.script_defaults
+    edited = lambda name: {**real(name), **{knob: "edited" for knob in launch.LOOP_PASSED.get(name, ())}}  # noqa: E731
+    monkeypatch.setattr(common, "script_defaults", edited)
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+    monkeypatch.setattr(launch, "PHASE_SCRIPTS", {**launch.PHASE_SCRIPTS, "optimize.py": {"seed"}})   # planted
+    assert refusal(k) == 2 and "optimize.py prompts_per_update" in capsys.readouterr().err
+
+
+def test_more_stages_continue_a_run_finished_or_killed_and_fewer_are_refused(tmp_path, capsys):
+    _, k = recorded_run(tmp_path, done=("rollouts", "training"), STAGES="5")
     assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "1"}         # 3 → 5 stages: the run goes on
-    _, k = recorded_run(tmp_path / "b", done=("generate_0", "all"), STAGES="2")
+    _, k = recorded_run(tmp_path / "b", done=(), STAGES="5")
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "1"}         # also with nothing finished yet
+    _, k = recorded_run(tmp_path / "c", done=("rollouts",), STAGES="2")
     assert refusal(k) == 2 and "STAGES 3 → 2" in capsys.readouterr().err
 
 
-def test_an_attempt_that_finished_no_phase_does_not_block_the_corrected_one(tmp_path, monkeypatch, capsys):
-    # the first attempt (GROUP_SIZE=8) failed inside its first phase: its stage's plan and a shard are left behind
+def test_an_attempt_that_finished_nothing_does_not_block_the_corrected_one(tmp_path, monkeypatch, capsys):
+    # the first attempt (GROUP_SIZE=8) failed inside its first phase: its stage's plan is left behind, no shard
     run, k = recorded_run(tmp_path, done=(), GROUP_SIZE="4")
     (run / "stage_0" / "rollouts").mkdir(parents=True)
     (run / "stage_0" / "rollouts" / records.PLAN).write_text(json.dumps({"group_size": 8}))
@@ -130,12 +171,53 @@ def test_an_attempt_that_finished_no_phase_does_not_block_the_corrected_one(tmp_
     for name, value in {**k, "FRESH": "1", "EXTEND": "0"}.items():
         monkeypatch.setenv(name, value)
     launch.settle_record()
-    assert "finished no phase and had other settings: its partial outputs (.done, run_settings.json, stage_0, " \
-           "timeline.jsonl) are cleared" in capsys.readouterr().out
+    launch.record_settings()
+    assert "finished nothing and had other settings: what it left (.done, run_settings.json, stage_0, " \
+           "timeline.jsonl) is cleared" in capsys.readouterr().out
     assert sorted(p.name for p in run.iterdir()) == [".done", "logs", records.RUN_SETTINGS]    # the logs stay
     assert json.loads((run / records.RUN_SETTINGS).read_text())["knobs"]["GROUP_SIZE"] == "4"
     # the same attempt's settings again: nothing to clear
     assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+
+
+def test_a_directory_that_holds_no_run_is_refused_before_anything_is_written(tmp_path, capsys):
+    # before: RUN=runs (the directory of every run) took a record, and the corrected attempt cleared every run in it
+    runs = tmp_path / "runs"
+    (runs / "finished-run" / ".done").mkdir(parents=True)
+    (runs / "notes.txt").write_text("mine")
+    k, _ = launch.resolve({**TOY, "RUN": str(runs)})
+    assert refusal(k) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"RUN={runs} is a directory that holds no run (finished-run, notes.txt): a run's directory holds only what "
+        f"the run writes, choose a new RUN (e.g. {runs}/<name>)")
+    assert sorted(p.name for p in runs.iterdir()) == ["finished-run", "notes.txt"]
+    # a run killed before its record (its logs, its start marker) and an empty directory are runs' directories
+    fresh = tmp_path / "fresh"
+    (fresh / "logs").mkdir(parents=True)
+    (fresh / ".done").mkdir()
+    k, _ = launch.resolve({**TOY, "RUN": str(fresh)})
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+
+
+def test_a_run_whose_record_is_gone_or_damaged_is_refused_not_recorded_again(tmp_path, capsys):
+    # before: a removed run_settings.json made the next attempt record its own settings, which the run never had
+    run, k = recorded_run(tmp_path, done=("rollouts", "training"), STAGES="4", LR="1e-3")
+    (run / records.RUN_SETTINGS).unlink()
+    assert refusal(k) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"RUN={run} holds a run's work (stage 0's rollouts, stage 0's training) but no {records.RUN_SETTINGS} (the "
+        f"settings it was run with), so this attempt's cannot be checked against them: restore the file, or choose a "
+        f"new RUN")
+    assert not (run / records.RUN_SETTINGS).exists()
+    (run / records.RUN_SETTINGS).write_text('{"knobs": ')
+    assert refusal(k) == 2
+    assert capsys.readouterr().err.startswith(f"{run / records.RUN_SETTINGS} is not valid JSON (")
+    (run / records.RUN_SETTINGS).unlink()
+    (run / records.RESULTS).write_text('{"stage": -1}\n{"sta')           # damaged by hand: written whole by the run
+    assert refusal(k) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"RUN={run}: a record cannot be read ({run / records.RESULTS}:2: truncated last line (no newline): the file "
+        f"is incomplete): restore it from a copy, or choose a new RUN")
 
 
 # ----------------------------------------------------------------------------- a model or policy that cannot load
@@ -200,7 +282,7 @@ def test_a_runs_own_damaged_policy_says_which_phase_writes_it_again(tmp_path):
     with pytest.raises(SystemExit) as e:
         common.require_policy(policy)
     assert str(e.value) == (f"--policy={policy}: model.safetensors is cut short: {whole - 8} bytes of the {whole} its "
-                            f"header describes; it is optimize_1's output: `rm {run}/.done/optimize_1` and rerun to write it "
+                            f"header describes; it is optimize_1's output: `rm -r {policy}` and rerun to write it "
                             f"again from stage 1's train state")
     (run / "stage_1" / "train_state" / "progress.json").unlink()
     with pytest.raises(SystemExit) as e:
@@ -269,6 +351,16 @@ def test_ctrl_c_in_a_phases_view_is_no_traceback():
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and b"Traceback" not in err and not err.strip(), err
+
+
+def test_a_ctrl_c_test_passes_in_a_suite_started_in_the_background():
+    # `bash test.sh &` starts pytest with SIGINT ignored, and every process it starts inherits that: the test above
+    # would see its view never interrupted (exit 0, not 130) unless conftest.py restores the default dispositions
+    ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)         # noqa: E731 (what `&` does)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+                           f"{__file__}::test_ctrl_c_in_a_phases_view_is_no_traceback"], cwd=ROOT,
+                          capture_output=True, text=True, preexec_fn=ignore_sigint, timeout=120)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- what a run leaves when it ends

@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
+from mu_grpo import common  # noqa: E402
 from mu_grpo import launch  # noqa: E402
 
 # the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve, a phase
@@ -311,6 +312,22 @@ def test_every_knob_run_stages_sh_sets_is_in_the_table():
     preset_knobs = set(re.findall(r"\b([A-Z_]+)=", (ROOT / "presets.sh").read_text().split("case")[1]))
     assert len(knobs) > 50 and preset_knobs - {"LAB_DIR"} <= knobs, preset_knobs - knobs
     assert knobs == set(launch.SETTINGS) - {"LOSS_ARGS"}, knobs ^ set(launch.SETTINGS)   # (losses.sh's)
+
+
+def test_every_flag_the_settings_record_leaves_out_as_the_loops_is_one_run_stages_sh_passes():
+    # launch.LOOP_PASSED: a script's block values the loop always overrides, so they are no run's settings; a name
+    # there that the loop does not pass would let an edit of a live default through the rerun check unnoticed
+    import re
+    text = (ROOT / "run_stages.sh").read_text()
+    passed = set(re.findall(r"--([a-z_]+)=", text))
+    for script, flags in launch.LOOP_PASSED.items():
+        assert flags <= passed, (script, flags - passed)
+        assert flags <= set(common.script_defaults(ROOT / script)), (script, flags - set(common.script_defaults(ROOT / script)))
+    # and the records leave them out: an edit of one changes no run's settings
+    k, _ = launch.resolve(TOY)
+    recorded = launch.run_settings(k)
+    assert not any(set(recorded[script]) & flags for script, flags in launch.LOOP_PASSED.items())
+    assert "lr" in recorded["optimize.py"] and "group_size" not in recorded["generate.py"]
 
 
 def test_a_phase_knob_left_empty_is_its_blocks_value_and_passes_no_flag_and_a_given_one_is_its_flag():
