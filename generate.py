@@ -382,7 +382,8 @@ class Engines:
         started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
         if not is_engine_worker:
             if sleeps_first:                     # its row ends once every engine is asleep ("asleep": the trainer's turn)
-                partner.wait(lambda: partner.engines_asleep(n_engines), watch=self.watch_workers)
+                partner.wait(lambda: partner.engines_asleep(n_engines), partner=False,
+                             watch=lambda: (self.watch_workers(), self.trainer_alive_or_done(first - 1)))
             partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start,
                               "end": time.time(), **({"asleep": True} if sleeps_first else {})})
         try:
@@ -401,6 +402,16 @@ class Engines:
                     return
         finally:
             self.receiver.close()
+
+    def trainer_alive_or_done(self, s):
+        """Raise if the trainer died before handing over the policy trained on stage s: a resumed trainer with nothing
+        left to train hands over the last policy and ends at once, often before the engine processes are up (the
+        engines then evaluate it alone; before, the coordinator took that end for a death, and so on every rerun)."""
+        try:
+            self.partner.check_partner()
+        except SystemExit:
+            if self.partner.trained(s) is None:       # (read after the check: the trainer writes it before it ends)
+                raise
 
     def watch_workers(self):
         for p in self.procs:

@@ -239,7 +239,7 @@ def load_run(path):
         if (stage_dir / ROLLOUTS / MANIFEST).exists():
             manifests[s] = json.loads((stage_dir / ROLLOUTS / MANIFEST).read_text())
     metrics += rows(path / METRICS)     # an ablation replay: optimize.py --out=<path>/policy
-    return {"name": path.name, "results": rows(path / RESULTS), "timeline": rows(path / TIMELINE),
+    return {"name": path.name, "results": own_results(rows(path / RESULTS)), "timeline": read(path),
             "metrics": metrics, "manifests": manifests, "stage_ends": stage_ends}
 
 

@@ -341,7 +341,7 @@ def where_line(run, total, s):
         parts.append(f"KL to its rollouts over stage {s - 1}'s last {len(kl)} updates {mean_kl:.4f}"
                      + (f" ⚠ above {fall_kl:g}, where the lab's falls of held-out accuracy came (a lab-calibrated "
                         f"threshold: docs/multistage.md)" if mean_kl > fall_kl else ""))
-    results = common.read_jsonl(run / records.RESULTS, missing_ok=True)
+    results = records.own_results(common.read_jsonl(run / records.RESULTS, missing_ok=True))
     if results:
         last = max(results, key=lambda r: r["time"])
         same = [r for r in results if r["stage"] == last["stage"] and r.get("policy") == last.get("policy")]

@@ -128,7 +128,8 @@ def run_cells(run_dir):
     run_dir = Path(run_dir)
     results = run_dir / records.RESULTS
     rows = [(i, r) for i, r in enumerate(common.read_jsonl(results), 1)] if results.exists() else []
-    trained = [(i, r) for i, r in rows if r["stage"] >= 0]
+    own = records.own_results([r for _, r in rows])              # a hand evaluation's rows are not the run's
+    trained = [(i, r) for i, r in rows if r["stage"] >= 0 and any(r is o for o in own)]
     if not trained:
         return {"state": "not started" if not rows else "running", "run": str(run_dir)}
     last = max(r["stage"] for _, r in trained)
