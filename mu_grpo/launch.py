@@ -144,7 +144,7 @@ SETTINGS = {
     "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
     "RESIDENT_GPU_MEMORY": (share_or_auto,), "HANDOFF": (one_of("transfer", "files"),),
     "PREFLIGHT": (one_of("auto", "0", "1", "force"),),
-    "PREFLIGHT_ARGS": (anything, "own"), "PREFLIGHT_ONLY": (boolean,),
+    "PREFLIGHT_ARGS": (anything, "own"), "PREFLIGHT_ONLY": (boolean,), "PREFLIGHT_REPORT": (anything,),
     # several nodes
     "NNODES": (whole(1),), "NODE_RANK": (whole(), "own"), "MASTER_ADDR": (anything, "own"),
     "MASTER_PORT": (whole(),),
@@ -159,6 +159,7 @@ SETTINGS = {
 # evaluated, not what it computes; every other knob is the run's own once a phase has finished (run_settings.json)
 RERUN_SAFE = {"RUN", "EVAL_EVERY", "SAVE_EVERY", "KEEP_TRAIN_STATES", "SAVE_POLICY_EVERY", "EVAL_CACHE", "GPUS",
               "ENGINES", "TRAIN_RANKS", "RESIDENT", "RESIDENT_GPU_MEMORY", "HANDOFF", "PREFLIGHT", "PREFLIGHT_ONLY",
+              "PREFLIGHT_REPORT",
               "NNODES", "MASTER_PORT", "HSDP", "MICRO_BATCH_TOKENS", "GRAD_CKPT"}
 EXTENDABLE = ("STAGES", "TOTAL_UPDATES")    # a rerun may raise these: the run goes on to its new length
 RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
@@ -356,6 +357,12 @@ def resolve(knobs):
                    f"{k['EVAL_K']} needs EVAL_TEMPERATURE > 0, or EVAL_K=1")
     if k["PREFLIGHT"] == "auto":
         k["PREFLIGHT"] = "1" if k["PRESET"] == "paper" else "0"
+    if k["PREFLIGHT_REPORT"] and k["PREFLIGHT"] != "0":
+        return k, (f"PREFLIGHT_REPORT={k['PREFLIGHT_REPORT']} names another run's preflight, and PREFLIGHT="
+                   f"{k['PREFLIGHT']} runs this one's: give PREFLIGHT=0 with it")
+    if k["PREFLIGHT_REPORT"] and not Path(k["PREFLIGHT_REPORT"]).is_file():
+        return k, (f"PREFLIGHT_REPORT={k['PREFLIGHT_REPORT']} does not exist: run that preflight first (table1.sh: "
+                   f"its model's preparation, prepare.txt)")
     if k["PREFLIGHT_ONLY"] == "true" and k["PREFLIGHT"] == "0" and not (k["EVAL_CACHE"] and k["EVAL_EVERY"] != "0"):
         return k, ("PREFLIGHT_ONLY=true stops after the preflight and the initial evaluation kept in EVAL_CACHE, and "
                    "this runs neither: use PREFLIGHT=1 (or an EVAL_CACHE)")
@@ -611,10 +618,11 @@ def preflight_command():
 
 
 def handoff_command():
-    """The hand-off a resident run uses (printed): HANDOFF, or files when the run's preflight found the weight transfer
-    failing on this box and fell back (preflight.json, figures.policy_handoff), which one line on stderr says."""
+    """The hand-off a resident run uses (printed): HANDOFF, or files when the run's preflight (PREFLIGHT_REPORT, else
+    its own preflight.json) found the weight transfer failing on this box and fell back (figures.policy_handoff),
+    which one line on stderr says."""
     e = os.environ
-    report = Path(e["RUN"]) / "preflight.json"
+    report = Path(e.get("PREFLIGHT_REPORT") or Path(e["RUN"]) / "preflight.json")
     fell_back = e["HANDOFF"] == "transfer" and report.exists() and \
         json.loads(report.read_text()).get("figures", {}).get("policy_handoff") == "files"
     if fell_back:

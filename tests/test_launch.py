@@ -29,7 +29,7 @@ TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "", "RUN": "", "MODEL": 
        "SHARD_PROMPTS": "64", "EVAL_K": "", "EVAL_TEMPERATURE": "", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
        "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "EVAL_CACHE": "", "GPUS": "0", "ENGINES": "", "TRAIN_RANKS": "",
        "RESIDENT": "false", "RESIDENT_GPU_MEMORY": "auto", "HANDOFF": "transfer", "PREFLIGHT": "auto",
-       "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false", "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+       "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false", "PREFLIGHT_REPORT": "", "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
        "MASTER_PORT": "29500", "JOIN_TIMEOUT": "600", "DEAD_AFTER": "10", "COLLECTIVE_TIMEOUT": "60", "HSDP": "false",
        "REPORT_TO": "none", "TRACKER_GROUP": ""}
 
@@ -159,6 +159,17 @@ def test_the_handoff_command_falls_back_to_files_only_where_the_preflight_did(tm
     assert fell.stdout == "files\n" and fell.stderr == (
         f"HANDOFF=transfer: the preflight found the weight transfer failing on this box ({tmp_path}/preflight.json); "
         f"the policies are handed over as files\n")
+    # a run that follows another's preflight (table1.sh's runs: their model's preparation's), not its own: before,
+    # each read its own preflight.json, which never exists, and used the transfer that preparation found failing
+    (tmp_path / "preflight.json").unlink()
+    prepared = tmp_path / "prepare"
+    prepared.mkdir()
+    (prepared / "preflight.json").write_text(json.dumps({"passed": True, "figures": {"policy_handoff": "files"}}))
+    assert said(PREFLIGHT_REPORT=str(prepared / "preflight.json")).stdout == "files\n"
+    assert said().stdout == "transfer\n"
+    k, problem = launch.resolve({**TOY, "PREFLIGHT_REPORT": str(tmp_path / "missing.json")})
+    assert problem == (f"PREFLIGHT_REPORT={tmp_path}/missing.json does not exist: run that preflight first "
+                       f"(table1.sh: its model's preparation, prepare.txt)")
 
 
 def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):

@@ -33,9 +33,10 @@ def test_the_plan_is_every_model_by_every_method_at_equal_updates(monkeypatch, t
     qwen = f"PRESET=paper MODEL=Qwen/Qwen2.5-Math-7B RUN={tmp_path}/Qwen2.5-Math-7B"
     assert (tmp_path / "runs.txt").read_text().splitlines() == [
         f"{qwen}/grpo-mu4 LOSS=grpo STAGES=1024 UPDATES_PER_STAGE=4 RESIDENT=true EVAL_EVERY=256 {cache} "
-        f"SAVE_EVERY=86 PREFLIGHT=0",                           # 4096 / 4 stages, every 1024 updates; checked once
+        f"SAVE_EVERY=86 PREFLIGHT=0 PREFLIGHT_REPORT={qwen[len('PRESET=paper MODEL=Qwen/Qwen2.5-Math-7B RUN='):]}"
+        f"/prepare/preflight.json",     # 4096 / 4 stages, every 1024 updates; checked once, its preflight's decisions
         f"{qwen}/mu-grpo-mu1024 LOSS=mu-grpo STAGES=4 UPDATES_PER_STAGE=1024 RESIDENT=false EVAL_EVERY=1 {cache} "
-        f"PREFLIGHT=0",
+        f"PREFLIGHT=0 PREFLIGHT_REPORT={tmp_path}/Qwen2.5-Math-7B/prepare/preflight.json",
         f"PRESET=toy RUN={tmp_path}/toy/grpo-mu4 LOSS=grpo STAGES=1024 UPDATES_PER_STAGE=4 RESIDENT=true "
         f"EVAL_EVERY=256 {cache} SAVE_EVERY=32",                 # a CPU preset stands in for a model: no preflight
         f"PRESET=toy RUN={tmp_path}/toy/mu-grpo-mu1024 LOSS=mu-grpo STAGES=4 UPDATES_PER_STAGE=1024 RESIDENT=false "

@@ -90,7 +90,9 @@ def plan(paper_hours=None):
         prepare = f"{runs_dir}/{short_name(model)}/prepare"
         prepares.append((prepare, {**first, "RUN": prepare, "PREFLIGHT_ONLY": "true"}))
         checked = preset == "paper" and model not in CPU_PRESETS      # its preflight ran (PREFLIGHT=auto: paper)
-        runs += [(run, {**env, **({"PREFLIGHT": "0"} if checked else {})}) for run, env in model_runs]
+        # its runs follow that preflight's decisions (a hand-off that fell back to files: launch --command=handoff)
+        runs += [(run, {**env, **({"PREFLIGHT": "0", "PREFLIGHT_REPORT": f"{prepare}/preflight.json"} if checked
+                                  else {})}) for run, env in model_runs]
     if len({r for r, _ in runs}) < len(runs):
         common.refuse(f"MODELS={models!r} × METHODS={methods!r} names a run twice")
     return prepares, runs
