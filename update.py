@@ -513,6 +513,8 @@ def run_update(model, optimizer, stage, batch, temp, columns, recipe, measure_me
     """One AdamW update on the minibatch `batch` (response indices) with its log-probs at temperature `temp`, as
     `recipe` says. columns: the stored per-stage passes ("old": TIS's, "ref": KL's). Returns (metrics, stepped)."""
     rank, world, device = M.placement()
+    if device.type == "cuda":      # memory/peak_gib is this update's: max_memory_allocated is the peak since the last
+        torch.cuda.reset_peak_memory_stats(device)      # reset, else since the process began (torch/cuda/memory.py:553)
     loss_kw, micro_batch_tokens, deferred_norm = recipe.loss, recipe.micro_batch_tokens, recipe.deferred_norm
     tis_cap, m2po_tau = loss_kw.get("tis_cap"), loss_kw.get("m2po_tau")
     lengths = stage.prompt_len[batch] + stage.response_len[batch]

@@ -177,6 +177,9 @@ def test_on_a_cluster_the_runs_are_one_slurm_array_after_each_models_preparation
     assert len(lines) == 20 and lines[19].startswith(
         f"PRESET=paper MODEL=deepseek-ai/DeepSeek-R1-Distill-Qwen-7B RUN={out}/DeepSeek-R1-Distill-Qwen-7B/mu-grpo-mu1024 ")
     assert "\n#SBATCH --gpus-per-node=4" in (ROOT / "slurm" / "table1.sbatch").read_text()
+    # every Slurm command the README shows names its preset (table1.sh refuses PRESET=auto there, above)
+    readme = [line for line in (ROOT / "README.md").read_text().splitlines() if "SCHEDULER=slurm" in line]
+    assert readme and all("PRESET=" in line.split("bash table1.sh")[0] for line in readme), readme
 
 
 @pytest.mark.slow
