@@ -366,7 +366,68 @@ def resolve(knobs):
     if k["PREFLIGHT_ONLY"] == "true" and k["PREFLIGHT"] == "0" and not (k["EVAL_CACHE"] and k["EVAL_EVERY"] != "0"):
         return k, ("PREFLIGHT_ONLY=true stops after the preflight and the initial evaluation kept in EVAL_CACHE, and "
                    "this runs neither: use PREFLIGHT=1 (or an EVAL_CACHE)")
-    return k, None
+    return k, run_problems(k)
+
+
+FLAG_KNOBS = {"LOSS_ARGS": "optimize.py", "DRIFT_ARGS": "optimize.py", "PREFLIGHT_ARGS": "mu_grpo/preflight.py"}
+
+
+def knob_flags(name, text):
+    """The flags a knob holds for its script (FLAG_KNOBS), parsed as that script will parse them: ({flag: value},
+    the first problem or None). A misspelt flag fails here, before any compute, not when its phase starts hours in."""
+    import difflib  # only the settings check looks for typos
+    script = FLAG_KNOBS[name]
+    defaults, values = common.script_defaults(ROOT / script), {}
+    for arg in shlex.split(text):
+        key, eq, raw = arg.removeprefix("--").partition("=")
+        key = key.replace("-", "_")
+        if not arg.startswith("--") or not eq:
+            return values, f"{name}={text}: {arg!r} is not a --key=value flag of {script}"
+        if key not in defaults:
+            close = difflib.get_close_matches(key, defaults, n=1)
+            return values, (f"{name}={text}: --{key} is no flag of {script}"
+                            + (f" (did you mean --{close[0]}?)" if close else ""))
+        try:
+            values[key] = common._parse_value(key, raw, defaults[key])
+        except SystemExit as e:
+            return values, f"{name}={text}: {e}"
+    return values, None
+
+
+def run_problems(k):
+    """A value that passes its own rule but leaves the run meaningless, or silently other than asked, given the
+    rest of the run's knobs (resolve's last checks), or None."""
+    flags = {}
+    for name in FLAG_KNOBS:
+        values, problem = knob_flags(name, k[name])
+        if problem:
+            return problem
+        flags[name] = values
+    loss = {**common.script_defaults(ROOT / "optimize.py"), **flags["LOSS_ARGS"], **flags["DRIFT_ARGS"]}
+    if loss["nav_delta"] is not None and loss["nav_delta"] <= 0:
+        return (f"NAV δ {loss['nav_delta']} (LOSS={k['LOSS']}, NAV_DELTA or LOSS_ARGS) never triggers, since a ratio is "
+                f"positive: NAV is off that way without saying so; turn it off with --nav_delta=none "
+                f"(LOSS=relaxed-no-nav) or give δ > 0 (the paper's 1e-4)")
+    if loss["clip_low"] is not None and loss["clip_high"] is not None and loss["clip_low"] >= loss["clip_high"]:
+        return f"the clip interval [{loss['clip_low']}, {loss['clip_high']}] (LOSS={k['LOSS']}, LOSS_ARGS) is empty"
+    if k["STAGE_END"] == "drift" and loss["drift_window"] < 1:
+        return (f"STAGE_END=drift with --drift_window={loss['drift_window']} (DRIFT_ARGS): the warning never comes, "
+                f"so no stage ends on drift; give a window of at least 1 update, or STAGE_END=fixed")
+    if k["STAGE_END"] == "fixed" and k["DRIFT_ARGS"]:
+        return f"DRIFT_ARGS={k['DRIFT_ARGS']} sets the drift warning, which only STAGE_END=drift uses (it is fixed)"
+    run_updates = stage_plan(k).run_updates
+    if int(k["WARMUP"]) >= run_updates:
+        return (f"WARMUP={k['WARMUP']} updates is at least the run's {run_updates}: the learning rate never reaches "
+                f"LR={k['LR']}")
+    if int(k["STAGE_WARMUP"]) >= int(k["UPDATES_PER_STAGE"]):
+        return (f"STAGE_WARMUP={k['STAGE_WARMUP']} updates is at least a stage's {k['UPDATES_PER_STAGE']}: the "
+                f"learning rate never reaches LR={k['LR']} within a stage")
+    if int(k["SAVE_POLICY_EVERY"]) >= int(k["UPDATES_PER_STAGE"]) and k["STAGE_END"] == "fixed":
+        return (f"SAVE_POLICY_EVERY={k['SAVE_POLICY_EVERY']} saves a policy within a stage every so many updates, and "
+                f"a stage has {k['UPDATES_PER_STAGE']}: none would be saved; 0 turns the saves off")
+    if k["EVAL_CACHE"] and Path(k["EVAL_CACHE"]).exists() and not Path(k["EVAL_CACHE"]).is_dir():
+        return f"EVAL_CACHE={k['EVAL_CACHE']} is a file: it names a directory of kept evaluations"
+    return None
 
 
 def stage_plan(k):

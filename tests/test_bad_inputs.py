@@ -40,10 +40,38 @@ from test_launch import TOY  # noqa: E402
     ({"STAGES": "-1"}, "STAGES must be a whole number, got '-1'"),
     ({"LR": "-1e-4"}, "LR must be a non-negative number, got '-1e-4'"),
     ({"PRESET": "big"}, "PRESET must be paper, toy, lab or lab-fork, got 'big'"),
+    # a knob's flags, parsed against their script: before, a misspelt drift flag failed when optimize_0 started, after
+    # the whole generation and the initial evaluation, and the corrected rerun was refused (that generation finished)
+    ({"STAGE_END": "drift", "DRIFT_ARGS": "--drift_windw=16"},
+     "DRIFT_ARGS=--drift_windw=16: --drift_windw is no flag of optimize.py (did you mean --drift_window?)"),
+    ({"LOSS_ARGS": "--clip_low=abc"}, "LOSS_ARGS=--clip_low=abc: --clip_low=abc: expected float"),
+    ({"LOSS_ARGS": "clip_low=0.8"}, "LOSS_ARGS=clip_low=0.8: 'clip_low=0.8' is not a --key=value flag of optimize.py"),
+    ({"PREFLIGHT_ARGS": "--prompt=8"}, "PREFLIGHT_ARGS=--prompt=8: --prompt is no flag of mu_grpo/preflight.py (did "
+                                      "you mean --prompts?)"),
+    # a value that passes its own rule but switches its mechanism off, or a schedule the run never reaches
+    ({"LOSS_ARGS": "--nav_delta=0"}, "NAV δ 0.0 (LOSS=mu-grpo, NAV_DELTA or LOSS_ARGS) never triggers"),
+    ({"LOSS_ARGS": "--clip_low=2 --clip_high=1"}, "the clip interval [2.0, 1.0] (LOSS=mu-grpo, LOSS_ARGS) is empty"),
+    ({"STAGE_END": "drift", "DRIFT_ARGS": "--drift_window=0"}, "STAGE_END=drift with --drift_window=0 (DRIFT_ARGS): "
+                                                               "the warning never comes"),
+    ({"DRIFT_ARGS": "--drift_window=8"}, "DRIFT_ARGS=--drift_window=8 sets the drift warning, which only "
+                                         "STAGE_END=drift uses (it is fixed)"),
+    ({"WARMUP": "24"}, "WARMUP=24 updates is at least the run's 24: the learning rate never reaches LR=2e-4"),
+    ({"STAGE_WARMUP": "8"}, "STAGE_WARMUP=8 updates is at least a stage's 8"),
+    ({"SAVE_POLICY_EVERY": "8"}, "SAVE_POLICY_EVERY=8 saves a policy within a stage every so many updates, and a "
+                                 "stage has 8: none would be saved"),
 ])
 def test_a_value_a_phase_would_refuse_is_refused_by_the_settings_check(settings, message):
     _, problem = launch.resolve({**TOY, **settings})
     assert problem is not None and problem.startswith(message), problem
+
+
+def test_the_values_next_to_those_refused_are_allowed(tmp_path):
+    for allowed in ({"WARMUP": "23"}, {"STAGE_WARMUP": "7"}, {"SAVE_POLICY_EVERY": "7"}, {"LOSS_ARGS": "--nav_delta=none"},
+                    {"STAGE_END": "drift", "DRIFT_ARGS": "--drift_window=1"}, {"EVAL_CACHE": str(tmp_path / "cache")}):
+        assert launch.resolve({**TOY, **allowed})[1] is None, allowed
+    (tmp_path / "file").write_text("")
+    assert launch.resolve({**TOY, "EVAL_CACHE": str(tmp_path / "file")})[1] == (
+        f"EVAL_CACHE={tmp_path / 'file'} is a file: it names a directory of kept evaluations")
 
 
 def test_greedy_evaluation_with_one_sample_is_allowed():

@@ -29,7 +29,8 @@ TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "", "RUN": "", "MODEL": 
        "SHARD_PROMPTS": "64", "EVAL_K": "", "EVAL_TEMPERATURE": "", "EVAL_TOP_P": "1.0", "EVAL_EVERY": "1",
        "SAVE_EVERY": "", "KEEP_TRAIN_STATES": "false", "EVAL_CACHE": "", "GPUS": "0", "ENGINES": "", "TRAIN_RANKS": "",
        "RESIDENT": "false", "RESIDENT_GPU_MEMORY": "auto", "HANDOFF": "transfer", "PREFLIGHT": "auto",
-       "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false", "PREFLIGHT_REPORT": "", "NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+       "PREFLIGHT_ARGS": "", "PREFLIGHT_ONLY": "false", "PREFLIGHT_REPORT": "", "NNODES": "1", "NODE_RANK": "0",
+       "MASTER_ADDR": "127.0.0.1",
        "MASTER_PORT": "29500", "JOIN_TIMEOUT": "600", "DEAD_AFTER": "10", "COLLECTIVE_TIMEOUT": "60", "HSDP": "false",
        "REPORT_TO": "none", "TRACKER_GROUP": ""}
 
@@ -177,7 +178,7 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
     # trainer ranks, hand-off, the trainer's flags and the run's lengths reach mu_grpo/preflight.py, PREFLIGHT_ARGS last
     k, problem = launch.resolve({**TOY, "RUN": "runs/box", "ENGINES": "2", "TRAIN_RANKS": "2", "RESIDENT": "true",
                                  "GRAD_CKPT": "true", "PREFLIGHT": "1", "PREFLIGHT_ARGS": "--prompts=8 --updates=2",
-                                 "DRIFT_ARGS": "--drift_min_updates=4 --drift_min_updates=6"})
+                                 "STAGE_END": "drift", "DRIFT_ARGS": "--drift_min_updates=4 --drift_min_updates=6"})
     assert problem is None
     # (RESIDENT_GPU_MEMORY: the share mu_grpo/launch.py --command=start gives for auto, exported before the preflight runs)
     monkeypatch.setattr(os, "environ", {**k, **launch.derived(k), "KL": "", "RESIDENT_GPU_MEMORY": "0.1"})
