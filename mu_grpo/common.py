@@ -134,6 +134,18 @@ def fsync_dir(path):
         os.close(fd)
 
 
+def unwritable(directory):
+    """Why a file cannot be made in `directory` (its OSError's words), or None: tried, not asked of the permission
+    bits, which a root process and a read-only mount both get wrong."""
+    probe = Path(directory) / f".write_probe.{os.getpid()}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def atomic_write(path, text):
     """Write text (str or bytes) to path atomically: temporary name, flush, fsync, rename, fsync the directory."""
     path = Path(path)

@@ -224,7 +224,15 @@ def run_settings(k):
     knobs = {n: k[n] for n, (_, *own) in SETTINGS.items() if not own and n not in RERUN_SAFE}
     scripts = {name: {key: v for key, v in common.script_defaults(name).items() if key not in safe}
                for name, safe in PHASE_SCRIPTS.items()}
-    return {"knobs": knobs, **scripts}
+    return {"knobs": knobs, **scripts, "data": data_files(k)}
+
+
+def data_files(k):
+    """What the run trains and evaluates on, by content: {path: sha256 of the file} of TRAIN_DATA and each
+    benchmark's file, those that exist (the paper's are fetched at the first start, after the settings check)."""
+    import hashlib  # only the settings record hashes files
+    paths = [k["TRAIN_DATA"], *(f"{k['EVAL_DATA_DIR']}/{b}.jsonl" for b in k["BENCHMARKS"].split(",") if b)]
+    return {p: "sha256:" + hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16] for p in paths if Path(p).is_file()}
 
 
 def setting_changes(recorded, now):
@@ -236,7 +244,7 @@ def setting_changes(recorded, now):
         for key in sorted(set(old) | set(new), key=str):
             a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
             a, b = (x if x != "" else "(empty)" for x in (a, b))
-            if a == b:
+            if a == b or part == "data" and "(unset)" in (a, b):     # (a file not there yet: fetched later)
                 continue
             if part == "knobs" and key in EXTENDABLE and str(a).isdigit() and str(b).isdigit() and int(b) > int(a):
                 raised = True
@@ -255,6 +263,9 @@ def rerun_check(k):
     run = Path(k["RUN"])
     if run.exists() and not run.is_dir():
         common.refuse(f"RUN={run} is a file, not a run's directory: choose a new RUN")
+    for d in [run, *(d for _, d in records.stage_dirs(run)), *(d / records.ROLLOUTS for _, d in records.stage_dirs(run))]:
+        if d.is_dir() and (problem := common.unwritable(d)):
+            common.refuse(f"RUN={run}: {d} cannot be written ({problem}): the run writes there; make it writable")
     path = run / records.RUN_SETTINGS
     try:
         work = records.finished_work(run)
@@ -466,6 +477,10 @@ def settings_command():
     k, problem = resolve(knobs)
     if problem:
         common.refuse(problem)
+    visible = os.environ.get("VISIBLE_GPUS", "")
+    if visible.isdigit() and int(k["GPUS"]) > int(visible):
+        common.refuse(f"GPUS={k['GPUS']}, and torch sees {visible} GPU(s) here (CUDA_VISIBLE_DEVICES="
+                      f"'{os.environ.get('CUDA_VISIBLE_DEVICES', '')}')")
     if k["REPORT_TO"] != "none":
         from mu_grpo import tracking  # the trackers' module: only the settings step reads it
         try:
@@ -502,7 +517,9 @@ def preset_command():
     if preset not in ("auto", "paper"):
         if preset not in ("toy", "lab", "lab-fork"):
             common.refuse(f"PRESET must be auto, paper, toy, lab or lab-fork, got '{preset}'")
-        print(assignments({"PRESET": preset}))
+        gpus = os.environ.get("GPUS", "")        # given for a CPU preset: counted too (settings_command checks it)
+        print(assignments({"PRESET": preset, **({"VISIBLE_GPUS": str(common.gpu_count())}
+                                                if gpus.isdigit() and int(gpus) > 0 else {})}))
         return
     visible = common.gpu_count()
     if preset == "auto":
@@ -627,6 +644,7 @@ def prepared(env):
         common.refuse(f"TRAIN_DATA={env['TRAIN_DATA']} is not a prepared problem file (see data/prepare.py): {e}")
     if not rows:
         common.refuse(f"TRAIN_DATA={env['TRAIN_DATA']} has no problems (see data/prepare.py)")
+    print_overlap(rows, env)
     if env["TEMPLATE"] in ("chat", "chat-system") or model_cards.known(env["MODEL"]):   # the prompt its model card shows
         from transformers import AutoTokenizer      # (2-3 s: not for the toy and lab tasks' plain prompts)
         if (problem := model_cards.check_prompt(AutoTokenizer.from_pretrained(model), env["MODEL"], env["TEMPLATE"])):
@@ -642,6 +660,20 @@ def prepared(env):
     elif share == "auto":
         share = "0.1"            # a CPU engine's own (engine.make_llm): there the share is unused
     return {"MODEL": model, "RESIDENT_GPU_MEMORY": share}
+
+
+def print_overlap(rows, env):
+    """Name each benchmark that shares problems with the training data (the same text, spaces and case aside): its
+    accuracy is then not held-out. A line, not a refusal: the overlap may be known and meant."""
+    text = lambda row: " ".join(str(row["problem"]).lower().split())  # noqa: E731
+    trained = {text(r) for r in rows}
+    for name in env.get("BENCHMARKS", "").split(","):
+        path = Path(env.get("EVAL_DATA_DIR", "")) / f"{name}.jsonl"
+        if name and path.is_file():
+            problems = common.load_problems(path)
+            if shared := sum(text(r) in trained for r in problems):
+                print(f"[run] TRAIN_DATA={env['TRAIN_DATA']} holds {shared} of benchmark {name}'s {len(problems)} "
+                      f"problems ({path}): its accuracy on them is not held-out", file=sys.stderr)
 
 
 def stage_command(s):

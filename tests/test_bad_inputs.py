@@ -412,3 +412,63 @@ def test_a_run_ends_leaving_no_temporary_directory_and_a_refused_new_run_leaves_
     assert end(2, "false") == "" and run.is_dir()              # a refused rerun keeps the run's
     assert end(2, "true") == "" and not run.exists()           # a refused new run leaves nothing
     assert end(130, "false") == f"[run] stopped: rerun the same command to resume {run} where it stopped\n"
+
+
+def test_figures_of_a_directory_that_holds_no_run_are_refused(tmp_path):
+    # before: five empty figures and exit 0, for an empty or misspelt directory alike
+    (tmp_path / "empty").mkdir()
+    for path, what in ((tmp_path / "empty", "it holds no run"), (tmp_path / "misspelt", "no such directory")):
+        proc = subprocess.run([sys.executable, "tools/plot.py", f"--run_dir={path}", f"--out_dir={tmp_path / 'plots'}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.strip() == (
+            f"--run_dir={path}: {what} (no results.jsonl, metrics.jsonl or timeline.jsonl): a run_stages.sh or "
+            f"optimize.py run directory"), proc.stderr
+    assert not (tmp_path / "plots").exists()
+
+
+def test_the_data_a_run_trains_and_evaluates_on_is_its_setting_by_content(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
+    (data / "test.jsonl").write_text('{"id": "b", "problem": "2+2?", "answer": "4"}\n')
+    where = {"TRAIN_DATA": str(data / "train.jsonl"), "EVAL_DATA_DIR": str(data)}
+    run, k = recorded_run(tmp_path, **where)
+    common.atomic_write_json(run / records.RUN_SETTINGS, launch.run_settings(k))    # recorded at these paths
+    assert sorted(launch.run_settings(k)["data"]) == [str(data / "test.jsonl"), str(data / "train.jsonl")]
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+    (data / "train.jsonl").write_text('{"id": "a", "problem": "1+1?", "answer": "3"}\n')     # one answer changed
+    assert refusal(k) == 2 and f"data {data / 'train.jsonl'} 'sha256:" in capsys.readouterr().err
+
+
+def test_training_data_that_holds_benchmark_problems_is_named(tmp_path, capsys):
+    (tmp_path / "test.jsonl").write_text('{"id": "b", "problem": "What is  2+2?", "answer": "4"}\n'
+                                         '{"id": "c", "problem": "3+3?", "answer": "6"}\n')
+    rows = [{"id": "a", "problem": "what is 2+2?", "answer": "4"}, {"id": "d", "problem": "5+5?", "answer": "10"}]
+    launch.print_overlap(rows, {"TRAIN_DATA": "train.jsonl", "EVAL_DATA_DIR": str(tmp_path), "BENCHMARKS": "test"})
+    assert capsys.readouterr().err == (f"[run] TRAIN_DATA=train.jsonl holds 1 of benchmark test's 2 problems "
+                                       f"({tmp_path}/test.jsonl): its accuracy on them is not held-out\n")
+    launch.print_overlap(rows[1:], {"TRAIN_DATA": "train.jsonl", "EVAL_DATA_DIR": str(tmp_path), "BENCHMARKS": "test"})
+    assert capsys.readouterr().err == ""
+
+
+def test_gpus_the_machine_does_not_have_are_refused():
+    proc = subprocess.run([sys.executable, "-m", "mu_grpo.launch", "--command=settings"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, **TOY, "GPUS": "2", "VISIBLE_GPUS": "0",
+                                          "CUDA_VISIBLE_DEVICES": ""}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == \
+        "GPUS=2, and torch sees 0 GPU(s) here (CUDA_VISIBLE_DEVICES='')", proc.stderr
+
+
+def test_a_directory_the_run_cannot_write_is_named_before_any_compute(tmp_path, monkeypatch, capsys):
+    run, k = recorded_run(tmp_path)
+    stuck = run / "stage_0" / "rollouts"
+    real = common.unwritable
+    monkeypatch.setattr(common, "unwritable", lambda d: "Read-only file system" if d == stuck else real(d))
+    assert refusal(k) == 2
+    assert capsys.readouterr().err.strip() == (f"RUN={run}: {stuck} cannot be written (Read-only file system): the "
+                                               f"run writes there; make it writable")
+
+
+def test_a_write_probe_tells_a_directory_that_cannot_be_written(tmp_path):
+    assert common.unwritable(tmp_path) is None and not list(tmp_path.iterdir())
+    assert common.unwritable(tmp_path / "missing") == "No such file or directory"

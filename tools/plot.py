@@ -354,6 +354,10 @@ if __name__ == "__main__":
         main_ablation()
         sys.exit(0)
     runs = [records.load_run(p) for p in run_dir.split(",")]
+    for path, run in zip(run_dir.split(","), runs):     # (figures of nothing would be five empty files)
+        if not (run["results"] or run["metrics"] or run["timeline"]):
+            sys.exit(f"--run_dir={path}: {'no such directory' if not Path(path).is_dir() else 'it holds no run'} "
+                     f"(no results.jsonl, metrics.jsonl or timeline.jsonl): a run_stages.sh or optimize.py run directory")
     for path in figures(runs, out_dir or Path(run_dir.split(",")[0]) / "plots"):
         print(f"wrote {path}")
     if summary:
