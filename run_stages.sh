@@ -3,10 +3,8 @@
 # Rerunning continues from the first unfinished phase; a finished run does nothing.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-if (( $# )); then     # (a knob given as an argument would be ignored: the run would not be the one asked for)
-  echo "run_stages.sh takes no arguments, got '$*': knobs are environment variables (LR=1e-3 bash run_stages.sh); see README" >&2
-  exit 2
-fi
+(( $# == 0 )) || { echo "run_stages.sh takes no arguments, got '$*': knobs are environment variables" \
+                         "(LR=1e-3 bash run_stages.sh)" >&2; exit 2; }     # (an argument would be ignored)
 set -a     # every knob below is exported: mu_grpo/launch.py checks them all against one table before any phase runs
 
 GIVEN=" $(compgen -e | tr '\n' ' ') "   # the knobs the environment gives: they win over every default here and in presets
@@ -62,6 +60,7 @@ EVAL_CACHE=${EVAL_CACHE:-}      # kept evaluations: the initial policy's taken f
                                 # and kept (runs from one MODEL, as frontier.sh's, evaluate it once; evaluate.py --cache)
 SAVE_EVERY=${SAVE_EVERY:-}      # resident: policy, train state saved every N stages and at the end (default EVAL_EVERY)
 KEEP_TRAIN_STATES=${KEEP_TRAIN_STATES:-false}  # true: keep every stage's train_state/ (else only the last)
+CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-64}  # a resumable train state every N updates within a stage (0: none)
 # ---- the box
 GPUS=${GPUS:-}                  # GPUs of every phase (empty: every GPU torch sees; 0: the CPU)
 ENGINES=${ENGINES:-}            # vLLM engines, one process each (default: one per GPU, 1 on a CPU)
@@ -189,7 +188,7 @@ GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --
                "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}"     # and the evaluation due before the stage, by its engines:
                --eval_args="$EVAL_PROTOCOL" --results="$RUN/results.jsonl" --run_start="$START")
 OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --seed="$SEED" $OPTIMIZE_FLAGS $LOSS_ARGS "${KL_ARGS[@]}"
-               --checkpoint_every=$(( UPDATES_PER_STAGE >= 64 ? 64 : 0 )) --stage_end="$STAGE_END" --hsdp="$HSDP"
+               --checkpoint_every="$CHECKPOINT_EVERY" --stage_end="$STAGE_END" --hsdp="$HSDP"
                --release_older_states=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true) $DRIFT_ARGS)
 if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0 on node 0 (static rendezvous)
   TRAIN=($PY -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$TRAIN_RANKS"

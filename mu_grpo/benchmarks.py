@@ -96,16 +96,14 @@ def sample_and_grade(llm, ev, rank=0, n=1):
     from vllm import SamplingParams  # vLLM: only in a process that runs an engine
     tokenizer = llm.get_tokenizer()
     stops = common.stop_token_ids(tokenizer, ev.chat_template)      # EOS and the chat turn's end
-    requests = [(name, j, row, ids) for name, rows in ev.sets.items() for j, row in enumerate(rows)
-                if len(ids := common.build_prompt_ids(tokenizer, row["problem"], ev.prompt_template, ev.chat_template))
-                <= ev.max_prompt_tokens][rank::n]
+    fitting = [(name, j, row, ids) for name, rows in ev.sets.items() for j, row in enumerate(rows)
+               if len(ids := common.build_prompt_ids(tokenizer, row["problem"], ev.prompt_template, ev.chat_template))
+               <= ev.max_prompt_tokens]
+    no_problem(ev, {name for name, *_ in fitting})          # (every engine alike, before any sampling)
+    requests = fitting[rank::n]
     params = [SamplingParams(n=ev.k[name], temperature=ev.temperature, top_p=ev.top_p, max_tokens=ev.max_response_tokens,
                              stop_token_ids=stops, seed=common.sample_seed(ev.seed, name, j))
               for name, j, _, _ in requests]
-    if empty := [name for name in ev.sets if not any(r[0] == name for r in requests)] if rank == 0 and n == 1 else []:
-        raise SystemExit(f"benchmark {empty[0]}: none of its {len(ev.sets[empty[0]])} problems fits in "
-                         f"max_prompt_tokens={ev.max_prompt_tokens} (the prompt template's tokens included): an "
-                         f"evaluation of no problem has no accuracy; raise MAX_PROMPT or leave it out of BENCHMARKS")
     outputs = llm.generate([{"prompt_token_ids": ids} for *_, ids in requests], params, use_tqdm=rank == 0)
     samples = [(name, j, c.index, c.text, row["answer"], row.get("source", name))
                for (name, j, row, _), o in zip(requests, outputs) for c in sorted(o.outputs, key=lambda c: c.index)]
@@ -115,12 +113,22 @@ def sample_and_grade(llm, ev, rank=0, n=1):
             for (name, j, i, text, _, _), (r, info) in zip(samples, graded)]
 
 
+def no_problem(ev, sampled):
+    """Exit naming the first benchmark none of whose problems is among `sampled` (their prompts all too long): an
+    evaluation of no problem has no accuracy (it would be a NaN row in results.jsonl, averaged into the summaries)."""
+    if empty := [name for name in ev.sets if name not in sampled]:
+        raise SystemExit(f"benchmark {empty[0]}: none of its {len(ev.sets[empty[0]])} problems fits in "
+                         f"max_prompt_tokens={ev.max_prompt_tokens} (the prompt template's tokens included): an "
+                         f"evaluation of no problem has no accuracy; raise MAX_PROMPT or leave it out of BENCHMARKS")
+
+
 def score(samples, ev, labels, sample_dir=None):
     """One results row per benchmark for one policy's graded samples (labels: the row's other fields, e.g.
     stage, updates, policy, hours); the samples go to <sample_dir>/<benchmark>.jsonl."""
     by_problem = {}
     for name, j, i, text, r, info in samples:
         by_problem.setdefault((name, j), []).append((i, text, r, info))
+    no_problem(ev, {name for name, _ in by_problem})
     rows = []
     for name, problems in ev.sets.items():
         done = sorted(j for b, j in by_problem if b == name)

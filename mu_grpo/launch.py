@@ -139,7 +139,7 @@ SETTINGS = {
     "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
     # evaluation and saving
     "EVAL_K": (whole(1),), "EVAL_TEMPERATURE": (temperature,), "EVAL_TOP_P": (top_p,), "EVAL_EVERY": (whole(),),
-    "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,), "EVAL_CACHE": (anything,),
+    "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,), "EVAL_CACHE": (anything,), "CHECKPOINT_EVERY": (whole(),),
     # the box
     "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
     "RESIDENT_GPU_MEMORY": (share_or_auto,), "HANDOFF": (one_of("transfer", "files"),),
@@ -159,7 +159,7 @@ SETTINGS = {
 # evaluated, not what it computes; every other knob is the run's own once a phase has finished (run_settings.json)
 RERUN_SAFE = {"RUN", "EVAL_EVERY", "SAVE_EVERY", "KEEP_TRAIN_STATES", "SAVE_POLICY_EVERY", "EVAL_CACHE", "GPUS",
               "ENGINES", "TRAIN_RANKS", "RESIDENT", "RESIDENT_GPU_MEMORY", "HANDOFF", "PREFLIGHT", "PREFLIGHT_ONLY",
-              "PREFLIGHT_REPORT",
+              "PREFLIGHT_REPORT", "CHECKPOINT_EVERY",
               "NNODES", "MASTER_PORT", "HSDP", "MICRO_BATCH_TOKENS", "GRAD_CKPT"}
 EXTENDABLE = ("STAGES", "TOTAL_UPDATES")    # a rerun may raise these: the run goes on to its new length
 RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
@@ -645,6 +645,11 @@ def prepared(env):
     if not rows:
         common.refuse(f"TRAIN_DATA={env['TRAIN_DATA']} has no problems (see data/prepare.py)")
     print_overlap(rows, env)
+    per_stage = int(env.get("PROMPTS_PER_STAGE") or 0)
+    if per_stage > len(rows):   # (the paper's own: 65,536 prompts a stage from DeepScaleR's ~40k): said, not refused
+        print(f"[run] a stage's {per_stage} prompts are {per_stage / len(rows):.2f} passes over TRAIN_DATA's "
+              f"{len(rows)} problems: a stage samples some problems twice, in groups of their own "
+              f"(update.shuffled_window)", file=sys.stderr)
     if env["TEMPLATE"] in ("chat", "chat-system") or model_cards.known(env["MODEL"]):   # the prompt its model card shows
         from transformers import AutoTokenizer      # (2-3 s: not for the toy and lab tasks' plain prompts)
         if (problem := model_cards.check_prompt(AutoTokenizer.from_pretrained(model), env["MODEL"], env["TEMPLATE"])):

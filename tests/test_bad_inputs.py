@@ -472,3 +472,22 @@ def test_a_directory_the_run_cannot_write_is_named_before_any_compute(tmp_path, 
 def test_a_write_probe_tells_a_directory_that_cannot_be_written(tmp_path):
     assert common.unwritable(tmp_path) is None and not list(tmp_path.iterdir())
     assert common.unwritable(tmp_path / "missing") == "No such file or directory"
+
+
+def test_figures_of_a_run_with_a_damaged_record_name_its_file_and_line(tmp_path):
+    (tmp_path / "stage_0").mkdir()
+    (tmp_path / "stage_0" / records.METRICS).write_text('{"update": 0}\n{"upd\n{"update": 2}\n')
+    proc = subprocess.run([sys.executable, "tools/plot.py", f"--run_dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith(
+        f"{tmp_path}/stage_0/{records.METRICS}:2: not valid JSON (") and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("argument", ["--help", "LR=1e-3"])
+def test_run_stages_sh_takes_no_arguments(argument):
+    # before: `bash run_stages.sh --help` started a run (on a GPU box the paper run) and `LR=1e-3` as an argument was
+    # ignored, both to exit 0 with a run the user did not ask for
+    proc = subprocess.run(["bash", "run_stages.sh", argument], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, "") and proc.stderr == (
+        f"run_stages.sh takes no arguments, got '{argument}': knobs are environment variables (LR=1e-3 bash "
+        f"run_stages.sh)\n")

@@ -60,24 +60,21 @@ def evaluation(sets, k):
 
 def test_a_policys_samples_give_one_row_per_benchmark_with_avg_and_pass_at_k(tmp_path):
     # a: problem 0 right in 1 of 2 samples, problem 1 in none → avg@2 = (1/2 + 0) / 2 = 0.25, pass@2 = 1/2;
-    # b: its one problem right in both → 1, 1; its second problem was skipped (prompt too long: no samples);
-    # c: its only problem skipped → no number, one skipped
+    # b: its one problem right in both → 1, 1; its second problem was skipped (prompt too long: no samples)
     sets = {"a": [{"id": "a0", "answer": "1"}, {"id": "a1", "answer": "2"}],
-            "b": [{"id": "b0", "answer": "3"}, {"id": "b1", "answer": "4"}],
-            "c": [{"id": "c0", "answer": "5"}]}
+            "b": [{"id": "b0", "answer": "3"}, {"id": "b1", "answer": "4"}]}
     right, wrong = {"reason": "correct", "extracted": "x"}, {"reason": "wrong", "extracted": "y"}
     samples = [("a", 0, 1, "t1", 0.0, wrong), ("a", 0, 0, "t0", 1.0, right), ("a", 1, 0, "t", 0.0, wrong),
                ("a", 1, 1, "t", 0.0, {"reason": "no answer"}), ("b", 0, 0, "t", 1.0, right),
                ("b", 0, 1, "t", 1.0, right)]
-    rows = benchmarks.score(samples, evaluation(sets, {"a": 2, "b": 2, "c": 4}),
+    rows = benchmarks.score(samples, evaluation(sets, {"a": 2, "b": 2}),
                             {"stage": 3, "updates": 12, "policy": "p"}, tmp_path / "samples")
-    assert [r["benchmark"] for r in rows] == ["a", "b", "c"]                # the sets' order
+    assert [r["benchmark"] for r in rows] == ["a", "b"]                     # the sets' order
     got = {r["benchmark"]: (r["avg_at_k"], r["pass_at_k"], r["problems"], r["skipped_long_prompts"]) for r in rows}
     assert got["a"] == (0.25, 0.5, 2, 0) and got["b"] == (1.0, 1.0, 1, 1)
-    assert math.isnan(got["c"][0]) and math.isnan(got["c"][1]) and got["c"][2:] == (0, 1)
-    # a's problem means 1/2 and 0: deviations ±1/4, (1/16 + 1/16) / 1 / 2 = 1/16 → 1/4; b has one problem, c none
-    assert {r["benchmark"]: r["avg_at_k_stderr"] for r in rows} == {"a": 0.25, "b": None, "c": None}
-    assert [r["k"] for r in rows] == [2, 2, 4]
+    # a's problem means 1/2 and 0: deviations ±1/4, (1/16 + 1/16) / 1 / 2 = 1/16 → 1/4; b has one problem
+    assert {r["benchmark"]: r["avg_at_k_stderr"] for r in rows} == {"a": 0.25, "b": None}
+    assert [r["k"] for r in rows] == [2, 2]
     assert all(r["stage"] == 3 and r["updates"] == 12 and r["policy"] == "p" and r["temperature"] == 1.0
                and r["top_p"] == 0.7 and isinstance(r["time"], float) for r in rows)
     written = common.read_jsonl(tmp_path / "samples" / "a.jsonl")          # in problem, then sample order
@@ -91,9 +88,13 @@ def test_a_policys_samples_give_one_row_per_benchmark_with_avg_and_pass_at_k(tmp
         {"id": "a1", "sample_idx": 1, "response": "t", "answer": "2", "reward": 0.0, "reason": "no answer",
          "extracted": None}]
     assert [s["id"] for s in common.read_jsonl(tmp_path / "samples" / "b.jsonl")] == ["b0", "b0"]
-    assert (tmp_path / "samples" / "c.jsonl").read_text() == ""
     # no sample directory: the rows alone
-    assert len(benchmarks.score(samples, evaluation(sets, {"a": 2, "b": 2, "c": 4}), {"stage": 0}, None)) == 3
+    assert len(benchmarks.score(samples, evaluation(sets, {"a": 2, "b": 2}), {"stage": 0}, None)) == 2
+    # c: its only problem skipped (its prompt too long): no accuracy, an error naming it (before: a NaN row)
+    with pytest.raises(SystemExit) as e:
+        benchmarks.score(samples, evaluation({**sets, "c": [{"id": "c0", "answer": "5"}]}, {"a": 2, "b": 2, "c": 4}),
+                         {"stage": 0})
+    assert str(e.value).startswith("benchmark c: none of its 1 problems fits in max_prompt_tokens=")
 
 
 def test_a_rerun_replaces_its_rows_and_keeps_the_others(tmp_path):
@@ -109,6 +110,25 @@ def test_a_rerun_replaces_its_rows_and_keeps_the_others(tmp_path):
     common.atomic_write_lines(path, [{"stage": 0, "benchmark": "a", "avg_at_k": 0.6}])
     benchmarks.update_results(path, [row(0, "a", "p0", 0.7)])
     assert [r["avg_at_k"] for r in common.read_jsonl(path)] == [0.6, 0.7]
+
+
+def test_a_hand_evaluation_under_another_protocol_adds_rows_and_the_runs_summaries_keep_its_own(tmp_path):
+    from mu_grpo import records
+    path = tmp_path / "results.jsonl"
+    row = lambda k, top_p, acc, t: {"stage": 0, "benchmark": "a", "policy": "p", "k": k, "temperature": 1.0,  # noqa: E731
+                                    "top_p": top_p, "max_prompt_tokens": 64, "max_response_tokens": 16,
+                                    "prompt_template": "{problem}", "seed": 0, "avg_at_k": acc, "time": t}
+    benchmarks.update_results(path, [row(4, 1.0, 0.5, 1.0)])                 # the run's own
+    benchmarks.update_results(path, [row(1, 0.7, 0.9, 2.0)])                 # by hand, k=1 and top_p 0.7
+    assert [r["avg_at_k"] for r in common.read_jsonl(path)] == [0.5, 0.9]    # before: 0.9 replaced the run's row
+    assert [r["avg_at_k"] for r in records.own_results(common.read_jsonl(path))] == [0.5]
+    benchmarks.update_results(path, [row(4, 1.0, 0.6, 3.0)])                 # the run's protocol again: replaced
+    assert [r["avg_at_k"] for r in common.read_jsonl(path)] == [0.9, 0.6]
+    ev = evaluation({"a": [{"id": "a0", "answer": "1"}]}, {"a": 4})
+    ev.top_p, ev.max_prompt_tokens, ev.max_response_tokens, ev.prompt_template, ev.seed = 1.0, 64, 16, "{problem}", 0
+    assert benchmarks.evaluated(path, 0, ev)
+    ev.top_p = 0.7
+    assert not benchmarks.evaluated(path, 0, ev)                             # k=1 by hand is not this protocol's
 
 
 def test_the_engines_parts_merge_in_rank_order_with_their_span(tmp_path):

@@ -94,24 +94,39 @@ def test_the_terminal_shows_the_phases_without_library_chatter(finished_run):
 
 @pytest.mark.slow
 @needs_vllm
-def test_a_rerun_with_other_settings_is_refused_and_one_with_more_stages_goes_on(toy, finished_run, tmp_path):
+def test_a_killed_resident_run_goes_on_per_phase_to_more_stages_training_nothing_again(toy, finished_run, tmp_path):
+    # a resident run killed once stage 0 is trained, rerun with one more stage and per phase. Before, the rerun took
+    # it for a run that finished nothing (resident mode writes no phase markers) and cleared both trained stages; and
+    # a resident run resumed per phase trained stage 0 again from MODEL
+    from safetensors.torch import load_file
     run = tmp_path / "run"
-    shutil.copytree(finished_run, run, symlinks=True)
+    env = {**loop_env(toy, run), "RESIDENT": "true"}
+    assert kill_when(["bash", "run_stages.sh"], lambda: (run / "stage_0" / "stage_end.json").exists() and (
+        run / "stage_0" / "policy" / "policy_id.json").exists(), env=env)
+    kept = finished_digest(run)
+    # the silent mix of the past (stage 0 at one lr, later stages at another) is refused, and nothing is written
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    # the silent mix of the past: stages 0-1 at one lr, a later stage at another
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **loop_env(toy, run), "STAGES": "3", "LR": "1e-3"})
+                          env={**os.environ, **env, "STAGES": "3", "LR": "1e-3"})
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert f"RUN={run} was run with other settings: LR 5e-4 → 1e-3." in proc.stderr and "Traceback" not in proc.stderr
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before         # nothing written
-    # the same settings and one stage more: the run goes on from its last train state, not "nothing to do"
-    proc = run_loop({**loop_env(toy, run), "STAGES": "3"})
-    assert f"[run] {run} goes on to STAGES=3" in proc.stdout and "nothing to do" not in proc.stdout
+    assert f"RUN={run} was run with other settings: LR 5e-4 → 1e-3. It holds finished work (stage 0's rollouts, " \
+           f"stage 0's training" in proc.stderr and "Traceback" not in proc.stderr
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    # its settings, one stage more, per phase: it goes on from stage 0's train state
+    proc = run_loop({**env, "RESIDENT": "false", "STAGES": "3"})
+    assert "[generate_0] done already" in proc.stdout and "[optimize_0] done already" in proc.stdout, proc.stdout
+    assert f"[run] {run} goes on to STAGES=3" in proc.stdout and "cleared" not in proc.stdout
+    final = finished_digest(run)
+    assert kept and all(final[name] == what for name, what in kept.items()), [k for k in kept if final[k] != kept[k]]
+    assert_trained_once(run, 3, 6, 16)
+    for s in (0, 1):       # the run that had 2 stages from the start, trained per phase: the same weights, bit for bit
+        mine, theirs = (load_file(str(d / f"stage_{s}" / "policy" / "model.safetensors")) for d in (run, finished_run))
+        assert all(mine[k].equal(theirs[k]) for k in theirs), s
     metrics = read_lines(run / "stage_2" / "metrics.jsonl")
     assert [m["run_update"] for m in metrics] == list(range(12, 18)) and metrics[0]["optimizer_update"] == 12
     assert sorted({r["stage"] for r in read_lines(run / "results.jsonl")}) == [-1, 0, 1, 2]
     assert json.loads((run / "run_settings.json").read_text())["knobs"]["STAGES"] == "3"
-    assert "nothing to do" in run_loop({**loop_env(toy, run), "STAGES": "3"}).stdout
+    assert "nothing to do" in run_loop({**env, "STAGES": "3"}).stdout
 
 
 @pytest.mark.slow
@@ -150,28 +165,84 @@ def assert_none_left(run_dir, timeout=60):
     assert not left, left
 
 
+# ----------------------------------------------------------------------------- killed anywhere, in every mode
+# The standard: a run SIGKILLed (run_stages.sh's whole process group) at points spread over its timeline, rerun until
+# it finishes, ends with the uninterrupted run's weights and results rows; every stage trained exactly its planned
+# prompts, each once (its metrics rows); nothing finished before a kill was generated, trained or evaluated again.
+# One run per mode, shared by every assertion on it: box_run (per phase), resident_files_run (resident, files),
+# resident_killed_run (resident, the transfer), each at the box's shape (two engines, two gloo ranks).
+
+def finished_digest(run_dir):
+    """What a run has finished, each with what a redo would change: {name: (file, bytes, mtime_ns)...} of every stage's
+    complete rollouts (manifest and shards), every trained stage's policy record and weights, every results row."""
+    from mu_grpo import records
+    stamp = lambda p: (p.name, p.read_bytes(), p.stat().st_mtime_ns)  # noqa: E731
+    found = {}
+    for s, d in records.stage_dirs(run_dir):
+        if records.rollouts_finished(run_dir, s):
+            found[f"rollouts of stage {s}"] = [stamp(p) for p in sorted((d / "rollouts").glob("shard_*.jsonl"))] + \
+                [stamp(d / "rollouts" / "manifest.json")]
+        if s <= records.last_trained(run_dir) and (d / "policy" / "policy_id.json").exists():
+            found[f"training of stage {s}"] = [stamp(d / "policy" / "policy_id.json"),
+                                               (d / "policy" / "model.safetensors").stat().st_mtime_ns]
+    for r in read_lines(run_dir / "results.jsonl") if (run_dir / "results.jsonl").exists() else []:
+        found[f"evaluation of stage {r['stage']} on {r['benchmark']}"] = r
+    return found
+
+
+def killed_at_each(env, run_dir, points):
+    """run_stages.sh SIGKILLed with everything under it once at each point (name, a condition on the run's files) in
+    turn, each time from a rerun, then run to its end. Asserts after each kill that no process is left and that the
+    kill came before the run's end; at the end that whatever was finished at a kill is untouched (finished_digest).
+    Returns when each kill had been sent (Unix seconds), in order."""
+    digests, killed = {}, []
+    for name, condition in points:
+        assert kill_when(["bash", "run_stages.sh"], condition, env=env, timeout=600), f"the run ended before {name}"
+        killed.append(time.time())
+        assert not (run_dir / ".done" / "all").exists(), name
+        assert_none_left(run_dir)
+        digests[name] = finished_digest(run_dir)
+    run_loop(env)
+    final = finished_digest(run_dir)
+    for name, digest in digests.items():
+        redone = sorted(k for k, v in digest.items() if final.get(k) != v)
+        assert not redone, f"finished before the kill {name}, done again after it: {redone}"
+    return killed
+
+
+def assert_trained_once(run_dir, stages, updates, prompts_per_update):
+    """Every stage trained exactly its planned updates, each once, on its planned prompts, each once (metrics rows:
+    the update index and the groups, the stage positions of its prompts)."""
+    for s in range(stages):
+        rows = read_lines(run_dir / f"stage_{s}" / "metrics.jsonl")
+        assert [r["update"] for r in rows] == list(range(updates)), s
+        groups = [g for r in rows for g in r["groups"]]
+        assert len(groups) == updates * prompts_per_update and len(set(groups)) == len(groups), s
+
+
 @pytest.fixture(scope="session")
 def box_run(toy, tmp_path_factory):
-    """The process-per-phase loop at the box's shape, SIGKILLed (run_stages.sh and its process group) in generation,
-    in optimization and in evaluation, then run to its end; reporting to TensorBoard and W&B (offline) throughout
-    (tests/test_tracking.py reads them back)."""
+    """The process-per-phase loop at the box's shape, killed anywhere (killed_at_each: in generation, between
+    generation and training, mid-training after a mid-stage checkpoint, in the evaluation stage 1's engines make
+    first, in the final evaluation, before the end marker), then run to its end; reporting to TensorBoard and W&B
+    (offline) throughout (tests/test_tracking.py reads them back)."""
     return built_once(tmp_path_factory, "box", lambda out: killed_in_each_phase(toy, out / "run")) / "run"
 
 
 def killed_in_each_phase(toy, run_dir):
     env = {**loop_env(toy, run_dir), **BOX, "REPORT_TO": "tensorboard,wandb", "WANDB_MODE": "offline",
-           "WANDB_SILENT": "true", "TRACKER_GROUP": "box"}
-    in_generation = lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()  # noqa: E731
-    in_optimization = lambda: (run_dir / "stage_0" / "metrics.jsonl").exists()  # noqa: E731
-    # the evaluation of stage 0's policy, which stage 1's engines make first (generate.py says so before they start)
-    in_evaluation = lambda: "the evaluation of stage 0 first" in read_log(run_dir / "logs" / "generate_1.log")  # noqa: E731
-    for condition, unfinished in [(in_generation, "generate_0"), (in_optimization, "optimize_0"),
-                                  (in_evaluation, "generate_1")]:
-        assert kill_when(["bash", "run_stages.sh"], condition, env=env, timeout=600)
-        assert not (run_dir / ".done" / unfinished).exists()
-        assert_none_left(run_dir)
-    assert {r["stage"] for r in read_lines(run_dir / "results.jsonl")} == {-1}     # stage 0's not scored yet
-    run_loop(env)
+           "WANDB_SILENT": "true", "TRACKER_GROUP": "box", "CHECKPOINT_EVERY": "2"}
+    state = run_dir / "stage_1" / "train_state" / "progress.json"
+    killed_at_each(env, run_dir, [
+        ("in generation", lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()),
+        ("between phases", lambda: (run_dir / "stage_0" / "rollouts" / "manifest.json").exists()),
+        # the evaluation of stage 0's policy, which stage 1's engines make first (generate.py says so before they start)
+        ("in evaluation", lambda: "the evaluation of stage 0 first" in read_log(run_dir / "logs" / "generate_1.log")),
+        ("mid-training, after a mid-stage checkpoint",       # stage 1's state at update 2 or 4 of 6, not its final
+         lambda: state.exists() and not json.loads(state.read_text() or "{}").get("complete", True)),
+        ("in the final evaluation", lambda: (run_dir / "logs" / "eval_1.log").exists()),
+        ("before the end marker", lambda: (run_dir / "logs" / "summary.log").exists())])
+    assert_trained_once(run_dir, 2, 6, 16)
 
 
 def assert_same_as_one_engine_one_rank(box, one, initial):
@@ -220,7 +291,9 @@ def test_a_run_killed_in_every_phase_and_resumed_continues_the_same_tracker_runs
                 "rollout/frac_groups_zero_variance", "rollout/wall_tokens_per_s"):
         assert scalars[tag] == [0, 6], tag
     assert scalars["eval/test/avg_at_4"] == scalars["eval/test/pass_at_4"] == [0, 6, 12]   # initial, then each stage's
-    assert scalars["time/optimize_seconds"] == [6, 12] and scalars["time/generate_seconds"] == [0, 6]
+    # generate_0 was killed once its rollouts were whole, before run_stages.sh wrote its row: finished, it is not run
+    # again, and its time is lost with the kill, as a killed phase's is (records.pauses)
+    assert scalars["time/optimize_seconds"] == [6, 12] and scalars["time/generate_seconds"] in ([6], [0, 6])
     history, runs = wandb_history(box_run)
     assert steps_of(history, "train/loss/policy") == recorded
     assert steps_of(history, "eval/test/avg_at_4") == [0, 6, 12] and steps_of(history, "rollout/mean_reward") == [0, 6]
@@ -644,16 +717,20 @@ def resident_run(toy, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def resident_files_run(toy, tmp_path_factory):
-    """resident_run with each policy handed over as files (HANDOFF=files) instead of vLLM's weight-transfer API,
-    SIGKILLed (run_stages.sh and everything under it) while the trainer trains stage 1 (its rollouts written, the
-    engines asleep), then run to its end; killed_at: when the kill was sent, before the rerun started."""
+    """resident_run with each policy handed over as files (HANDOFF=files) instead of vLLM's weight-transfer API, killed
+    anywhere (killed_at_each: in generation, right after a hand-over, while the trainer trains stage 1 with the engines
+    asleep, in the final evaluation), then run to its end; killed_at: when each kill had been sent."""
     def build(out):
         run_dir = out / "run"
         env = {**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "HANDOFF": "files"}
-        assert kill_when(["bash", "run_stages.sh"], lambda: (run_dir / "stage_1" / "metrics.jsonl").exists(), env=env)
-        (out / "killed_at").write_text(repr(time.time()))
-        assert_none_left(run_dir)
-        run_loop(env)
+        handed = lambda s: (run_dir / "resident" / f"trained_{s}.json").exists()  # noqa: E731 (mu_grpo/handoff.py)
+        killed = killed_at_each(env, run_dir, [
+            ("in generation", lambda: (run_dir / "stage_0" / "rollouts" / "plan.json").exists()),
+            ("right after a hand-over", lambda: handed(0) and (run_dir / "stage_0" / "policy").exists()),
+            ("mid-training", lambda: (run_dir / "stage_1" / "metrics.jsonl").exists()),
+            ("in the final evaluation", lambda: handed(1))])
+        (out / "killed_at").write_text(json.dumps(killed))
+        assert_trained_once(run_dir, 2, 6, 16)
     return built_once(tmp_path_factory, "resident_files", build) / "run"
 
 
@@ -757,24 +834,30 @@ def test_a_resident_run_with_files_killed_while_training_resumes_with_its_engine
     # the transfer, which starts the engines at once: test_resident_run_killed_anywhere_resumes_to_the_same_weights)
     assert_no_training_beside_an_awake_engine(resident_files_run)
     rows = read_lines(resident_files_run / "timeline.jsonl")
-    assert [t["name"] for t in rows if t["phase"] == "optimize"] == \
-        ["optimize_0", "optimize_1"]          # the killed attempt's stage 1 wrote no row; the rerun trained it again
-    assert [r["ended"] for r in rows if r["name"] == "resident"] == ["killed", "completed"]
-    # the attempt killed outright is closed by the rerun at its own last row, before the kill: the wait is a pause
-    killed_at = float((resident_files_run.parent / "killed_at").read_text())
-    assert all(r["end"] <= killed_at for r in rows if r.get("ended") == "killed"), (rows, killed_at)
+    # the attempt killed while training stage 1 wrote no row of it, the rerun trained it again; the one killed right
+    # after stage 0's hand-over may have left no row of that (the trainer writes it once the policy is handed over)
+    trained = [t["name"] for t in rows if t["phase"] == "optimize"]
+    assert trained in (["optimize_0", "optimize_1"], ["optimize_1"])
+    attempts = sorted((r for r in rows if r["name"] == "resident"), key=lambda r: r["start"])
+    assert [r["ended"] for r in attempts] == ["killed"] * 4 + ["completed"]
+    # each attempt killed outright is closed by the rerun at its own last row, before its kill: the wait is a pause
+    killed_at = json.loads((resident_files_run.parent / "killed_at").read_text())
+    assert all(r["end"] <= t for r, t in zip(attempts, killed_at)), (attempts, killed_at)
 
 
 @pytest.mark.slow
 @needs_vllm
 def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_run, tmp_path):
-    # SIGKILL to the engine process, then to the trainer, each at a random moment; a partner's death stops the run
-    # within seconds; the rerun ends where an unbroken one did (run_stages.sh and everything under it killed at once:
-    # resident_files_run)
+    # the transfer at the box's shape: SIGKILL to the engine process, then to the trainer, each at a random moment (a
+    # partner's death stops the run within seconds); then run_stages.sh and everything under it killed at once
+    # (killed_at_each) mid-training after a mid-stage checkpoint, after the last hand-over (in the final evaluation:
+    # before, a rerun there stopped every time, its trainer having nothing to train), before the end marker. The run
+    # ends where an unbroken one did
     import random
     from mu_grpo import handoff
     run_dir = tmp_path / "run"
-    env = {**os.environ, **loop_env(toy, run_dir), **BOX, "RESIDENT": "true"}
+    run_env = {**loop_env(toy, run_dir), **BOX, "RESIDENT": "true", "CHECKPOINT_EVERY": "2"}
+    env = {**os.environ, **run_env}
     seed = random.randrange(10**6)
     rng = random.Random(seed)
     pid = lambda role: json.loads((run_dir / "resident" / f"{role}.json").read_text())["pid"]  # noqa: E731
@@ -805,8 +888,14 @@ def test_resident_run_killed_anywhere_resumes_to_the_same_weights(toy, resident_
         # the failed run leaves no handed-over policy behind (up to two, 15 GB each at 7B, in /dev/shm)
         assert not any(d.exists() for d in handoff.policy_locations(run_dir)), (target, seed)
         assert not handoff.transfer_buffers(run_dir), (target, seed)
-    run_loop({**loop_env(toy, run_dir), **BOX, "RESIDENT": "true"})
-    assert_same_stages(resident_run, run_dir, stages=(1,))
+    state = run_dir / "stage_1" / "train_state" / "progress.json"
+    killed_at_each(run_env, run_dir, [
+        ("mid-training, after a mid-stage checkpoint",
+         lambda: state.exists() and not json.loads(state.read_text() or "{}").get("complete", True)),
+        ("after the last hand-over", lambda: (run_dir / "resident" / "trained_1.json").exists()),
+        ("before the end marker", lambda: (run_dir / "logs" / "summary.log").exists())])
+    assert_same_stages(resident_run, run_dir)
+    assert_trained_once(run_dir, 2, 6, 16)
     assert_no_training_beside_an_awake_engine(run_dir)
 
 

@@ -118,3 +118,44 @@ def test_the_time_before_a_rerun_is_not_the_runs_in_either_mode():
     assert records.time_split(run)["wall"] == pytest.approx(300 - 100 - 50.5)
     # the first attempt, and a run never resumed: no pause
     assert records.pauses({"timeline": run["timeline"][:4]}) == []
+
+
+def test_a_row_another_process_is_still_appending_is_not_read_yet(tmp_path):
+    # the trainer's stage line reads timeline.jsonl while the engine process appends to it: before, a last line not
+    # yet whole (a row crossing a page, or NFS) raised and stopped the trainer's rank 0
+    from mu_grpo import tracking
+    rows = [{"phase": "attempt", "name": "attempt", "stage": -1, "start": 1.0, "end": 1.0, "seconds": 0.0},
+            {"phase": "eval", "name": "eval_-1", "stage": -1, "start": 1.0, "end": 3.0, "seconds": 2.0}]
+    common.atomic_write_lines(tmp_path / records.TIMELINE, rows)
+    with open(tmp_path / records.TIMELINE, "a") as f:
+        f.write('{"phase": "generate", "na')
+    assert records.read(tmp_path) == rows
+    assert tracking.where_line(tmp_path, 10, 0).startswith("[stage 0] update 0 of 10")
+    with pytest.raises(ValueError, match="truncated last line"):       # elsewhere a cut line is still an error
+        common.read_jsonl(tmp_path / records.TIMELINE)
+    (tmp_path / records.TIMELINE).write_text('{"a": 1}\n{"b\n{"c": 2}\n')  # a damaged line that is not the last
+    with pytest.raises(ValueError, match=":2: not valid JSON"):
+        records.read(tmp_path)
+
+
+def test_what_a_run_has_finished_is_read_from_its_records_in_either_mode(tmp_path):
+    # a resident run writes no phase markers: its trained stages are its stage_end.json and policy, its rollouts the
+    # manifests; a stage older than the newest trained one is trained too (a resident run that saved only every
+    # SAVE_EVERY-th stage has no policy there)
+    assert records.finished_work(tmp_path) == [] and records.last_trained(tmp_path) == -1
+    for s in (0, 1, 2):
+        (tmp_path / f"stage_{s}" / "rollouts").mkdir(parents=True)
+    for s in (0, 1):
+        (tmp_path / f"stage_{s}" / "rollouts" / records.MANIFEST).write_text("{}")
+        (tmp_path / f"stage_{s}" / records.STAGE_END).write_text("{}")
+    (tmp_path / "stage_1" / "policy").mkdir()
+    (tmp_path / "stage_1" / "policy" / common.POLICY_ID_FILE).write_text("{}")
+    (tmp_path / "stage_2" / "rollouts" / "shard_00000.jsonl").write_text("{}\n")
+    assert records.last_trained(tmp_path) == 1
+    assert [records.phase_finished(tmp_path, f"{kind}_{s}") for kind in ("generate", "optimize") for s in (0, 1, 2)] \
+        == [True, True, False, True, True, False]
+    assert records.finished_work(tmp_path) == ["stage 0's rollouts", "stage 1's rollouts", "stage 1's training",
+                                               "1 rollout shard(s) of stage 2"]
+    assert not records.phase_finished(tmp_path, "eval_1")        # evaluate.py decides (benchmarks.evaluated)
+    with pytest.raises(ValueError, match="no phase is named 'train_0'"):
+        records.phase_finished(tmp_path, "train_0")

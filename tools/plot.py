@@ -353,7 +353,10 @@ if __name__ == "__main__":
     if ablation_dir:
         main_ablation()
         sys.exit(0)
-    runs = [records.load_run(p) for p in run_dir.split(",")]
+    try:
+        runs = [records.load_run(p) for p in run_dir.split(",")]
+    except ValueError as e:         # a record damaged from outside (the run writes whole lines): named, no traceback
+        sys.exit(f"{e}: restore the file from a copy, or remove its damaged line (the figures leave that row out)")
     for path, run in zip(run_dir.split(","), runs):     # (figures of nothing would be five empty files)
         if not (run["results"] or run["metrics"] or run["timeline"]):
             sys.exit(f"--run_dir={path}: {'no such directory' if not Path(path).is_dir() else 'it holds no run'} "
