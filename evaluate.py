@@ -163,7 +163,9 @@ def main():
         sys.exit(f"--policy lists checkpoints of different models ({len(shapes)} shapes): one engine reloads the "
                  f"weights of one architecture; evaluate them separately")
     ev = evaluation()
-    if skip_evaluated and results and len(policies) == 1 and B.evaluated(results, stage, ev):
+    if skip_evaluated and results and len(policies) == 1 and worker_rank < 0 and nodes.from_args(dict(
+            nnodes=nnodes, node_rank=node_rank, store=store)).share(   # node 0's word (another's view may lag)
+                f"eval_{stage}/evaluated", B.evaluated(results, stage, ev) if node_rank == 0 else None) == "True":
         print(f"stage {stage}: {results} holds its evaluation under this protocol already")
         return
     if worker_rank >= 0:             # an engine subprocess: its share of every benchmark, to a file

@@ -152,8 +152,9 @@ fi
 # timeline.jsonl. Several nodes: node 0 decides and records
 phase() {
   local name=$1 stage=$2; shift 2
-  local done t0 t1
-  done=$(share "done/$name" "$( (( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=finished --name="$name")")
+  local done=0 t0 t1
+  (( NODE_RANK > 0 )) || done=$($PY -m mu_grpo.launch --command=finished --name="$name") || exit 1
+  done=$(share "done/$name" "$done")
   if [[ "$done" == 1 ]]; then echo "[$name] done already"; return; fi
   echo "[$name] $*"
   t0=$(date +%s.%N)

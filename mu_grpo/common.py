@@ -59,9 +59,10 @@ def hyperparameters(config):
             and isinstance(v, (int, float, str, bool, type(None))) and not callable(v)}
 
 
-def script_defaults(path):
+def script_defaults(path, computed=False):
     """A script's hyperparameter block as written in the file: its top-level `name = <literal>` assignments (lower-case
-    names) before its strict overrides are applied (common.apply_overrides), read without running it."""
+    names) before its strict overrides are applied (common.apply_overrides), read without running it. computed: the
+    names assigned another expression too (`prompt_template = model_cards.PROMPT_TEMPLATE`), with the value None."""
     import ast  # only the settings check reads a script's block
     found = {}
     for node in ast.parse(Path(path).read_text()).body:
@@ -72,7 +73,8 @@ def script_defaults(path):
             try:
                 found[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:
-                continue
+                if computed:
+                    found[node.targets[0].id] = None
     return found
 
 
@@ -203,9 +205,19 @@ def exclusive(path):
 
 
 def append_jsonl(path, row):
-    """Append one line and fsync (metrics, results tables: a crash loses at most the line)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
+    """Append one line and fsync (metrics, timelines: a crash loses at most the line). Appenders of one file take
+    turns (flock); a last line without its newline was left by a writer killed mid-line and is cut off first, so that
+    only ever the last line of such a file can be torn (read_jsonl's torn_tail_ok)."""
+    with open(path, "ab+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)           # (released when the file closes)
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(max(0, size - 65536))
+            tail = f.read()
+            if not tail.endswith(b"\n"):
+                cut = tail.rfind(b"\n")
+                f.truncate(size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= 65536 else size))
+        f.write((json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 

@@ -244,7 +244,9 @@ def setting_changes(recorded, now):
         for key in sorted(set(old) | set(new), key=str):
             a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
             a, b = (x if x != "" else "(empty)" for x in (a, b))
-            if a == b or part == "data" and "(unset)" in (a, b):     # (a file not there yet: fetched later)
+            # (data: a file not there yet, fetched later; a flag the loop always passes: a record made before
+            # LOOP_PASSED left those out holds their block values, which no run used)
+            if a == b or part == "data" and "(unset)" in (a, b) or key in LOOP_PASSED.get(part, ()):
                 continue
             if part == "knobs" and key in EXTENDABLE and str(a).isdigit() and str(b).isdigit() and int(b) > int(a):
                 raised = True
@@ -388,7 +390,7 @@ def knob_flags(name, text):
     the first problem or None). A misspelt flag fails here, before any compute, not when its phase starts hours in."""
     import difflib  # only the settings check looks for typos
     script = FLAG_KNOBS[name]
-    defaults, values = common.script_defaults(ROOT / script), {}
+    defaults, values = common.script_defaults(ROOT / script, computed=True), {}
     for arg in shlex.split(text):
         key, eq, raw = arg.removeprefix("--").partition("=")
         key = key.replace("-", "_")
@@ -613,6 +615,10 @@ def record_settings():
     e, record = os.environ, Path(os.environ["RUN"]) / records.RUN_SETTINGS
     if e.get("FRESH") == "1" or e.get("EXTEND") == "1" or not record.exists():
         common.atomic_write_json(record, run_settings(e))
+        return
+    recorded = json.loads(record.read_text())       # files fetched after the first record (the paper's benchmarks,
+    if new := {p: h for p, h in data_files(e).items() if p not in recorded.get("data", {})}:   # at its first evaluation)
+        common.atomic_write_json(record, {**recorded, "data": {**recorded.get("data", {}), **new}})
 
 
 def finished_command():

@@ -107,8 +107,9 @@ def metrics_row(stage, groups, place, m, seconds, extra):
 # trainer's start (checkpoint.newest_state: a stage's final state) all read it.
 # The names a run writes at its top level: the only ones it ever removes (launch.settle_record), and what a
 # directory holds when it is a run's that has not yet recorded its settings (launch.rerun_check)
-RUN_NAMES = ("logs", ".done", ".lock", ".nodes", "resident", "tracking", "tensorboard", "preflight.json", "stage_*",
-             TIMELINE, ATTEMPT, RESULTS, EVAL_SAMPLES, RUN_SETTINGS, "plots")
+RUN_NAMES = ("logs", ".done", ".lock", ".lock.node*", ".nodes", "resident", "tracking", "tensorboard", "preflight.json",
+             "stage_*", TIMELINE, ATTEMPT, RESULTS, EVAL_SAMPLES, RUN_SETTINGS, "plots",
+             ".write_probe.*", ".*.tmp*")      # (common.unwritable's probe; common.atomic_write's temporary name)
 
 
 def rollouts_finished(run_dir, s):

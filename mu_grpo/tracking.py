@@ -153,7 +153,7 @@ def rows(run, files=None):
             m, written = read
             out.append((f"rollout/{s}", step, written, _numbers(
                 m, "rollout/", skip=("complete", "stage", "engines_ran", "max_response_tokens", "prompts", "responses"))))
-    for r in files.jsonl(run / records.RESULTS):
+    for r in records.own_results(files.jsonl(run / records.RESULTS)):       # (a hand evaluation's rows are not the run's)
         b = r["benchmark"]
         out.append((f"eval/{r['stage']}/{b}/{r.get('policy')}", r["updates"], r.get("time"), {
             f"eval/{b}/avg_at_{r['k']}": r["avg_at_k"], f"eval/{b}/pass_at_{r['k']}": r["pass_at_k"],

@@ -174,7 +174,9 @@ def test_an_edited_default_the_loop_always_passes_is_no_changed_setting(tmp_path
     edited = lambda name: {**real(name), **{knob: "edited" for knob in launch.LOOP_PASSED.get(name, ())}}  # noqa: E731
     monkeypatch.setattr(common, "script_defaults", edited)
     assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
-    monkeypatch.setattr(launch, "PHASE_SCRIPTS", {**launch.PHASE_SCRIPTS, "optimize.py": {"seed"}})   # planted
+    planted = {script: safe - launch.LOOP_PASSED[script] for script, safe in launch.PHASE_SCRIPTS.items()}
+    monkeypatch.setattr(launch, "PHASE_SCRIPTS", planted)         # planted: the loop's flags recorded and compared
+    monkeypatch.setattr(launch, "LOOP_PASSED", {})
     assert refusal(k) == 2 and "optimize.py prompts_per_update" in capsys.readouterr().err
 
 
@@ -491,3 +493,49 @@ def test_run_stages_sh_takes_no_arguments(argument):
     assert (proc.returncode, proc.stdout) == (2, "") and proc.stderr == (
         f"run_stages.sh takes no arguments, got '{argument}': knobs are environment variables (LR=1e-3 bash "
         f"run_stages.sh)\n")
+
+
+def test_a_record_made_before_the_loops_flags_were_left_out_still_matches_its_run(tmp_path):
+    # a run recorded by the code before this change held its block values of the flags the loop always passes
+    # (generate.py group_size, optimize.py seed, ...); its same-command rerun must not be refused over them
+    run, k = recorded_run(tmp_path)
+    old = json.loads((run / records.RUN_SETTINGS).read_text())
+    for script, flags in launch.LOOP_PASSED.items():
+        old[script].update({f: d for f, d in common.script_defaults(ROOT / script).items() if f in flags})
+    old.pop("data")
+    common.atomic_write_json(run / records.RUN_SETTINGS, old)
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+
+
+def test_what_other_nodes_and_a_killed_write_leave_in_a_new_run_is_a_runs(tmp_path):
+    # node 1 started first holds its lock file in RUN before node 0 records anything; a write probe or an atomic
+    # write killed midway leaves its temporary name
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in (".lock.node1", ".write_probe.123", f".{records.RUN_SETTINGS}.tmp456", "logs"):
+        (run / name).write_text("")
+    k, _ = launch.resolve({**TOY, "RUN": str(run)})
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
+
+
+def test_flags_of_a_scripts_block_that_are_computed_are_flags_too():
+    # mu_grpo/preflight.py's prompt_template is model_cards.PROMPT_TEMPLATE, not a literal: still one of its flags
+    assert launch.knob_flags("PREFLIGHT_ARGS", "--prompt_template={problem} --prompts=8") == (
+        {"prompt_template": "{problem}", "prompts": 8}, None)
+
+
+def test_a_record_gains_the_hashes_of_data_fetched_after_it(tmp_path, monkeypatch):
+    # the paper's benchmarks are fetched at the first evaluation, after the record: the next attempt records them
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
+    run, k = recorded_run(tmp_path, TRAIN_DATA=str(data / "train.jsonl"), EVAL_DATA_DIR=str(data))
+    common.atomic_write_json(run / records.RUN_SETTINGS, launch.run_settings(k))
+    (data / "test.jsonl").write_text('{"id": "b", "problem": "2+2?", "answer": "4"}\n')      # fetched meanwhile
+    for name, value in {**k, "FRESH": "0", "EXTEND": "0"}.items():
+        monkeypatch.setenv(name, value)
+    launch.record_settings()
+    assert sorted(json.loads((run / records.RUN_SETTINGS).read_text())["data"]) == [
+        str(data / "test.jsonl"), str(data / "train.jsonl")]
+    (data / "test.jsonl").write_text('{"id": "b", "problem": "2+2?", "answer": "5"}\n')      # then edited
+    assert refusal(k) == 2

@@ -159,3 +159,13 @@ def test_what_a_run_has_finished_is_read_from_its_records_in_either_mode(tmp_pat
     assert not records.phase_finished(tmp_path, "eval_1")        # evaluate.py decides (benchmarks.evaluated)
     with pytest.raises(ValueError, match="no phase is named 'train_0'"):
         records.phase_finished(tmp_path, "train_0")
+
+
+def test_an_append_after_a_writer_killed_mid_line_cuts_its_torn_line(tmp_path):
+    path = tmp_path / records.TIMELINE
+    path.write_text('{"a": 1}\n{"b": ')                        # its writer killed mid-line
+    common.append_jsonl(path, {"c": 2})
+    assert common.read_jsonl(path) == [{"a": 1}, {"c": 2}]    # before: '{"b": {"c":2}' mid-file, unreadable
+    path.write_text('{"b": ')
+    common.append_jsonl(path, {"c": 3})
+    assert common.read_jsonl(path) == [{"c": 3}]

@@ -103,7 +103,7 @@ def load_ablation(path):
     the on-policy reference is the variant "onpolicy-<loss>", its curve the stage policies'. The initial
     policy (updates 0) starts every curve."""
     path = Path(path).resolve()
-    rows = common.read_jsonl(path / records.RESULTS, missing_ok=True)
+    rows = records.own_results(common.read_jsonl(path / records.RESULTS, missing_ok=True))     # (not a hand evaluation)
     initial = [r["avg_at_k"] for r in rows if path not in Path(r["policy"]).resolve().parents]
     out = {}
     for r in rows:
