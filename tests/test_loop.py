@@ -932,7 +932,7 @@ def test_each_knob_is_read_from_its_one_home_a_scripts_block_a_preset_a_loss_pre
         text = path.read_text()
         assert text.count(old) == 1, (name, old)
         path.write_text(text.replace(old, new))
-    edit("optimize.py", "\nwarmup_updates = 0 ", "\nwarmup_updates = 3 ")                    # a phase script's block
+    edit("optimize.py", "\nwarmup_updates = 0 ", "\nwarmup_updates = 1 ")                    # a phase script's block
     edit("generate.py", "\ntemperature = 1.0 ", "\ntemperature = 0.9 ")
     edit("evaluate.py", "\nk = 4 ", "\nk = 2 ")
     edit("presets.sh", " LR=2e-4 ", " LR=3e-4 ")                                            # a preset
@@ -945,7 +945,7 @@ def test_each_knob_is_read_from_its_one_home_a_scripts_block_a_preset_a_loss_pre
                           env={**os.environ, **env, "PROMPTS_PER_UPDATE": "8"}, timeout=900)   # the environment
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     config = json.loads((run / "stage_0" / "optimize_config.json").read_text())["hyperparameters"]
-    assert (config["warmup_updates"], config["lr"], config["clip_high"], config["prompts_per_update"]) == (3, 3e-4,
+    assert (config["warmup_updates"], config["lr"], config["clip_high"], config["prompts_per_update"]) == (1, 3e-4,
                                                                                                           1.25, 8)
     manifest = json.loads((run / "stage_0" / "rollouts" / "manifest.json").read_text())
     assert manifest["sampling"]["temperature"] == 0.9
