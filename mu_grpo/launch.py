@@ -338,6 +338,14 @@ def resolve(knobs):
             continue
         if problem := rule(name, k[name]):
             return k, problem
+    if k["STAGE_END"] == "fixed":      # the drift plan's knobs, given to a fixed run: a run other than the one asked for
+        fixed = int(k["STAGES"]) * int(k["UPDATES_PER_STAGE"])
+        if k["TOTAL_UPDATES"] and int(k["TOTAL_UPDATES"]) != fixed:
+            return k, (f"TOTAL_UPDATES={k['TOTAL_UPDATES']}, and with STAGE_END=fixed the run has STAGES × "
+                       f"UPDATES_PER_STAGE = {k['STAGES']} × {k['UPDATES_PER_STAGE']} = {fixed} updates: set STAGES "
+                       f"(TOTAL_UPDATES is the drift plan's)")
+        if k["DRIFT_MAX_UPDATES"]:
+            return k, f"DRIFT_MAX_UPDATES={k['DRIFT_MAX_UPDATES']} sizes drift stages, which STAGE_END=fixed has none of"
     plan = stage_plan(k)               # the plan's defaults, resolved where the plan is
     k["TOTAL_UPDATES"], k["DRIFT_MAX_UPDATES"] = str(plan.total_updates), str(plan.drift_max_updates)
     if gpus > 0:

@@ -56,6 +56,10 @@ from test_launch import TOY  # noqa: E402
     ({"DRIFT_ARGS": "--drift_window=8"}, "DRIFT_ARGS=--drift_window=8 sets the drift warning, which only "
                                          "STAGE_END=drift uses (it is fixed)"),
     ({"WARMUP": "24"}, "WARMUP=24 updates is at least the run's 24: the learning rate never reaches LR=2e-4"),
+    # the drift plan's knobs on fixed stages: before, ignored, the run 3 × 8 = 24 updates whatever they said
+    ({"TOTAL_UPDATES": "4096"}, "TOTAL_UPDATES=4096, and with STAGE_END=fixed the run has STAGES × UPDATES_PER_STAGE "
+                                "= 3 × 8 = 24 updates: set STAGES (TOTAL_UPDATES is the drift plan's)"),
+    ({"DRIFT_MAX_UPDATES": "64"}, "DRIFT_MAX_UPDATES=64 sizes drift stages, which STAGE_END=fixed has none of"),
     ({"STAGE_WARMUP": "8"}, "STAGE_WARMUP=8 updates is at least a stage's 8"),
     ({"SAVE_POLICY_EVERY": "8"}, "SAVE_POLICY_EVERY=8 saves a policy within a stage every so many updates, and a "
                                  "stage has 8: none would be saved"),
@@ -66,7 +70,7 @@ def test_a_value_a_phase_would_refuse_is_refused_by_the_settings_check(settings,
 
 
 def test_the_values_next_to_those_refused_are_allowed(tmp_path):
-    for allowed in ({"WARMUP": "23"}, {"STAGE_WARMUP": "7"}, {"SAVE_POLICY_EVERY": "7"}, {"LOSS_ARGS": "--nav_delta=none"},
+    for allowed in ({"WARMUP": "23"}, {"TOTAL_UPDATES": "24"}, {"STAGE_WARMUP": "7"}, {"SAVE_POLICY_EVERY": "7"}, {"LOSS_ARGS": "--nav_delta=none"},
                     {"STAGE_END": "drift", "DRIFT_ARGS": "--drift_window=1"}, {"EVAL_CACHE": str(tmp_path / "cache")}):
         assert launch.resolve({**TOY, **allowed})[1] is None, allowed
     (tmp_path / "file").write_text("")

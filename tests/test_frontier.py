@@ -526,7 +526,7 @@ def test_the_points_are_each_loss_at_each_mu_and_a_preset_with_nav_once_per_delt
     assert sweep.all_points() == [f"{label}:{mu}" for label in labels for mu in ("4", "64", "drift")]
     assert sweep.point_env("nav-T-d0.1:4") == {"LOSS": "nav-T", "NAV_DELTA": "0.1", "RESIDENT": "true",
                                                "STAGE_END": "fixed", "STAGES": "32", "UPDATES_PER_STAGE": "4",
-                                               "EVAL_EVERY": "8", "DRIFT_ARGS": ""}   # (a drift point's are its own)
+                                               "EVAL_EVERY": "8", "DRIFT_ARGS": "", "DRIFT_MAX_UPDATES": ""}   # (drift's)
     assert sweep.point_env("grpo:64")["EVAL_EVERY"] == "1" and sweep.point_env("grpo:64")["RESIDENT"] == "false"
     assert sweep.point_env("mu-grpo-d1e-4:drift") == {
         "LOSS": "mu-grpo", "NAV_DELTA": "1e-4", "RESIDENT": "true", "STAGE_END": "drift", "UPDATES_PER_STAGE": "16",

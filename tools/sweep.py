@@ -135,7 +135,7 @@ def point_env(point, updates=None, every=None):
                 "DRIFT_MAX_UPDATES": str(updates), "EVAL_EVERY": "1"}
     mu = int(mu)
     return {**env, "STAGE_END": "fixed", "STAGES": str(updates // mu), "UPDATES_PER_STAGE": str(mu),
-            "EVAL_EVERY": str(every // mu if every > mu else 1), "DRIFT_ARGS": ""}   # (the drift points' flags only)
+            "EVAL_EVERY": str(every // mu if every > mu else 1), "DRIFT_ARGS": "", "DRIFT_MAX_UPDATES": ""}  # (drift's)
 
 
 def minutes():
