@@ -21,14 +21,15 @@ OUT=${OUT:-runs/$LAB-ablation${SUFFIX/_/-}}  # everything goes here
 LAB_DIR=${LAB_DIR:-data/${LAB/-/_}$SUFFIX}   # the task's data and policy (built by its builder if missing, with
 LAB_ARGS=${LAB_ARGS:-}          # --seed=BUILD and LAB_ARGS)
 # ---- the replays: every LOSS preset × seed on the same stale rollouts
-VARIANTS=${VARIANTS:-grpo relaxed-no-nav nav-T mu-grpo nav-S nav-seq m2po}   # LOSS presets (losses.sh)
+VARIANTS=${VARIANTS:-grpo relaxed-no-nav nav-T mu-grpo nav-S nav-seq m2po}   # LOSS presets (loss.py PRESETS; all:
+                                # every one of them)
 SEEDS=${SEEDS:-0 1 2}           # one replay per seed: the order in which the stage's groups become minibatches
 # ---- the stale stage and the updates on it
 UPDATES_PER_STAGE=${UPDATES_PER_STAGE:-256}  # μ of the replays: the last update trains on data μ − 1 updates stale
 PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-4}   # prompts per minibatch (× GROUP_SIZE responses)
 GROUP_SIZE=${GROUP_SIZE:-8}     # G
 LR=${LR:-1e-4}                  # AdamW learning rate (constant): the ratios drift (min ratio → 0) within 64 updates
-# NAV_DELTA                     NAV's trigger threshold δ for every NAV variant and reference: losses.sh (1e-4)
+NAV_DELTA=${NAV_DELTA:-}        # NAV's trigger threshold δ for every variant with NAV and reference (empty: 1e-4)
 SAVE_EVERY=${SAVE_EVERY:-32}    # updates between saved policies: the points of each accuracy curve
 # ---- the on-policy references (run_stages.sh, resident)
 ONPOLICY_LOSSES=${ONPOLICY_LOSSES:-grpo}  # the references: each LOSS with a small μ, fresh rollouts per stage
@@ -39,20 +40,24 @@ EVAL_K=${EVAL_K:-1}             # samples per test problem (temperature 1)
 MAX_RESPONSE=${MAX_RESPONSE:-$([[ $LAB == lab-fork ]] && echo 160 || echo 128)}   # tokens (lab: 32–77; lab-fork: up to 82 as built by default, longer with fork=end)
 # ---- the box
 JOBS=${JOBS:-2}                 # replays run side by side, each on its JOBS-th of the cores (pinned, as many threads)
+GPUS=${GPUS:-0}                 # GPUs for the engines (generation, evaluation) and the replays; 0: the CPU
+TRAIN_RANKS=${TRAIN_RANKS:-1}   # each replay's ranks (torchrun: one per GPU, gloo ranks on the CPU); the box: JOBS=1 and
+                                # TRAIN_RANKS=GPUS
 # ------------------------------------------------------------------------------
 
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh)
-source losses.sh
-for v in BUILD UPDATES_PER_STAGE PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS; do
+[[ "$VARIANTS" != all ]] || VARIANTS=$($PY -c "import loss; print(' '.join(loss.PRESETS))")
+for v in BUILD UPDATES_PER_STAGE PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS GPUS \
+         TRAIN_RANKS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }
 done
-for v in UPDATES_PER_STAGE PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS; do
+for v in UPDATES_PER_STAGE PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS TRAIN_RANKS; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
 case "$LAB" in lab) BUILDER=data/lab.py ;; lab-fork) BUILDER=data/lab_fork.py ;;
   *) echo "LAB must be lab or lab-fork, got '$LAB'" >&2; exit 2 ;; esac
-for variant in $VARIANTS $ONPOLICY_LOSSES; do loss_args "$variant" || exit 2; done
+for variant in $VARIANTS $ONPOLICY_LOSSES; do LOSS=$variant $PY -m mu_grpo.launch --command=loss_flags > /dev/null || exit 2; done
 for seed in $SEEDS $ONPOLICY_SEEDS; do
   [[ "$seed" =~ ^[0-9]+$ ]] || { echo "SEEDS and ONPOLICY_SEEDS must be whole numbers, got '$seed'" >&2; exit 2; }
 done
@@ -67,8 +72,9 @@ exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
 T0=$(date +%s)
 echo "ablation $OUT on $LAB (build $BUILD): variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES_PER_STAGE updates of $PROMPTS_PER_UPDATE prompts" \
-     "× G=$GROUP_SIZE at lr $LR, NAV δ = $NAV_DELTA, a policy every $SAVE_EVERY updates; on-policy references" \
-     "[$ONPOLICY_LOSSES] μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time"
+     "× G=$GROUP_SIZE at lr $LR, NAV δ = ${NAV_DELTA:-1e-4}, a policy every $SAVE_EVERY updates; on-policy references" \
+     "[$ONPOLICY_LOSSES] μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time, each of" \
+     "$TRAIN_RANKS rank(s); $GPUS GPU(s)"
 
 # step NAME CMD...: skipped when done; output to $OUT/logs/NAME.log; marked done only when it succeeded
 step() {
@@ -87,21 +93,21 @@ SAMPLING=(--max_prompt_tokens=64 --max_response_tokens="$MAX_RESPONSE" --prompt_
 # 1. the shared stale rollouts: UPDATES_PER_STAGE minibatches' worth, from the initial policy
 step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --run_dir="$OUT" --stage=0 \
     --prompts_per_stage=$((UPDATES_PER_STAGE * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
-    --shard_prompts=1024 --gpus=0 "${SAMPLING[@]}"
+    --shard_prompts=1024 --gpus="$GPUS" "${SAMPLING[@]}"
 
 # 2. the replays, JOBS at a time, each on its JOBS-th of the cores; a failed one stops the others (mu_grpo/pool.py)
-replay() {
-  local variant=$1 seed=$2 LOSS_ARGS KL_COEF=0
-  loss_args "$variant"
-  $PY optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
+replay() {     # (a preset's KL penalty, offpolicy-grpo's, takes the replayed policy, MODEL, for π_ref)
+  local variant=$1 seed=$2 TRAIN=($PY)
+  (( TRAIN_RANKS == 1 )) || TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS")
+  "${TRAIN[@]}" optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
       --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES_PER_STAGE" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
-      --save_train_state=false --micro_batch_tokens=4096 $LOSS_ARGS --kl_coef="$KL_COEF"
+      --save_train_state=false --micro_batch_tokens=4096 $(LOSS=$variant $PY -m mu_grpo.launch --command=loss_flags)
   [[ "$REPORT_TO" == none ]] || $PY -m mu_grpo.tracking --command=follow --run_dir="$OUT/$variant/seed$seed" \
       --report_to="$REPORT_TO" --group="$TRACKER_GROUP" --settings="LOSS=$variant"$'\n'"SEED=$seed"
 }
-export -f replay loss_args
-export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA LOSS_PRESETS NAV_PRESETS
+export -f replay
+export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA TRAIN_RANKS
 for variant in $VARIANTS; do
   for seed in $SEEDS; do echo "replay_${variant}_seed$seed replay $variant $seed"; done
 done | $PY -m mu_grpo.pool --jobs="$JOBS" --logs="$OUT/logs" --done="$OUT/.done" 9>&-
@@ -121,7 +127,8 @@ if (( ONPOLICY_UPDATES > 0 )); then
       step "onpolicy_${loss}_seed$seed" env PRESET="$LAB" MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" \
           EVAL_DATA_DIR="$LAB_DIR" LOSS="$loss" RUN="$OUT/onpolicy-$loss/seed$seed" SEED="$seed" LR="$LR" \
           STAGES=$((UPDATES_PER_STAGE / ONPOLICY_UPDATES)) UPDATES_PER_STAGE="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
-          GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 RESIDENT=true SAVE_EVERY=1 bash run_stages.sh
+          GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 RESIDENT=true SAVE_EVERY=1 GPUS="$GPUS" \
+          bash run_stages.sh
       for ((s = 0; s < UPDATES_PER_STAGE / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$loss/seed$seed/stage_$s/policy"; done
     done
   done
@@ -129,7 +136,7 @@ fi
 
 # 4. every policy on the test set, one engine
 step evaluate $PY evaluate.py --policy="$POLICIES" --benchmarks=test --data_dir="$LAB_DIR" --k="$EVAL_K" \
-    --temperature=1.0 --top_p=1.0 --results="$OUT/results.jsonl" --gpus=0 "${SAMPLING[@]}"
+    --temperature=1.0 --top_p=1.0 --results="$OUT/results.jsonl" --gpus="$GPUS" "${SAMPLING[@]}"
 
 # 5. figures and the table
 $PY tools/plot.py --ablation_dir="$OUT" --out_dir="$OUT/plots" 9>&- | tee "$OUT/logs/plot.log"

@@ -75,21 +75,23 @@ optimizer_boundary = "carry"    # at a stage's start: carry (AdamW's moments and
                                 # AdamW on the fp32 master weights, which --init_state carries either way)
 grad_clip = 1.0                 # max global grad norm
 
-# the loss (loss.py; the LOSS presets of losses.sh set these)
+# the loss (loss.py): `loss` names a row of loss.PRESETS; a value below but None (a flag's none too) overrides its
+loss = "mu-grpo"                # mu-grpo | grpo | dapo | m2po | cispo | topr | oapl | ... (run_stages.sh LOSS)
+objective_args = ""             # the objective's own settings over the row's, name=value,... (e.g. eps_max=4: cispo's)
 temperature = 0.0               # log-prob temperature; 0: the sampling temperature from the manifest
-clip_low = 0.0                  # ratio clip bounds (the LOSS presets' others: losses.sh)
-clip_high = 5.0
-dual_clip = None                # c > 1 caps the A<0 loss at −c·A (None: off)
-nav_delta = 1e-4                # NAV trigger threshold on the ratio (None: NAV off)
-nav_scope = "H"                 # none | T | H | S | seq
-m2po_tau = None                 # M2PO second-moment threshold over the whole minibatch (None: off; M2PO: 0.04)
-tis_cap = None                  # truncated importance weight cap for engine/trainer mismatch (None: off)
-kl_coef = 0.0                   # β of the KL(π ‖ π_ref) penalty (0: none); needs ref_policy's log-probs
-kl_estimator = "k3"             # k1 | k2 | k3
-ref_policy = ""                 # π_ref (run_stages.sh: the run's first MODEL); empty: the stage policy when
-                                # kl_coef > 0, else none. With kl_coef = 0 the KL is logged, not optimized
-agg = "token-mean"              # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
-token_normalizer = "kept"       # means divide by kept tokens (vetoed/masked ones leave, as verl) | all
+clip_low = None                 # the clipping objectives' bounds (clip: the token ratio; gspo: the sequence's)
+clip_high = None
+dual_clip = None                # c > 1 caps the A<0 loss at −c·A (clip)
+advantage = None                # group (generate.py's) | signed-reward | soft-value (loss.response_advantages)
+nav_delta = None                # NAV trigger threshold on the ratio (none: NAV off)
+nav_scope = None                # none | T | H | S | seq
+m2po_tau = None                 # M2PO second-moment threshold over the whole minibatch (none: off)
+tis_cap = None                  # truncated importance weight cap for engine/trainer mismatch (none: off)
+kl_coef = None                  # β of the KL(π ‖ π_ref) penalty (0: none); needs ref_policy's log-probs
+kl_estimator = None             # k1 | k2 | k3
+ref_policy = ""                 # π_ref (run_stages.sh: the run's MODEL; empty: the stage policy), logged if kl_coef = 0
+agg = None                      # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+token_normalizer = None         # means divide by kept tokens (vetoed/masked ones leave, as verl) | all
 norm_len = 0                    # Dr. GRPO constant length (0: the manifest's max response tokens)
 
 # memory and kernels
@@ -138,12 +140,14 @@ policy_handoff = "transfer"     # resident: transfer (vLLM's weight-transfer API
 engines = 1                     # resident, transfer: the engine processes (generate.py's) the policies go to
 handoff_buffer_mb = 0           # resident, transfer: each rank's hand-off buffer, MiB (0: 1 GiB or the largest tensor)
 # -----------------------------------------------------------------------------
-common.apply_overrides(globals(), sys.argv[1:])
-for name, allowed in (("nav_scope", L.NAV_SCOPES), ("stage_end", ("fixed", "drift")), ("agg", L.AGG_MODES),
-                      ("policy_handoff", ("transfer", "files")), ("token_normalizer", L.TOKEN_NORMALIZERS),
-                      ("kl_estimator", L.KL_ESTIMATORS), ("attn_implementation", M.ATTENTION),
-                      ("optimizer_boundary", ("carry", "reset"))):
+given = common.apply_overrides(globals(), sys.argv[1:])
+for name, allowed in (("stage_end", ("fixed", "drift")), ("policy_handoff", ("transfer", "files")),
+                      ("attn_implementation", M.ATTENTION), ("optimizer_boundary", ("carry", "reset"))):
     common.check_choice(name, globals()[name], allowed)
+try:    # the LOSS row, with what was set here: a value other than None in the block, or any flag
+    loss_spec = L.resolve_loss(loss, globals(), given, objective_args)
+except ValueError as e:
+    sys.exit(f"--loss={loss}: {e}")
 # each stage decided (resident: the run's; otherwise updates_per_stage), the drift defaults resolved once
 stage_plan = stage_rules.StagePlan(updates_per_stage=updates_per_stage, stages=stages, stage_end=stage_end,
                                    total_updates=total_updates, drift_growth=drift_growth,
@@ -184,14 +188,6 @@ def log(*args):
 # ----------------------------------------------------------------------------- one stage
 
 
-def loss_options(stage):
-    """loss.policy_loss's options: the hyperparameters, and Dr. GRPO's constant length from the stage."""
-    return dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, nav_delta=nav_delta,
-                nav_scope=nav_scope, m2po_tau=m2po_tau, tis_cap=tis_cap, kl_coef=kl_coef,
-                kl_estimator=kl_estimator, agg=agg, token_normalizer=token_normalizer,
-                norm_len=norm_len or stage.max_response_tokens)
-
-
 def logprob_temperature(stage):
     """The temperature of the trainer's log-probs: --temperature, else the stage's sampling temperature."""
     return temperature or stage.temperature
@@ -209,8 +205,7 @@ def describe_stage(stage, updates_per_stage):
         f"variance, kept: zero advantage); {updates_per_stage} updates of {prompts_per_update} prompts")
     log(f"  minibatch: {prompts_per_update * G} responses, ~{tokens_per_group * prompts_per_update:.0f} response "
         f"tokens; staleness 0..{max(updates_per_stage - 1, 0)} updates; temperature {temp}")
-    log(f"  loss: clip [{clip_low}, {clip_high}], dual clip {dual_clip}, NAV δ={nav_delta} scope {nav_scope}, "
-        f"M2PO τ={m2po_tau}, TIS cap {tis_cap}, KL β={kl_coef} ({kl_estimator}), {agg} over {token_normalizer} tokens")
+    log(f"  loss {loss}: {loss_spec.describe()}")
     return temp
 
 
@@ -221,7 +216,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
     tokenizer files go with every saved policy. Returns (its timing, the counts it ends at: the next stage's start)."""
     updates_per_stage, start = progress.updates_per_stage, progress.start
     temp = describe_stage(stage, updates_per_stage)
-    recipe = update.Recipe(loss_options(stage), micro_batch_tokens, grad_clip)
+    recipe = update.Recipe(update.stage_loss(loss_spec, stage, norm_len), micro_batch_tokens, grad_clip)
     schedule = update.minibatch_schedule(stage, updates_per_stage, prompts_per_update, seed, skip_zero_variance)
     columns, timing, neg_ratios, first_row = before_first_update(model, stage, progress, columns, temp, schedule)
 
@@ -301,7 +296,7 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     engines' agreement (update.check_engines); with check_packing the packing check. Returns (columns, timing, the drift
     signal so far, the checks' values for the first update's metrics line)."""
     start, updates_per_stage, timing = progress.start, progress.updates_per_stage, {}
-    if tis_cap is not None:
+    if loss_spec.tis_cap is not None:
         columns = {**columns}
         columns["old"], timing["old_pass_seconds"] = update.logprob_pass(
             model, stage, temp, "old", progress.start_weights, progress.work_dir, micro_batch_tokens,
@@ -343,7 +338,7 @@ def record_stage_end(stage, schedule, done, neg_ratios, progress):
 def kl_reference(start_policy):
     """π_ref of the KL term: --ref_policy, else the stage policy when kl_coef > 0 (said: the usual π_ref is the
     run's first model), else none."""
-    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if kl_coef else "")
+    reference = common.local_dir(ref_policy) if ref_policy else (start_policy if loss_spec.kl_coef else "")
     if reference and not ref_policy:
         log(f"KL reference: the stage policy {start_policy} (pass --ref_policy=<the run's first model> for the usual π_ref)")
     return reference
@@ -428,7 +423,7 @@ def record_settings(progress, stage, trainer):
         progress.work_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"policy": trainer.start_policy, "ref_policy": trainer.reference,
                     "temperature": logprob_temperature(stage), "attention": trainer.attention,
-                    "norm_len": loss_options(stage)["norm_len"], **({"resident": True} if resident else {})}
+                    "norm_len": norm_len or stage.max_response_tokens, "loss": dataclasses.asdict(loss_spec), **({"resident": True} if resident else {})}
         common.atomic_write_json(progress.work_dir / records.OPTIMIZE_CONFIG, {
             "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
             "resolved": resolved, "world": world, "device": str(device), "versions": common.versions(), "argv": sys.argv})
@@ -446,7 +441,7 @@ def check_disk(stage, trainer, progress):
     state = (4 if lora_rank else 12) * n if saves_state else 0
     policies = int(saves_policy) + (max(progress.updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
     policy_bytes = policies * n * trainer.dtype.itemsize
-    passes = bool(trainer.reference) + (tis_cap is not None)
+    passes = bool(trainer.reference) + (loss_spec.tis_cap is not None)
     pass_bytes = passes * 4 * int(stage.token_offset[-1])
     common.require_free_disk(progress.work_dir, state + policy_bytes + pass_bytes,
                              f"this stage's train state ({state / 1e9:.1f} GB), {policies} policy directory(ies) "

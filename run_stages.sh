@@ -10,11 +10,12 @@ set -a     # every knob below is exported: mu_grpo/launch.py checks them all aga
 GIVEN=" $(compgen -e | tr '\n' ' ') "   # the knobs the environment gives: they win over every default here and in presets
 # ------------------------------------------------------------------------------ hyperparameters
 # Homes: this block for the loop's knobs (the paper preset's values), the phase scripts' blocks for theirs (empty here:
-# the block decides); presets.sh, losses.sh: what a PRESET, a LOSS changes; the environment wins (STAGES=2 bash ...)
+# the block decides); presets.sh: what a PRESET changes; loss.py PRESETS: a LOSS; the environment wins (STAGES=2 ...)
 # ---- the run
 PRESET=${PRESET:-auto}          # auto (paper on a GPU box, toy otherwise) | paper | toy | lab | lab-fork (ablate.sh's tasks)
-LOSS=${LOSS:-mu-grpo}           # mu-grpo | grpo | dapo | m2po | relaxed-no-nav | relaxed-low | relaxed-high | nav-none
-                                # | nav-T | nav-S | nav-seq | offpolicy-grpo (losses.sh)
+LOSS=${LOSS:-mu-grpo}           # a row of loss.py's PRESETS: the objective and its settings (the README's LOSS table)
+LOSS_ARGS=${LOSS_ARGS:-}        # optimize.py flags over the row's, e.g. "--clip_high=1.2" or "--objective_args=eps_max=4"
+NAV_DELTA=${NAV_DELTA:-}        # NAV's δ for a LOSS with NAV (empty: its row's, 1e-4; a LOSS without NAV ignores it)
 RUN=${RUN:-}                    # run directory (default runs/<preset>-<loss>)
 SEED=${SEED:-0}                 # seeds the prompt order, the sampling and the minibatch order
 REPORT_TO=${REPORT_TO:-none}    # none | tensorboard | wandb | a comma list: live metrics (mu_grpo/tracking.py; WANDB_MODE)
@@ -40,7 +41,7 @@ DRIFT_ARGS=${DRIFT_ARGS:-}      # drift: optimize.py's warning, e.g. "--drift_wi
 # ---- the phases' knobs, homes in their scripts' blocks (empty: the block's value)
 LR=${LR:-}                      # optimize.py lr: AdamW's learning rate
 WARMUP=${WARMUP:-}              # optimize.py warmup_updates: linear warmup over AdamW's first updates
-KL_COEF=${KL_COEF:-}            # optimize.py kl_coef: β of the KL penalty to the initial policy (offpolicy-grpo: losses.sh)
+KL_COEF=${KL_COEF:-}            # optimize.py kl_coef: β of the KL penalty to the initial policy (empty: the LOSS row's)
 OPTIMIZER_BOUNDARY=${OPTIMIZER_BOUNDARY:-}  # optimize.py optimizer_boundary: carry | reset AdamW at each stage's start
 ADAM_BETAS=${ADAM_BETAS:-}      # optimize.py adam_betas: AdamW's β1,β2
 STAGE_WARMUP=${STAGE_WARMUP:-}  # optimize.py stage_warmup_updates: lr warmup over each stage's first updates
@@ -53,7 +54,6 @@ PER_REQUEST_SEED=${PER_REQUEST_SEED:-}  # generate.py per_request_seed: each pro
 EVAL_K=${EVAL_K:-}              # evaluate.py k: samples per problem (avg@k)
 EVAL_TEMPERATURE=${EVAL_TEMPERATURE:-}  # evaluate.py temperature
 EVAL_TOP_P=${EVAL_TOP_P:-}      # evaluate.py top_p
-#   NAV_DELTA                   NAV's δ of the LOSS presets with NAV (losses.sh; empty: optimize.py nav_delta)
 # ---- evaluation and what is kept
 EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last); 0: never
 EVAL_CACHE=${EVAL_CACHE:-}      # kept evaluations: the initial policy's taken from there under this protocol, else made
@@ -94,8 +94,6 @@ bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh); tests point MU_GRPO_VENV at theirs
 out=$($PY -m mu_grpo.launch --command=preset) || exit 2; eval "$out"     # PRESET=auto: paper with GPUs, else toy
 source presets.sh                # what the preset changes, unless given
-source losses.sh                 # what the LOSS preset changes in optimize.py's loss block
-loss_args "$LOSS" || exit 2
 # every knob checked before any phase runs (a typo fails here, not after the first evaluation), defaults resolved, the
 out=$($PY -m mu_grpo.launch --command=settings) || exit 2; eval "$out"     # run's line said
 set +a
@@ -188,7 +186,7 @@ GENERATE_ARGS=(--data="$TRAIN_DATA" --run_dir="$RUN" --group_size=$GROUP_SIZE --
                --max_response_tokens=$MAX_RESPONSE --gpus="$GPUS" --engines="$ENGINES" --seed="$SEED" $GENERATE_FLAGS
                "${TEMPLATE_ARG[@]}" "${NODE_ARGS[@]}"     # and the evaluation due before the stage, by its engines:
                --eval_args="$EVAL_PROTOCOL" --results="$RUN/results.jsonl" --run_start="$START")
-OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --seed="$SEED" $OPTIMIZE_FLAGS $LOSS_ARGS "${KL_ARGS[@]}"
+OPTIMIZE_ARGS=(--prompts_per_update=$PROMPTS_PER_UPDATE --seed="$SEED" $OPTIMIZE_FLAGS $LOSS_FLAGS $LOSS_ARGS "${KL_ARGS[@]}"
                --checkpoint_every="$CHECKPOINT_EVERY" --stage_end="$STAGE_END" --hsdp="$HSDP"
                --release_older_states=$([[ "$KEEP_TRAIN_STATES" == true ]] && echo false || echo true) $DRIFT_ARGS)
 if (( NNODES > 1 )); then     # every node's ranks in one torchrun world: rank 0 on node 0 (static rendezvous)

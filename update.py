@@ -421,22 +421,32 @@ def m2po_minibatch_cutoff(model, stage, temp, mbs, columns, tau, tis_cap):
     return L.m2po_cutoff(M.gather_values(torch.cat(sq)), tau)
 
 
-def empty_stats(loss_kw, columns, cutoff):
+def empty_stats(loss, columns, cutoff):
     """policy_loss's stats of no tokens (zeros; extremes ±inf), with the same names as a real call's."""
     _, _, device = M.placement()
     zero, none = torch.zeros(1, 1, device=device), torch.zeros(1, 1, dtype=torch.bool, device=device)
-    stats = L.policy_loss(zero, zero, zero[0], none, **loss_kw, m2po_cutoff=cutoff,
-                          old_logprobs=zero if loss_kw.get("tis_cap") is not None else None,
+    stats = L.policy_loss(zero, zero, zero[0], none, loss, m2po_cutoff=cutoff,
+                          old_logprobs=zero if loss.tis_cap is not None else None,
                           ref_logprobs=zero if "ref" in columns else None)[1]
     stats["entropy_sum"] = stats["saved_activations_gib_max"] = torch.zeros((), device=device)
     return stats
 
 
+def stage_loss(loss, stage, norm_len=0):
+    """The loss.Loss of a stage: `loss` with Dr. GRPO's constant length (norm_len; 0: the stage's longest response),
+    and, when the loss names another advantage than generate.py's (stored with the rollouts), that one computed from
+    the stage's rewards, whole groups at once, into stage.advantage."""
+    if loss.advantage != "group":
+        stage.advantage[stage.groups] = L.response_advantages(stage.reward[stage.groups], loss.advantage,
+                                                              loss.soft_value_beta).numpy()
+    return dataclasses.replace(loss, norm_len=norm_len or stage.max_response_tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """How an update makes its step from a minibatch: loss.policy_loss's options, the tokens packed into one
-    micro-batch, and the max global grad norm."""
-    loss: dict
+    """How an update makes its step from a minibatch: the loss.Loss, the tokens packed into one micro-batch, and the
+    max global grad norm."""
+    loss: L.Loss
     micro_batch_tokens: int
     grad_clip: float
 
@@ -444,8 +454,7 @@ class Recipe:
     def deferred_norm(self):
         """The loss is a token mean over the kept tokens (policy_loss's defaults), whose count is known only once
         every micro-batch has run: the micro-batches' losses are sums and the gradient is divided at the end."""
-        options = {"agg": "token-mean", "token_normalizer": "kept", **self.loss}
-        return options["agg"] == "token-mean" and options["token_normalizer"] == "kept"
+        return self.loss.agg == "token-mean" and self.loss.token_normalizer == "kept"
 
 
 def warmup(done, updates):
@@ -515,8 +524,8 @@ def run_update(model, optimizer, stage, batch, temp, columns, recipe, measure_me
     rank, world, device = M.placement()
     if device.type == "cuda":      # memory/peak_gib is this update's: max_memory_allocated is the peak since the last
         torch.cuda.reset_peak_memory_stats(device)      # reset, else since the process began (torch/cuda/memory.py:553)
-    loss_kw, micro_batch_tokens, deferred_norm = recipe.loss, recipe.micro_batch_tokens, recipe.deferred_norm
-    tis_cap, m2po_tau = loss_kw.get("tis_cap"), loss_kw.get("m2po_tau")
+    loss, micro_batch_tokens, deferred_norm = recipe.loss, recipe.micro_batch_tokens, recipe.deferred_norm
+    tis_cap, m2po_tau = loss.tis_cap, loss.m2po_tau
     lengths = stage.prompt_len[batch] + stage.response_len[batch]
     mine = batch[np.argsort(-lengths, kind="stable")][rank::world]       # this rank's responses, balanced by length
     mbs = micro_batches(stage, mine, micro_batch_tokens)
@@ -529,14 +538,14 @@ def run_update(model, optimizer, stage, batch, temp, columns, recipe, measure_me
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     optimizer.zero_grad(set_to_none=True)
     n_tokens = int(stage.response_len[batch].sum())
-    stats = empty_stats(loss_kw, columns, cutoff)     # a rank may have no response of this minibatch
+    stats = empty_stats(loss, columns, cutoff)     # a rank may have no response of this minibatch
     for k, mb in enumerate(mbs):
         with M.SavedActivations(enabled=measure_memory and k == 0) as saved:
             x = forward(model, stage, mb, temp, columns, with_entropy=True)
         if mb is None:                 # padding pass: keeps FSDP's collectives in step, adds nothing
             (x["lp"].sum() * 0.0).backward()
             continue
-        part, s = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], **loss_kw, m2po_cutoff=cutoff,
+        part, s = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], loss, m2po_cutoff=cutoff,
                                 old_logprobs=x.get("old") if tis_cap is not None else None, ref_logprobs=x.get("ref"),
                                 num_tokens=1.0 if deferred_norm else n_tokens, num_seqs=len(batch))
         (part * world).backward()      # FSDP averages gradients over ranks; ×world makes it the sum

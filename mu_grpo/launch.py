@@ -84,6 +84,10 @@ def positive(name, v):
         return f"{name} must be a positive number, got '{v}'"
 
 
+def positive_or_empty(name, v):
+    return positive(name, v) if v else None
+
+
 def boolean(name, v):
     if v not in ("true", "false"):
         return f"{name} must be true or false, got '{v}'"
@@ -125,6 +129,7 @@ def top_p(name, v):                # (0, 1], vLLM's own rule (vllm/sampling_para
 # may differ between nodes), left out of SETTINGS, which every node's must equal node 0's (mu_grpo/nodes.py join)
 SETTINGS = {
     "PRESET": (one_of("paper", "toy", "lab", "lab-fork"),), "LOSS": (anything,), "LOSS_ARGS": (anything,),
+    "NAV_DELTA": (positive_or_empty,),
     "RUN": (anything,), "MODEL": (anything,), "TRAIN_DATA": (anything,), "EVAL_DATA_DIR": (anything,),
     "BENCHMARKS": (anything,), "TEMPLATE": (one_of(*model_cards.TEMPLATES),),
     # the stages
@@ -331,6 +336,11 @@ def resolve(knobs):
     for script, variable in FLAGS_OF.items():
         k[variable] = " ".join(f"--{flag}={k[name]}" for name, (where, flag) in PHASE_KNOBS.items()
                                if where == script and name in given)
+    try:                               # the LOSS preset's flags, and its β of the KL penalty unless KL_COEF is given
+        k["LOSS_FLAGS"], row = loss_flags(k.get("LOSS", ""), k.get("NAV_DELTA", "")), L().preset(k.get("LOSS", ""))
+        k["KL_COEF"] = k["KL_COEF"] or str(row.kl_coef)
+    except ValueError as e:
+        return k, str(e)
     for name, (rule, *_) in SETTINGS.items():
         if name not in k:
             return k, f"{name} is not set (run_stages.sh has every knob)"
@@ -424,13 +434,21 @@ def run_problems(k):
         if problem:
             return problem
         flags[name] = values
-    loss = {**common.script_defaults(ROOT / "optimize.py"), **flags["LOSS_ARGS"], **flags["DRIFT_ARGS"]}
+    if "loss" in flags["LOSS_ARGS"]:
+        return f"LOSS_ARGS={k['LOSS_ARGS']} names a loss preset: that is LOSS's (LOSS={flags['LOSS_ARGS']['loss']})"
+    given = {**knob_flags("LOSS_ARGS", k["LOSS_FLAGS"])[0], **flags["LOSS_ARGS"]}      # as optimize.py will get them
+    loss = {**common.script_defaults(ROOT / "optimize.py"), **given, **flags["DRIFT_ARGS"]}
     if loss["nav_delta"] is not None and loss["nav_delta"] <= 0:
         return (f"NAV δ {loss['nav_delta']} (LOSS={k['LOSS']}, NAV_DELTA or LOSS_ARGS) never triggers, since a ratio is "
                 f"positive: NAV is off that way without saying so; turn it off with --nav_delta=none "
                 f"(LOSS=relaxed-no-nav) or give δ > 0 (the paper's 1e-4)")
     if loss["clip_low"] is not None and loss["clip_high"] is not None and loss["clip_low"] >= loss["clip_high"]:
         return f"the clip interval [{loss['clip_low']}, {loss['clip_high']}] (LOSS={k['LOSS']}, LOSS_ARGS) is empty"
+    try:                               # the Loss optimize.py will make (loss.resolve_loss), made here first
+        L().resolve_loss(k["LOSS"], loss, given, loss["objective_args"])
+    except ValueError as e:
+        args = f" with LOSS_ARGS={shlex.quote(k['LOSS_ARGS'])}" if k["LOSS_ARGS"] else ""
+        return f"LOSS={k['LOSS']}{args}: {e}"
     if k["STAGE_END"] == "drift" and loss["drift_window"] < 1:
         return (f"STAGE_END=drift with --drift_window={loss['drift_window']} (DRIFT_ARGS): the warning never comes, "
                 f"so no stage ends on drift; give a window of at least 1 update, or STAGE_END=fixed")
@@ -449,6 +467,34 @@ def run_problems(k):
     if k["EVAL_CACHE"] and Path(k["EVAL_CACHE"]).exists() and not Path(k["EVAL_CACHE"]).is_dir():
         return f"EVAL_CACHE={k['EVAL_CACHE']} is a file: it names a directory of kept evaluations"
     return None
+
+
+def L():
+    """loss.py (its torch import is paid only by the steps that read the LOSS presets)."""
+    import loss  # (torch: only the steps that read the LOSS presets pay its import)
+    return loss
+
+
+def preset_names():
+    """The names of loss.py's LOSS presets, read from its PRESETS table without running it (without torch: a login
+    node checks a table's methods with the system's Python)."""
+    import ast  # only these checks read loss.py's text
+    for node in ast.parse((ROOT / "loss.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["PRESETS"]:
+            return [key.value for key in node.value.keys]
+
+
+def check_loss_name(name):
+    """A LOSS that names no preset: the line naming them, else None."""
+    names = preset_names()
+    return None if name in names else f"LOSS must be one of {' '.join(names)}, got {name!r}"
+
+
+def loss_flags(name, nav_delta=""):
+    """optimize.py's flags of the LOSS preset `name`: --loss=<name>, and --nav_delta=NAV_DELTA when its row has NAV
+    (the presets without NAV ignore NAV_DELTA). A name of no preset: the ValueError naming them."""
+    row = L().preset(name)
+    return f"--loss={name}" + (f" --nav_delta={nav_delta}" if nav_delta and row.nav_delta is not None else "")
 
 
 def stage_plan(k):
@@ -707,6 +753,14 @@ def stage_command(s):
                        "EVALUATE": str(decided.evaluate).lower()}).replace("\n", " "))
 
 
+def loss_flags_command():
+    """optimize.py's flags of the LOSS preset (LOSS, NAV_DELTA from the environment), or the line naming the presets."""
+    try:
+        print(loss_flags(os.environ["LOSS"], os.environ.get("NAV_DELTA", "")))
+    except ValueError as e:
+        common.refuse(str(e))
+
+
 def preflight_command():
     """mu_grpo/preflight.py at the run's settings (its miniature's size: PREFLIGHT_ARGS); KL: the trainer's KL flags."""
     e = os.environ
@@ -716,7 +770,7 @@ def preflight_command():
         f"--out={e['RUN']}/preflight.json", f"--run_dir={e['RUN']}", f"--gpus={e['GPUS']}", f"--engines={e['ENGINES']}",
         f"--train_ranks={e['TRAIN_RANKS']}", f"--stages={e['STAGES']}", f"--micro_batch_tokens={e['MICRO_BATCH_TOKENS']}",
         f"--max_prompt_tokens={e['MAX_PROMPT']}", f"--max_response_tokens={e['MAX_RESPONSE']}",
-        "--optimize_args=" + " ".join(x for x in (f"--gradient_checkpointing={e['GRAD_CKPT']}", e["LOSS_ARGS"],
+        "--optimize_args=" + " ".join(x for x in (f"--gradient_checkpointing={e['GRAD_CKPT']}", e["LOSS_FLAGS"], e["LOSS_ARGS"],
                                                   f"--kl_coef={e['KL_COEF']}", e["KL"]) if x),
         f"--temperature={e['TEMPERATURE']}", f"--group_size={e['GROUP_SIZE']}",
         f"--force={'true' if e['PREFLIGHT'] == 'force' else 'false'}",
@@ -851,7 +905,7 @@ if __name__ == "__main__":
                 "preflight": preflight_command, "handoff": handoff_command,
                 "stage": lambda: stage_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
-                "finished": finished_command,
+                "finished": finished_command, "loss_flags": loss_flags_command,
                 "end": end_command,
                 "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}
     common.check_choice("command", command, tuple(commands))

@@ -488,7 +488,7 @@ def grader_throughput(rows):
 
 
 def code_version(root=ROOT):
-    """A hash of every source file at the repository's top level (the scripts, losses.sh), in mu_grpo/ and data/, and
+    """A hash of every source file at the repository's top level (the scripts, presets.sh), in mu_grpo/ and data/, and
     of the requirements files: a pass is reused only for the code, and what it installs, that earned it."""
     h = hashlib.sha256()
     sources = [*root.glob("*.py"), *root.glob("*.sh"), *root.glob("mu_grpo/*.py"), *root.glob("data/*.py"),

@@ -81,10 +81,13 @@ def reduce_stats(stats):
     sums = [n for n in names if not n.endswith(("_min", "_max"))]
     extremes = [n for n in names if n.endswith(("_min", "_max"))]
     out = {}
-    if sums:
-        total = torch.stack([stats[n].double() for n in sums])
+    if sums:       # 0-d sums and histograms' counts, in one flat tensor
+        total = torch.cat([stats[n].double().reshape(-1) for n in sums])
         dist.all_reduce(total)
-        out.update({n: total[i].float() for i, n in enumerate(sums)})
+        at = 0
+        for n in sums:
+            out[n] = total[at:at + stats[n].numel()].reshape(stats[n].shape).float()
+            at += stats[n].numel()
     if extremes:
         ext = torch.stack([(stats[n] if n.endswith("_max") else -stats[n]).double() for n in extremes])
         dist.all_reduce(ext, op=dist.ReduceOp.MAX)

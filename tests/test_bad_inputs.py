@@ -44,13 +44,21 @@ from test_launch import TOY  # noqa: E402
     # the whole generation and the initial evaluation, and the corrected rerun was refused (that generation finished)
     ({"STAGE_END": "drift", "DRIFT_ARGS": "--drift_windw=16"},
      "DRIFT_ARGS=--drift_windw=16: --drift_windw is no flag of optimize.py (did you mean --drift_window?)"),
-    ({"LOSS_ARGS": "--clip_low=abc"}, "LOSS_ARGS=--clip_low=abc: --clip_low=abc: expected float"),
+    ({"LOSS_ARGS": "--clip_low=abc"}, "LOSS=mu-grpo with LOSS_ARGS=--clip_low=abc: clip_low must be a number, got 'abc'"),
+    ({"LOSS_ARGS": "--eps_max=4"}, "LOSS_ARGS=--eps_max=4: --eps_max is no flag of optimize.py"),
+    ({"LOSS": "cispo", "LOSS_ARGS": "--clip_high=1.2"}, "LOSS=cispo with LOSS_ARGS=--clip_high=1.2: objective cispo "
+                                                        "has no setting clip_high; its settings: eps_max=5.0"),
+    ({"LOSS": "cispo", "LOSS_ARGS": "--objective_args=eps_max=-1"}, "LOSS=cispo with LOSS_ARGS=--objective_args="
+                                                                    "eps_max=-1: eps_max must be > 0, got -1.0"),
+    ({"LOSS_ARGS": "--loss=grpo"}, "LOSS_ARGS=--loss=grpo names a loss preset: that is LOSS's (LOSS=grpo)"),
+    ({"LOSS": "topr", "LOSS_ARGS": "--advantage=raw"}, "LOSS=topr with LOSS_ARGS=--advantage=raw: advantage must be "
+                                                       "one of group, signed-reward, soft-value, got 'raw'"),
     ({"LOSS_ARGS": "clip_low=0.8"}, "LOSS_ARGS=clip_low=0.8: 'clip_low=0.8' is not a --key=value flag of optimize.py"),
     ({"PREFLIGHT_ARGS": "--prompt=8"}, "PREFLIGHT_ARGS=--prompt=8: --prompt is no flag of mu_grpo/preflight.py (did "
                                       "you mean --prompts?)"),
     # a value that passes its own rule but switches its mechanism off, or a schedule the run never reaches
-    ({"LOSS_ARGS": "--nav_delta=0"}, "NAV δ 0.0 (LOSS=mu-grpo, NAV_DELTA or LOSS_ARGS) never triggers"),
-    ({"LOSS_ARGS": "--clip_low=2 --clip_high=1"}, "the clip interval [2.0, 1.0] (LOSS=mu-grpo, LOSS_ARGS) is empty"),
+    ({"LOSS_ARGS": "--nav_delta=0"}, "NAV δ 0 (LOSS=mu-grpo, NAV_DELTA or LOSS_ARGS) never triggers"),
+    ({"LOSS_ARGS": "--clip_low=2 --clip_high=1"}, "the clip interval [2, 1] (LOSS=mu-grpo, LOSS_ARGS) is empty"),
     ({"STAGE_END": "drift", "DRIFT_ARGS": "--drift_window=0"}, "STAGE_END=drift with --drift_window=0 (DRIFT_ARGS): "
                                                                "the warning never comes"),
     ({"DRIFT_ARGS": "--drift_window=8"}, "DRIFT_ARGS=--drift_window=8 sets the drift warning, which only "

@@ -228,9 +228,8 @@ def stubbed_frontier(tmp_path, **env):
     tree = tmp_path / "tree"
     for d in ("tools", "mu_grpo", "data"):                      # (a second run: the same tree, its builds kept)
         (tree / d).mkdir(parents=True, exist_ok=True)
-    for name in ("frontier.sh", "losses.sh", "mu_grpo/__init__.py", "mu_grpo/common.py", "tools/plot.py",
-                 "mu_grpo/records.py", "mu_grpo/rollouts.py", "mu_grpo/processes.py", "mu_grpo/pool.py",
-                 "tools/frontier.py", "tools/regimes.py", "tools/sweep.py"):
+    for name in ("frontier.sh", "loss.py", *(str(p.relative_to(ROOT)) for p in (ROOT / "mu_grpo").glob("*.py")),
+                 "tools/plot.py", "tools/frontier.py", "tools/regimes.py", "tools/sweep.py"):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "setup.sh").write_text("exit 0\n")
     (tree / "run_stages.sh").write_text(STUB_RUN_STAGES + STUB_PROBE)
@@ -514,7 +513,7 @@ def test_runs_evaluated_at_other_update_counts_are_averaged_at_each_runs_last_ev
 
 
 def test_the_points_are_each_loss_at_each_mu_and_a_preset_with_nav_once_per_delta(monkeypatch):
-    # a preset has NAV when its flags follow NAV_DELTA (losses.sh), whatever its name; drift runs every stage's
+    # a preset has NAV when its row in loss.PRESETS has a NAV δ, whatever its name; drift runs every stage's
     # evaluation from DRIFT_FIRST; a fixed μ is evaluated every EVAL_UPDATES updates, after every stage when larger
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import sweep

@@ -19,7 +19,7 @@ from mu_grpo import launch  # noqa: E402
 
 # the toy preset's knobs as run_stages.sh exports them, before resolution (empty: a default still to resolve, a phase
 # knob's its script's block)
-TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "", "RUN": "", "MODEL": "data/toy/model",
+TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "", "NAV_DELTA": "", "RUN": "", "MODEL": "data/toy/model",
        "TRAIN_DATA": "data/toy/train.jsonl", "EVAL_DATA_DIR": "data/toy", "BENCHMARKS": "test", "TEMPLATE": "plain",
        "STAGES": "3", "UPDATES_PER_STAGE": "8", "PROMPTS_PER_UPDATE": "16", "GROUP_SIZE": "8", "STAGE_END": "fixed",
        "TOTAL_UPDATES": "", "DRIFT_GROWTH": "1.25", "DRIFT_MAX_UPDATES": "", "DRIFT_ARGS": "", "LR": "2e-4",
@@ -196,7 +196,7 @@ def test_the_preflight_runs_at_the_runs_shape_and_settings(monkeypatch):
         "--out": "runs/box/preflight.json", "--engines": "2", "--train_ranks": "2", "--resident": "true",
         "--policy_handoff": "transfer", "--max_response_tokens": "16", "--estimate_stage_prompts": "128",   # 8 · 16
         "--drift_min_updates": "6"}                                                  # the trainer's: the last given
-    assert flags["--optimize_args"] == "--gradient_checkpointing=true --kl_coef=0.0"   # mu-grpo: no loss flag
+    assert flags["--optimize_args"] == "--gradient_checkpointing=true --loss=mu-grpo --kl_coef=0.0"   # its row's β
     # every flag one mu_grpo/preflight.py takes, every value one it allows: its strict overrides and checks run on import
     monkeypatch.setattr(sys, "argv", ["mu_grpo/preflight.py", *argv[3:]])
     monkeypatch.delitem(sys.modules, "mu_grpo.preflight", raising=False)
@@ -324,7 +324,7 @@ def test_every_knob_run_stages_sh_sets_is_in_the_table():
     knobs = set(re.findall(r"^([A-Z_]+)=\$\{\1:-", block, re.M))
     preset_knobs = set(re.findall(r"\b([A-Z_]+)=", (ROOT / "presets.sh").read_text().split("case")[1]))
     assert len(knobs) > 50 and preset_knobs - {"LAB_DIR"} <= knobs, preset_knobs - knobs
-    assert knobs == set(launch.SETTINGS) - {"LOSS_ARGS"}, knobs ^ set(launch.SETTINGS)   # (losses.sh's)
+    assert knobs == set(launch.SETTINGS), knobs ^ set(launch.SETTINGS)
 
 
 def test_every_flag_the_settings_record_leaves_out_as_the_loops_is_one_run_stages_sh_passes():

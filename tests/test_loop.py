@@ -936,17 +936,18 @@ def test_each_knob_is_read_from_its_one_home_a_scripts_block_a_preset_a_loss_pre
     edit("generate.py", "\ntemperature = 1.0 ", "\ntemperature = 0.9 ")
     edit("evaluate.py", "\nk = 4 ", "\nk = 2 ")
     edit("presets.sh", " LR=2e-4 ", " LR=3e-4 ")                                            # a preset
-    edit("losses.sh", '--clip_low=0.8 --clip_high=1.2 --nav_delta=none" ;;',                  # a LOSS preset (grpo)
-         '--clip_low=0.8 --clip_high=1.25 --nav_delta=none" ;;')
+    edit("loss.py", '"grpo": Preset("clip", dict(clip_low=0.8, clip_high=1.2)',                # a LOSS preset's row
+         '"grpo": Preset("clip", dict(clip_low=0.8, clip_high=1.25)')
     run = tmp_path / "run"
     env = {**loop_env(toy, run), "LOSS": "grpo", "STAGES": "1", "UPDATES_PER_STAGE": "2", "EVAL_TOP_P": "0.9"}
     del env["LR"], env["EVAL_K"]                        # (the tests' loop sets these: here their homes decide)
     proc = subprocess.run(["bash", "run_stages.sh"], cwd=clone, capture_output=True, text=True,
                           env={**os.environ, **env, "PROMPTS_PER_UPDATE": "8"}, timeout=900)   # the environment
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    config = json.loads((run / "stage_0" / "optimize_config.json").read_text())["hyperparameters"]
-    assert (config["warmup_updates"], config["lr"], config["clip_high"], config["prompts_per_update"]) == (1, 3e-4,
-                                                                                                          1.25, 8)
+    config = json.loads((run / "stage_0" / "optimize_config.json").read_text())
+    config, loss = config["hyperparameters"], config["resolved"]["loss"]
+    assert (config["warmup_updates"], config["lr"], loss["settings"]["clip_high"], config["prompts_per_update"]) == (
+        1, 3e-4, 1.25, 8)
     manifest = json.loads((run / "stage_0" / "rollouts" / "manifest.json").read_text())
     assert manifest["sampling"]["temperature"] == 0.9
     rows = read_lines(run / "results.jsonl")

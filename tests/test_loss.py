@@ -7,6 +7,13 @@ import torch
 import loss as L
 
 T_, F_ = True, False
+CALL = ("m2po_cutoff", "old_logprobs", "ref_logprobs", "num_tokens", "num_seqs")   # policy_loss's per-call arguments
+
+
+def policy_loss(logprobs, behavior, adv, mask, objective="clip", **settings):
+    """loss.policy_loss with the Loss made from flat settings (loss.build) and the per-call arguments passed on."""
+    call = {k: settings.pop(k) for k in CALL if k in settings}
+    return L.policy_loss(logprobs, behavior, adv, mask, L.build(objective, **settings), **call)
 
 
 def _lp_from_ratio(behavior, ratios):
@@ -18,7 +25,7 @@ def _loss_and_grad(behavior, ratios, adv, mask=None, **kw):
     lp = _lp_from_ratio(behavior, ratios)
     b = torch.tensor(behavior)
     mask = torch.ones_like(b, dtype=torch.bool) if mask is None else torch.tensor(mask)
-    loss, stats = L.policy_loss(lp, b, torch.tensor(adv), mask, **kw)
+    loss, stats = policy_loss(lp, b, torch.tensor(adv), mask, **kw)
     loss.backward()
     return loss.item(), lp.grad, L.metrics(stats)
 
@@ -159,13 +166,13 @@ def test_tis_weights_the_ratio_to_old_by_min_old_over_behavior_and_cap_detached(
     b = torch.tensor([[0.0]])
     old = torch.log(torch.tensor([[3.0]]))
     lp = (old + math.log(1.1)).requires_grad_(True)   # ρ = 1.1 vs old
-    loss, _ = L.policy_loss(lp, b, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
+    loss, _ = policy_loss(lp, b, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
                             clip_low=0.8, clip_high=1.2, tis_cap=2.0, old_logprobs=old)
     loss.backward()
     assert loss.item() == pytest.approx(-2 * 1.1)
     assert lp.grad.item() == pytest.approx(-2 * 1.1)
     with pytest.raises(ValueError, match="old_logprobs"):
-        L.policy_loss(lp, b, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
+        policy_loss(lp, b, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
                       clip_low=0.8, clip_high=1.2, tis_cap=2.0)
 
 
@@ -173,9 +180,9 @@ def test_bad_options_are_named():
     x = torch.zeros(1, 1)
     m = torch.ones(1, 1, dtype=torch.bool)
     with pytest.raises(ValueError, match="token-mean"):
-        L.policy_loss(x, x, torch.zeros(1), m, clip_low=0.8, clip_high=1.2, agg="mean")
+        policy_loss(x, x, torch.zeros(1), m, clip_low=0.8, clip_high=1.2, agg="mean")
     with pytest.raises(ValueError, match="clip_low"):
-        L.policy_loss(x, x, torch.zeros(1), m, clip_low=1.2, clip_high=0.8)
+        policy_loss(x, x, torch.zeros(1), m, clip_low=1.2, clip_high=0.8)
     with pytest.raises(ValueError, match="scope"):
         L.nav_mask(x, torch.zeros(1), m, scope="X")
 
@@ -189,9 +196,9 @@ def test_token_mean_seq_mean_and_dr_grpo_normalize_as_their_formulas_by_hand():
     mask = torch.tensor([[T_, F_, F_], [T_, T_, T_]])
     adv = torch.tensor([1.0, -1.0])
     kw = dict(clip_low=0.8, clip_high=1.2)
-    tok, _ = L.policy_loss(b, b, adv, mask, agg="token-mean", **kw)
-    seq, _ = L.policy_loss(b, b, adv, mask, agg="seq-mean-token-mean", **kw)
-    drg, _ = L.policy_loss(b, b, adv, mask, agg="seq-mean-token-sum-norm", norm_len=4, **kw)
+    tok, _ = policy_loss(b, b, adv, mask, agg="token-mean", **kw)
+    seq, _ = policy_loss(b, b, adv, mask, agg="seq-mean-token-mean", **kw)
+    drg, _ = policy_loss(b, b, adv, mask, agg="seq-mean-token-sum-norm", norm_len=4, **kw)
     assert tok.item() == pytest.approx((-1 + 3) / 4)           # 0.5
     assert seq.item() == pytest.approx((-1 / 1 + 3 / 3) / 2)   # 0
     assert drg.item() == pytest.approx((-1 + 3) / (2 * 4))     # 0.25
@@ -221,7 +228,7 @@ def test_micro_batch_split_does_not_change_loss_grad_or_stats(agg, normalizer, o
         stats = {}
         for idx in torch.tensor_split(torch.arange(B), splits):
             n_tok = 1.0 if deferred else (int(mask.sum()) if splits > 1 else None)
-            part, s = L.policy_loss(lp[idx], behavior[idx], adv[idx], mask[idx], num_tokens=n_tok, **kw)
+            part, s = policy_loss(lp[idx], behavior[idx], adv[idx], mask[idx], num_tokens=n_tok, **kw)
             part.backward()
             stats = L.merge_stats(stats, s)
         if deferred:
@@ -230,7 +237,7 @@ def test_micro_batch_split_does_not_change_loss_grad_or_stats(agg, normalizer, o
         return lp.grad.clone(), L.metrics(stats)
 
     lp = current.clone().requires_grad_(True)
-    whole, whole_stats = L.policy_loss(lp, behavior, adv, mask, **kw)
+    whole, whole_stats = policy_loss(lp, behavior, adv, mask, **kw)
     whole.backward()
     expected = L.metrics(whole_stats)
     assert expected["loss/policy"] == pytest.approx(whole.item())
@@ -348,11 +355,11 @@ def test_m2po_cutoff_by_hand():
 def test_m2po_in_policy_loss_reports_masked_fraction():
     b = torch.zeros(2, 3)
     lp = torch.tensor([[0.5, -0.3, 0.1], [-0.4, 0.2, -0.05]])
-    _, s = L.policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
+    _, s = policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
                          clip_low=0.0, clip_high=5.0, m2po_tau=0.04)
     assert L.metrics(s)["m2po/masked_frac"] == pytest.approx(2 / 6)
     # a cutoff from the whole minibatch overrides this call's: 0.2 masks only the 0.25 token
-    _, s = L.policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
+    _, s = policy_loss(lp, b, torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool),
                          clip_low=0.0, clip_high=5.0, m2po_tau=0.04, m2po_cutoff=0.2)
     assert L.metrics(s)["m2po/masked_frac"] == pytest.approx(1 / 6)
 
@@ -379,7 +386,7 @@ def test_kl_penalty_is_added_per_token_before_aggregation():
     ref = torch.log(torch.tensor([[0.25, 0.5]]))
     mask = torch.ones(1, 2, dtype=torch.bool)
     k3 = math.exp(-math.log(2)) + math.log(2) - 1
-    loss, s = L.policy_loss(lp, lp.detach(), torch.tensor([0.0]), mask, clip_low=0.0, clip_high=5.0,
+    loss, s = policy_loss(lp, lp.detach(), torch.tensor([0.0]), mask, clip_low=0.0, clip_high=5.0,
                             kl_coef=0.1, ref_logprobs=ref)
     assert loss.item() == pytest.approx(0.1 * k3 / 2)
     loss.backward()
@@ -388,12 +395,12 @@ def test_kl_penalty_is_added_per_token_before_aggregation():
     m = L.metrics(s)
     assert m["kl/ref_mean"] == pytest.approx(k3 / 2) and m["kl/in_loss"] == 1.0
     # β = 0: monitored, not in the loss; and bit-identical to a call without a reference
-    loss0, s0 = L.policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0,
+    loss0, s0 = policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0,
                               kl_coef=0.0, ref_logprobs=ref)
-    plain, _ = L.policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0)
+    plain, _ = policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0)
     assert loss0.item() == plain.item() and L.metrics(s0)["kl/in_loss"] == 0.0
     with pytest.raises(ValueError, match="ref_logprobs"):
-        L.policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0, kl_coef=0.1)
+        policy_loss(lp, lp.detach(), torch.tensor([1.0]), mask, clip_low=0.0, clip_high=5.0, kl_coef=0.1)
 
 
 # ------------------------------------------------------------------ advantages

@@ -88,7 +88,8 @@ def test_policy_moves_toward_rewarded_responses(toy, stage):
     progress = json.loads((stage / "train_state" / "progress.json").read_text())   # the next stage continues it
     assert progress["complete"] and progress["update"] == progress["run_updates"] == progress["optimizer_updates"] == 6
     settings = json.loads((stage / "optimize_config.json").read_text())     # what produced these numbers
-    assert settings["hyperparameters"]["lr"] == 1e-3 and settings["hyperparameters"]["nav_scope"] == "H"
+    assert settings["hyperparameters"]["lr"] == 1e-3 and settings["hyperparameters"]["loss"] == "mu-grpo"
+    assert settings["resolved"]["loss"]["nav_scope"] == "H" and settings["resolved"]["loss"]["nav_delta"] == 1e-4
     assert settings["resolved"]["temperature"] == 1.0 and settings["resolved"]["norm_len"] == 12
     assert settings["argv"][1:] == [f"--stage_dir={stage}", "--updates_per_stage=6", *FAST]
     assert {"python", "torch", "transformers", "code"} <= set(settings["versions"])
@@ -150,7 +151,9 @@ def test_processes_opening_one_stage_together_build_its_columns_once(stage):
 @pytest.mark.slow
 def test_bad_hyperparameters_name_the_allowed_values(stage):
     proc = run_script("optimize.py", f"--stage_dir={stage}", "--nav_scope=X", check=False)
-    assert proc.returncode != 0 and "'none', 'T', 'H', 'S', 'seq'" in proc.stderr
+    assert proc.returncode != 0 and "--loss=mu-grpo: nav_scope must be one of none, T, H, S, seq, got 'X'" in proc.stderr
+    proc = run_script("optimize.py", f"--stage_dir={stage}", "--loss=ppo", check=False)
+    assert proc.returncode != 0 and "--loss=ppo: LOSS must be one of mu-grpo grpo" in proc.stderr
     proc = run_script("optimize.py", f"--stage_dir={stage}", "--no_such_knob=1", check=False)
     assert proc.returncode != 0 and "unknown option --no_such_knob" in proc.stderr
 

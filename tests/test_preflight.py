@@ -350,7 +350,7 @@ def test_the_cached_pass_is_keyed_on_every_setting_and_every_source_file(monkeyp
         assert key(setting) != base, setting
     assert key("--force=true") == base                      # whether to go on after a FAIL is not what passed
     P = importlib.import_module("mu_grpo.preflight")
-    for name in ("mu_grpo/engine.py", "mu_grpo/handoff.py", "losses.sh", "data/toy.py", "requirements.txt", "requirements-cpu.txt"):
+    for name in ("mu_grpo/engine.py", "mu_grpo/handoff.py", "presets.sh", "data/toy.py", "requirements.txt", "requirements-cpu.txt"):
         copy = tmp_path / name.replace("/", "_")
         for f in [*P.ROOT.glob("*.py"), *P.ROOT.glob("*.sh"), *P.ROOT.glob("mu_grpo/*.py"), *P.ROOT.glob("data/*.py"),
                   *P.ROOT.glob("requirements*.txt")]:

@@ -114,18 +114,21 @@ def reference_update(policy, stage, batch, loss_kw):
     behavior = torch.stack([torch.nn.functional.pad(torch.from_numpy(np.array(stage.tokens(i)[2])), (0, T - len(v)))
                             for i, v in zip(batch, lps)])
     mask = torch.arange(T)[None, :] < torch.tensor([len(v) for v in lps])[:, None]
-    loss, stats = L.policy_loss(lp, behavior, torch.from_numpy(stage.advantage[batch]), mask, **loss_kw)
+    loss, stats = L.policy_loss(lp, behavior, torch.from_numpy(stage.advantage[batch]), mask, loss_kw)
     loss.backward()
     return loss, stats, {n: p.grad for n, p in model.named_parameters()}
 
 
 # μ-GRPO's clip with NAV (a trigger at ρ < 0.5 fires here), GRPO's clip with M2PO (τ = 0.2: it masks 2 harmful
-# tokens of the minibatch here, where a cutoff of each micro-batch's own would mask 5), the sequence means
+# tokens of the minibatch here, where a cutoff of each micro-batch's own would mask 5), the sequence means; and the
+# objectives of whole responses (their sequence ratio needs each response whole in one micro-batch), CISPO with NAV
 LOSSES = {
-    "mu-grpo": dict(clip_low=0.0, clip_high=5.0, nav_delta=0.5, nav_scope="H"),
-    "grpo-m2po": dict(clip_low=0.8, clip_high=1.2, m2po_tau=0.2),
-    "seq-mean": dict(clip_low=0.8, clip_high=1.2, nav_delta=0.5, agg="seq-mean-token-mean"),
-    "dr-grpo": dict(clip_low=0.8, clip_high=1.2, agg="seq-mean-token-sum-norm", norm_len=12),
+    "mu-grpo": L.build(clip_low=0.0, clip_high=5.0, nav_delta=0.5, nav_scope="H"),
+    "grpo-m2po": L.build(clip_low=0.8, clip_high=1.2, m2po_tau=0.2),
+    "seq-mean": L.build(clip_low=0.8, clip_high=1.2, nav_delta=0.5, agg="seq-mean-token-mean"),
+    "dr-grpo": L.build(clip_low=0.8, clip_high=1.2, agg="seq-mean-token-sum-norm", norm_len=12),
+    **{name: L.preset(name) for name in ("topr", "oapl", "gspo", "vespo", "dppo-tv")},
+    "cispo-nav": L.preset("cispo-nav", nav_delta=0.5),
 }
 
 
@@ -145,7 +148,7 @@ def test_the_packed_update_is_the_plain_one(tiny, name, micro_batch_tokens):
                                    update.Recipe(loss_kw, micro_batch_tokens=micro_batch_tokens, grad_clip=1e9))
     assert stepped and m["loss/tokens"] == int(stage.response_len[batch].sum()) == 31   # 6+3+1+5 + 8+5+1+2
     assert m["loss/kept_tokens"] == ref_stats["kept"].item()
-    if name in ("mu-grpo", "grpo-m2po"):              # the masks take tokens out, so the kept count matters
+    if name in ("mu-grpo", "grpo-m2po", "cispo-nav"):     # the masks take tokens out, so the kept count matters
         assert m["loss/kept_tokens"] < 31
     assert m["loss/policy"] == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-7)
     for n, p in model.named_parameters():
@@ -168,7 +171,7 @@ def test_the_first_update_of_mu_grpo_is_its_equation_by_hand(tiny):
             adv = float(stage.advantage[i])
             total += -torch.minimum(rho * adv, rho.clamp(0.0, 5.0) * adv).sum().item()
     m, _ = update.run_update(model, torch.optim.SGD(model.parameters(), lr=0.0), stage, batch, 1.0, {},
-                             update.Recipe(dict(clip_low=0.0, clip_high=5.0), micro_batch_tokens=12, grad_clip=1.0))
+                             update.Recipe(L.build(clip_low=0.0, clip_high=5.0), micro_batch_tokens=12, grad_clip=1.0))
     assert m["loss/policy"] == pytest.approx(total / 31, rel=1e-5)
 
 
@@ -202,8 +205,9 @@ def test_a_stored_column_is_read_only(tiny, tmp_path):
         stored.values[0] = 1.0
 
 
-@pytest.mark.parametrize("loss_kw,columns", [(LOSSES["mu-grpo"], {}), ({**LOSSES["grpo-m2po"], "tis_cap": 2.0,
-                                                                         "kl_coef": 0.1}, {"ref": None})])
+@pytest.mark.parametrize("loss_kw,columns", [(LOSSES["mu-grpo"], {}), (L.build(clip_low=0.8, clip_high=1.2, m2po_tau=0.2,
+                                                                                 tis_cap=2.0, kl_coef=0.1), {"ref": None}),
+                                             (LOSSES["topr"], {}), (LOSSES["oapl"], {})])
 def test_a_rank_without_responses_adds_nothing(tiny, loss_kw, columns):
     # the stats a rank starts from (and sends when it has no response of the minibatch): the names of a real call's
     # (plus the update's own), sums zero, so that merging them with any stats leaves those stats as they were; but
@@ -212,12 +216,12 @@ def test_a_rank_without_responses_adds_nothing(tiny, loss_kw, columns):
     empty = update.empty_stats(loss_kw, columns, cutoff=None)
     x = update.pack(stage, [0, 5], {})
     lp = x["behavior"] + 0.3 * x["mask"]
-    extra = {"old_logprobs": x["behavior"]} if "tis_cap" in loss_kw else {}
-    real = L.policy_loss(lp, x["behavior"], x["adv"], x["mask"], **loss_kw, **extra,
+    extra = {"old_logprobs": x["behavior"]} if loss_kw.tis_cap is not None else {}
+    real = L.policy_loss(lp, x["behavior"], x["adv"], x["mask"], loss_kw, **extra,
                          ref_logprobs=x["behavior"] if columns else None)[1]
     assert set(empty) == set(real) | {"entropy_sum", "saved_activations_gib_max"}
     counts = [k for k in empty if not k.endswith(("_min", "_max")) and k != "kl_in_loss"]
-    assert {k: empty[k].item() for k in counts} == dict.fromkeys(counts, 0.0)
+    assert {k: empty[k].abs().sum().item() for k in counts} == dict.fromkeys(counts, 0.0)
     assert empty["ratio_min"].item() == np.inf and empty["ratio_max"].item() == -np.inf
     merged = L.merge_stats(empty, {**real, "entropy_sum": torch.tensor(2.0),
                                    "saved_activations_gib_max": torch.tensor(0.5)})

@@ -121,7 +121,9 @@ def replay_delta(root, variant, seed):
     config = root / variant / f"seed{seed}" / records.OPTIMIZE_CONFIG
     if not config.exists():
         raise SystemExit(f"{config} is missing: not an ablate.sh replay (pass --nav_delta to diagnose it anyway)")
-    return json.loads(config.read_text())["hyperparameters"]["nav_delta"]
+    settings = json.loads(config.read_text())
+    loss = settings.get("resolved", {}).get("loss")   # the Loss it trained with (older replays: their block's value)
+    return loss["nav_delta"] if loss else settings["hyperparameters"]["nav_delta"]
 
 
 def deltas(root, variant_seeds):

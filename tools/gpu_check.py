@@ -109,8 +109,7 @@ def bf16_against_fp32(model_dir, stage):
     def loss_and_grad(net, bf16):
         net.zero_grad(set_to_none=True)
         x = update.forward(net, data, mb, 1.0, bf16=bf16)
-        value, _ = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], clip_low=0.0, clip_high=5.0,
-                                 nav_delta=1e-4)
+        value, _ = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], L.preset("mu-grpo"))
         value.backward()
         grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in net.parameters()
                  if p.grad is not None]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from mu_grpo import common  # noqa: E402
+from mu_grpo import common, launch  # noqa: E402
 from mu_grpo import pool  # noqa: E402
 
 # frontier.sh's knobs, as it gives them (lists space-separated); their meaning is there
@@ -81,20 +81,15 @@ def check():
     return int(n_gpus)
 
 
-def loss_flags(loss, nav_delta="1e-4"):
-    """A LOSS preset's optimize.py flags, from losses.sh (their one home), or its line naming the presets."""
-    proc = subprocess.run(["bash", "-c", 'source losses.sh && loss_args "$1" && echo "$LOSS_ARGS"', "_", loss],
-                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NAV_DELTA": nav_delta})
-    if proc.returncode:
-        common.refuse(proc.stderr.strip())
-    return proc.stdout.strip()
+def check_loss(loss):
+    """A LOSS that names no preset of loss.py: its line naming them."""
+    if problem := launch.check_loss_name(loss):
+        common.refuse(problem)
 
 
 def nav_presets():
-    """The LOSS presets with NAV, as losses.sh names them (NAV_PRESETS)."""
-    proc = subprocess.run(["bash", "-c", 'source losses.sh && echo "$NAV_PRESETS"'], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
-    return proc.stdout.split()
+    """The LOSS presets with NAV: the rows of loss.py's PRESETS with a NAV δ (their flags follow NAV_DELTA)."""
+    return [name for name in launch.L().PRESETS if launch.L().preset(name).nav_delta is not None]
 
 
 def all_points():
@@ -102,7 +97,7 @@ def all_points():
     of NAV_DELTAS, labelled <loss>-d<δ>."""
     found, with_nav = [], nav_presets()
     for loss in losses.split():
-        loss_flags(loss)                # an unknown preset: losses.sh's line naming them
+        check_loss(loss)                # an unknown preset: the line naming them
         nav = loss in with_nav
         for label in ([f"{loss}-d{d}" for d in nav_deltas.split()] if nav else [loss]):
             found += [f"{label}:{mu}" for mu in mus.split()]

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from mu_grpo import common  # noqa: E402
 from mu_grpo.model_cards import short_name  # noqa: E402  (a model's name under runs_dir and in the paper's numbers)
 from mu_grpo import records  # noqa: E402
-import sweep  # noqa: E402  (bench/: a LOSS preset's flags, from losses.sh)
+import sweep  # noqa: E402  (bench/: a LOSS preset's check)
 
 command = "table"               # table: write the table from the runs' records | plan: write runs.txt (table1.sh) |
                                 # agreement: each model's stage-0 engine/trainer agreement from its preparation
@@ -49,11 +49,11 @@ NAMES = {"grpo": "GRPO", "m2po": "M2PO", "mu-grpo": "μ-GRPO", "dapo": "DAPO"}
 
 
 def parse_method(method):
-    """'loss:μ' → (loss, μ), the LOSS a preset of losses.sh and μ dividing total_updates, or one line refusing it."""
+    """'loss:μ' → (loss, μ), the LOSS a preset of loss.py and μ dividing total_updates, or one line refusing it."""
     loss, _, mu = method.partition(":")
     if not mu.isdigit() or int(mu) < 1:
         common.refuse(f"METHODS: '{method}' is not <LOSS preset>:<μ>, e.g. grpo:4 or mu-grpo:1024")
-    sweep.loss_flags(loss)          # an unknown preset: losses.sh's line naming them
+    sweep.check_loss(loss)          # an unknown preset: the line naming them
     if total_updates % int(mu):
         common.refuse(f"METHODS: μ = {mu} of '{method}' does not divide TOTAL_UPDATES={total_updates} (the runs compare at "
                f"equal updates)")
