@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The paper's ablations (Fig. 2 and 3) on the CPU lab task, in one command: bash ablate.sh
-#   1. stage 0: one batch of rollouts from the warm-started lab policy (generate.py)
+# One stale stage replayed under any list of LOSS presets, in one command: the paper's ablations (Fig. 2 and 3) on the
+# CPU lab task (bash ablate.sh), every objective family (VARIANTS=all), or the paper's own stage on the box (LAB=paper
+# GPUS=4 TRAIN_RANKS=4 JOBS=1; docs/paper-run.md)
+#   1. stage 0: one batch of rollouts from the warm-started lab policy (generate.py); LAB=paper: run_stages.sh's paper
+#      preset makes it (its MODEL, TRAIN_DATA, template, lengths and checks; it also trains it once, under mu-grpo)
 #   2. replays: every LOSS variant × seed runs UPDATES_PER_STAGE stale updates on those same rollouts
 #      (optimize.py), saving the policy every SAVE_EVERY updates
 #   3. the small-μ on-policy reference: run_stages.sh in resident mode, ONPOLICY_UPDATES updates per stage
@@ -13,7 +16,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 # ------------------------------------------------------------------------------ hyperparameters
 # ---- the task and where everything goes
 LAB=${LAB:-lab}                 # the task: lab (data/lab.py: arithmetic chains that slip) | lab-fork (data/lab_fork.py:
-                                # a low-probability fork before a long doomed detour)
+                                # a low-probability fork before a long doomed detour) | paper (run_stages.sh's paper
+                                # preset; MODEL, TRAIN_DATA, BENCHMARKS, ... from the environment as there)
+STAGE_PRESET=${STAGE_PRESET:-paper}  # LAB=paper: run_stages.sh's PRESET that makes the stage (toy: the same flow on a
+                                # CPU, at the box's shape with ENGINES=2 TRAIN_RANKS=2)
 BUILD=${BUILD:-0}               # the builder's --seed: which task and warm-started policy (a finding holds only if it
                                 # holds on every build tried; frontier.sh's BUILDS name the same builds)
 SUFFIX=$( [[ "$BUILD" == 0 ]] || echo "_build$BUILD")
@@ -28,7 +34,8 @@ SEEDS=${SEEDS:-0 1 2}           # one replay per seed: the order in which the st
 UPDATES_PER_STAGE=${UPDATES_PER_STAGE:-256}  # μ of the replays: the last update trains on data μ − 1 updates stale
 PROMPTS_PER_UPDATE=${PROMPTS_PER_UPDATE:-4}   # prompts per minibatch (× GROUP_SIZE responses)
 GROUP_SIZE=${GROUP_SIZE:-8}     # G
-LR=${LR:-1e-4}                  # AdamW learning rate (constant): the ratios drift (min ratio → 0) within 64 updates
+LR=${LR:-$([[ $LAB == paper ]] && echo 1e-6 || echo 1e-4)}   # AdamW's (constant); lab: the ratios drift (min ratio → 0)
+                                # within 64 updates; paper: optimize.py's
 NAV_DELTA=${NAV_DELTA:-}        # NAV's trigger threshold δ for every variant with NAV and reference (empty: 1e-4)
 SAVE_EVERY=${SAVE_EVERY:-32}    # updates between saved policies: the points of each accuracy curve
 # ---- the on-policy references (run_stages.sh, resident)
@@ -55,8 +62,8 @@ done
 for v in UPDATES_PER_STAGE PROMPTS_PER_UPDATE SAVE_EVERY EVAL_K JOBS TRAIN_RANKS; do
   (( ${!v} >= 1 )) || { echo "$v must be at least 1, got '${!v}'" >&2; exit 2; }
 done
-case "$LAB" in lab) BUILDER=data/lab.py ;; lab-fork) BUILDER=data/lab_fork.py ;;
-  *) echo "LAB must be lab or lab-fork, got '$LAB'" >&2; exit 2 ;; esac
+case "$LAB" in lab) BUILDER=data/lab.py ;; lab-fork) BUILDER=data/lab_fork.py ;; paper) BUILDER= ;;
+  *) echo "LAB must be lab, lab-fork or paper, got '$LAB'" >&2; exit 2 ;; esac
 for variant in $VARIANTS $ONPOLICY_LOSSES; do LOSS=$variant $PY -m mu_grpo.launch --command=loss_flags > /dev/null || exit 2; done
 for seed in $SEEDS $ONPOLICY_SEEDS; do
   [[ "$seed" =~ ^[0-9]+$ ]] || { echo "SEEDS and ONPOLICY_SEEDS must be whole numbers, got '$seed'" >&2; exit 2; }
@@ -71,7 +78,7 @@ mkdir -p "$OUT/.done" "$OUT/logs"
 exec 9>"$OUT/.lock"
 flock -n 9 || { echo "another ablate.sh is running on $OUT (it holds $OUT/.lock)" >&2; exit 1; }
 T0=$(date +%s)
-echo "ablation $OUT on $LAB (build $BUILD): variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES_PER_STAGE updates of $PROMPTS_PER_UPDATE prompts" \
+echo "ablation $OUT on $LAB$([[ $LAB == paper ]] || echo " (build $BUILD)"): variants [$VARIANTS] × seeds [$SEEDS], μ = $UPDATES_PER_STAGE updates of $PROMPTS_PER_UPDATE prompts" \
      "× G=$GROUP_SIZE at lr $LR, NAV δ = ${NAV_DELTA:-1e-4}, a policy every $SAVE_EVERY updates; on-policy references" \
      "[$ONPOLICY_LOSSES] μ = $ONPOLICY_UPDATES (seeds [$ONPOLICY_SEEDS]); $JOBS replays at a time, each of" \
      "$TRAIN_RANKS rank(s); $GPUS GPU(s)"
@@ -86,28 +93,37 @@ step() {
   touch "$OUT/.done/$name"
 }
 
-[[ -f "$LAB_DIR/model/config.json" ]] || step lab $PY "$BUILDER" --out_dir="$LAB_DIR" --seed="$BUILD" $LAB_ARGS
-MODEL=$LAB_DIR/model
-SAMPLING=(--max_prompt_tokens=64 --max_response_tokens="$MAX_RESPONSE" --prompt_template="{problem}")
-
 # 1. the shared stale rollouts: UPDATES_PER_STAGE minibatches' worth, from the initial policy
-step rollouts $PY generate.py --policy="$MODEL" --data="$LAB_DIR/train.jsonl" --run_dir="$OUT" --stage=0 \
-    --prompts_per_stage=$((UPDATES_PER_STAGE * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
-    --shard_prompts=1024 --gpus="$GPUS" "${SAMPLING[@]}"
+if [[ $LAB == paper ]]; then      # the paper run's first stage, no evaluation; then its settings are the replays'
+  step rollouts env PRESET="$STAGE_PRESET" RUN="$OUT/source" STAGES=1 UPDATES_PER_STAGE="$UPDATES_PER_STAGE" \
+      PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" GROUP_SIZE="$GROUP_SIZE" LOSS=mu-grpo LR="$LR" EVAL_EVERY=0 \
+      GPUS="$GPUS" TRAIN_RANKS="$TRAIN_RANKS" bash run_stages.sh
+  eval "$(RUN="$OUT/source" $PY -m mu_grpo.launch --command=recorded)"    # MODEL, TRAIN_DATA, ..., TEMPLATE_FLAG
+  STAGE_DIR=$OUT/source/stage_0 REPLAY_FLAGS=
+  SAMPLING=(--max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE" $TEMPLATE_FLAG)
+else
+  [[ -f "$LAB_DIR/model/config.json" ]] || step lab $PY "$BUILDER" --out_dir="$LAB_DIR" --seed="$BUILD" $LAB_ARGS
+  MODEL=$LAB_DIR/model TRAIN_DATA=$LAB_DIR/train.jsonl EVAL_DATA_DIR=$LAB_DIR BENCHMARKS=test
+  STAGE_DIR=$OUT/stage_0 REPLAY_FLAGS=--micro_batch_tokens=4096
+  SAMPLING=(--max_prompt_tokens=64 --max_response_tokens="$MAX_RESPONSE" --prompt_template="{problem}")
+  step rollouts $PY generate.py --policy="$MODEL" --data="$TRAIN_DATA" --run_dir="$OUT" --stage=0 \
+      --prompts_per_stage=$((UPDATES_PER_STAGE * PROMPTS_PER_UPDATE)) --group_size="$GROUP_SIZE" --temperature=1.0 \
+      --shard_prompts=1024 --gpus="$GPUS" "${SAMPLING[@]}"
+fi
 
 # 2. the replays, JOBS at a time, each on its JOBS-th of the cores; a failed one stops the others (mu_grpo/pool.py)
 replay() {     # (a preset's KL penalty, offpolicy-grpo's, takes the replayed policy, MODEL, for π_ref)
   local variant=$1 seed=$2 TRAIN=($PY)
   (( TRAIN_RANKS == 1 )) || TRAIN=($PY -m torch.distributed.run --standalone --nproc_per_node="$TRAIN_RANKS")
-  "${TRAIN[@]}" optimize.py --stage_dir="$OUT/stage_0" --policy="$MODEL" \
+  "${TRAIN[@]}" optimize.py --stage_dir="$STAGE_DIR" --policy="$MODEL" $REPLAY_FLAGS \
       --out="$OUT/$variant/seed$seed/policy" --seed="$seed" --updates_per_stage="$UPDATES_PER_STAGE" \
       --prompts_per_update="$PROMPTS_PER_UPDATE" --lr="$LR" --save_policy_every="$SAVE_EVERY" \
-      --save_train_state=false --micro_batch_tokens=4096 $(LOSS=$variant $PY -m mu_grpo.launch --command=loss_flags)
+      --save_train_state=false $(LOSS=$variant $PY -m mu_grpo.launch --command=loss_flags)
   [[ "$REPORT_TO" == none ]] || $PY -m mu_grpo.tracking --command=follow --run_dir="$OUT/$variant/seed$seed" \
       --report_to="$REPORT_TO" --group="$TRACKER_GROUP" --settings="LOSS=$variant"$'\n'"SEED=$seed"
 }
 export -f replay
-export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA TRAIN_RANKS
+export PY OUT MODEL UPDATES_PER_STAGE PROMPTS_PER_UPDATE LR SAVE_EVERY REPORT_TO NAV_DELTA TRAIN_RANKS STAGE_DIR REPLAY_FLAGS
 for variant in $VARIANTS; do
   for seed in $SEEDS; do echo "replay_${variant}_seed$seed replay $variant $seed"; done
 done | $PY -m mu_grpo.pool --jobs="$JOBS" --logs="$OUT/logs" --done="$OUT/.done" 9>&-
@@ -124,10 +140,11 @@ done
 if (( ONPOLICY_UPDATES > 0 )); then
   for loss in $ONPOLICY_LOSSES; do
     for seed in $ONPOLICY_SEEDS; do
-      step "onpolicy_${loss}_seed$seed" env PRESET="$LAB" MODEL="$MODEL" TRAIN_DATA="$LAB_DIR/train.jsonl" \
-          EVAL_DATA_DIR="$LAB_DIR" LOSS="$loss" RUN="$OUT/onpolicy-$loss/seed$seed" SEED="$seed" LR="$LR" \
+      step "onpolicy_${loss}_seed$seed" env PRESET="$LAB" MODEL="$MODEL" TRAIN_DATA="$TRAIN_DATA" \
+          EVAL_DATA_DIR="$EVAL_DATA_DIR" BENCHMARKS="$BENCHMARKS" LOSS="$loss" RUN="$OUT/onpolicy-$loss/seed$seed" SEED="$seed" LR="$LR" \
           STAGES=$((UPDATES_PER_STAGE / ONPOLICY_UPDATES)) UPDATES_PER_STAGE="$ONPOLICY_UPDATES" PROMPTS_PER_UPDATE="$PROMPTS_PER_UPDATE" \
           GROUP_SIZE="$GROUP_SIZE" MAX_RESPONSE="$MAX_RESPONSE" EVAL_EVERY=0 RESIDENT=true SAVE_EVERY=1 GPUS="$GPUS" \
+          TRAIN_RANKS="$TRAIN_RANKS" \
           bash run_stages.sh
       for ((s = 0; s < UPDATES_PER_STAGE / ONPOLICY_UPDATES; s++)); do POLICIES+=",$OUT/onpolicy-$loss/seed$seed/stage_$s/policy"; done
     done
@@ -135,7 +152,7 @@ if (( ONPOLICY_UPDATES > 0 )); then
 fi
 
 # 4. every policy on the test set, one engine
-step evaluate $PY evaluate.py --policy="$POLICIES" --benchmarks=test --data_dir="$LAB_DIR" --k="$EVAL_K" \
+step evaluate $PY evaluate.py --policy="$POLICIES" --benchmarks="$BENCHMARKS" --data_dir="$EVAL_DATA_DIR" --k="$EVAL_K" \
     --temperature=1.0 --top_p=1.0 --results="$OUT/results.jsonl" --gpus="$GPUS" "${SAMPLING[@]}"
 
 # 5. figures and the table

@@ -34,7 +34,7 @@ case "$PRESET" in               # the points' μ ("drift": the drift rule), thei
   *) echo "PRESET must be lab, lab-fork, paper or toy, got '$PRESET'" >&2; exit 2 ;;
 esac
 # ---- the points (label:μ): LOSS presets × NAV δ × MUS, over seeds and builds; the baseline
-LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (losses.sh)
+LOSSES=${LOSSES:-grpo mu-grpo}  # LOSS presets (loss.py PRESETS)
 NAV_DELTAS=${NAV_DELTAS:-1e-4 0.1}  # NAV δ of the presets with NAV (one point each; grpo has none)
 SEEDS=${SEEDS:-0}               # run_stages.sh's SEED: prompt order, sampling, minibatch order. One by default: the
                                 # comparisons are over builds (each build's seeds averaged), so a second seed narrows

@@ -77,7 +77,7 @@ grad_clip = 1.0                 # max global grad norm
 
 # the loss (loss.py): `loss` names a row of loss.PRESETS; a value below but None (a flag's none too) overrides its
 loss = "mu-grpo"                # mu-grpo | grpo | dapo | m2po | cispo | topr | oapl | ... (run_stages.sh LOSS)
-objective_args = ""             # the objective's own settings over the row's, name=value,... (e.g. eps_max=4: cispo's)
+objective_args = ""             # the objective's own settings (and soft_value_beta) over the row's: name=value,...
 temperature = 0.0               # log-prob temperature; 0: the sampling temperature from the manifest
 clip_low = None                 # the clipping objectives' bounds (clip: the token ratio; gspo: the sequence's)
 clip_high = None

@@ -753,6 +753,15 @@ def stage_command(s):
                        "EVALUATE": str(decided.evaluate).lower()}).replace("\n", " "))
 
 
+def recorded_command():
+    """The recorded settings of the run in RUN that a replay of its stage takes (ablate.sh LAB=paper), as shell
+    assignments."""
+    knobs = json.loads((Path(os.environ["RUN"]) / records.RUN_SETTINGS).read_text())["knobs"]
+    print(assignments({**{n: knobs[n] for n in ("MODEL", "TRAIN_DATA", "EVAL_DATA_DIR", "BENCHMARKS", "MAX_PROMPT",
+                                                "MAX_RESPONSE")},
+                       "TEMPLATE_FLAG": " ".join(template_args(knobs["TEMPLATE"]))}))
+
+
 def loss_flags_command():
     """optimize.py's flags of the LOSS preset (LOSS, NAV_DELTA from the environment), or the line naming the presets."""
     try:
@@ -906,6 +915,7 @@ if __name__ == "__main__":
                 "stage": lambda: stage_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command, "row": row_command,
                 "finished": finished_command, "loss_flags": loss_flags_command,
+                "recorded": recorded_command,
                 "end": end_command,
                 "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}
     common.check_choice("command", command, tuple(commands))

@@ -93,9 +93,9 @@ def test_greedy_evaluation_with_one_sample_is_allowed():
 def test_a_misspelt_knob_is_named_with_the_knob_it_is_close_to():
     env = {"UPDATE_PER_STAGE": "4", "PATH": "/bin", "SEEDS": "0 1", "MUS": "4 64", "CUDA_VISIBLE_DEVICES": "0",
            "LR": "1e-4", "GROUPSIZE": "4", "HOME": "/root", "OMP_NUM_THREADS": "1", "NAV_DELTA": "1e-4",
-           "LAB_DIR": "data/lab", "LOSS_PRESETS": "grpo"}
-    # the frontier's and table's knobs (SEEDS, MUS), losses.sh's and presets.sh's (NAV_DELTA, LAB_DIR, LOSS_PRESETS)
-    # are knobs of other launchers, not typos
+           "LAB_DIR": "data/lab", "VARIANTS": "grpo"}
+    # the frontier's and table's knobs (SEEDS, MUS), run_stages.sh's NAV_DELTA, presets.sh's and ablate.sh's (LAB_DIR,
+    # VARIANTS) are knobs, not typos
     assert launch.misspelt_knobs(env) == [("UPDATE_PER_STAGE", "UPDATES_PER_STAGE"), ("GROUPSIZE", "GROUP_SIZE")]
     proc = subprocess.run([sys.executable, "-m", "mu_grpo.launch", "--command=settings"], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, **TOY, "UPDATE_PER_STAGE": "4"}, timeout=60)

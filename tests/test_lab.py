@@ -310,3 +310,37 @@ def test_paired_differences_across_two_frontiers_by_hand(monkeypatch):
     assert rows["all"]["pairs"] == 3 and rows["all"]["differences"] == pytest.approx([-0.05, 0.45])
     assert (rows["all"]["mean"], rows["all"]["low"], rows["all"]["high"]) == pytest.approx((0.2, -2.9765, 3.3765), abs=1e-4)
 
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_paper_presets_stage_is_replayed_under_several_families_at_the_boxs_shape(toy, tmp_path):
+    # LAB=paper: run_stages.sh makes stage 0 (the paper preset's control flow with the toy preset's CPU settings, two
+    # engines and two trainer ranks: the box's shape), then each family replays it in two gloo ranks (torchrun)
+    out = tmp_path / "replay"
+    env = {"LAB": "paper", "STAGE_PRESET": "toy", "OUT": str(out), "MODEL": str(toy / "model"), "TRAIN_DATA": str(toy / "train.jsonl"),
+           "EVAL_DATA_DIR": str(toy), "BENCHMARKS": "test", "TEMPLATE": "plain", "MAX_PROMPT": "64",
+           "MAX_RESPONSE": "12", "VARIANTS": "mu-grpo oapl", "SEEDS": "0", "UPDATES_PER_STAGE": "4",
+           "PROMPTS_PER_UPDATE": "4", "SAVE_EVERY": "2", "ONPOLICY_UPDATES": "0", "ENGINES": "2", "TRAIN_RANKS": "2",
+           "JOBS": "1", "LR": "5e-4", "EVAL_K": "1", "MICRO_BATCH_TOKENS": "4096", "GRAD_CKPT": "false"}
+    proc = subprocess.run(["bash", "ablate.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    source = json.loads((out / "source" / "stage_0" / "optimize_config.json").read_text())
+    for variant in ("mu-grpo", "oapl"):
+        config = json.loads((out / variant / "seed0" / "optimize_config.json").read_text())
+        assert config["world"] == 2 and config["resolved"]["loss"]["objective"] == ("clip" if variant == "mu-grpo"
+                                                                                    else "oapl")
+        assert config["hyperparameters"]["stage_dir"] == str(out / "source" / "stage_0")
+        assert [r["update"] for r in read_lines(out / variant / "seed0" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert source["world"] == 2 and source["resolved"]["loss"]["objective"] == "clip"
+    # the mu-grpo replay is the paper run's own stage 0 again (its rollouts, policy, seed and learning rate): the same
+    # loss at every update, float for float
+    run_rows = read_lines(out / "source" / "stage_0" / "metrics.jsonl")
+    replay_rows = read_lines(out / "mu-grpo" / "seed0" / "metrics.jsonl")
+    assert [r["loss/policy"] for r in replay_rows] == [r["loss/policy"] for r in run_rows]
+    oapl = read_lines(out / "oapl" / "seed0" / "metrics.jsonl")
+    assert all("oapl/residual_sq_mean" in r and "grad/zero_frac_neg" in r for r in oapl)
+    # the initial policy and each replay's policies at updates 2 and 4, evaluated on the run's benchmark
+    rows = read_lines(out / "results.jsonl")
+    assert len({r["policy"] for r in rows}) == 5 and {r["benchmark"] for r in rows} == {"test"}

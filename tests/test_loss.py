@@ -207,6 +207,9 @@ def test_token_mean_seq_mean_and_dr_grpo_normalize_as_their_formulas_by_hand():
 @pytest.mark.parametrize("agg", L.AGG_MODES)
 @pytest.mark.parametrize("normalizer", L.TOKEN_NORMALIZERS)
 @pytest.mark.parametrize("options", [dict(), dict(nav_delta=0.3, nav_scope="H"), dict(dual_clip=3.0),
+                                     *(dict(objective=name) for name in ("cispo", "topr", "oapl", "dppo-tv", "vespo",
+                                                                         "gspo")),
+                                     dict(objective="cispo", nav_delta=0.3), dict(objective="is", m2po_tau=0.04),
                                      dict(m2po_tau=0.04, m2po_cutoff=0.5)])
 def test_micro_batch_split_does_not_change_loss_grad_or_stats(agg, normalizer, options):
     # the recipe of optimize.py: micro-batch losses with the minibatch's counts (token-mean over kept
@@ -220,7 +223,8 @@ def test_micro_batch_split_does_not_change_loss_grad_or_stats(agg, normalizer, o
     behavior = -torch.rand(B, T, generator=g) * 3
     current = behavior + torch.randn(B, T, generator=g)
     adv = torch.randn(B, generator=g)
-    kw = dict(clip_low=0.0, clip_high=5.0, agg=agg, token_normalizer=normalizer, num_seqs=B, norm_len=T, **options)
+    clip = dict(clip_low=0.0, clip_high=5.0) if options.get("objective", "clip") == "clip" else {}   # (the clip's)
+    kw = dict(agg=agg, token_normalizer=normalizer, num_seqs=B, norm_len=T, **clip, **options)
     deferred = agg == "token-mean" and normalizer == "kept"
 
     def run(splits):

@@ -96,6 +96,8 @@ def figures(runs, out):
 
 CLIP_VARIANTS = ("grpo", "relaxed-no-nav", "mu-grpo", "m2po", "dapo")            # Fig. 2
 SCOPE_VARIANTS = ("relaxed-no-nav", "nav-none", "nav-T", "mu-grpo", "nav-S", "nav-seq")  # Fig. 3 (mu-grpo: H)
+AGAINST = ("relaxed-no-nav", "grpo", "onpolicy-grpo")   # what every replay is compared with (the table's rows)
+# (each a LOSS preset of loss.py, onpolicy-grpo ablate.sh's reference: tests/test_objectives.py checks them)
 
 
 def load_ablation(path):
@@ -218,7 +220,7 @@ ABLATION_STATISTICS = {         # what ablation_comparisons compares: a replay's
 }
 
 
-def ablation_comparisons(ablation, against=("relaxed-no-nav", "grpo", "onpolicy-grpo")):
+def ablation_comparisons(ablation, against=AGAINST):
     """Every variant against each variant of `against` (the relaxed clip alone, GRPO's clip on the same stale
     rollouts, GRPO at small μ with fresh rollouts), paired by seed, for each of ABLATION_STATISTICS (final accuracy;
     the lowest E[ρ | A<0], which the reference's records lack): the differences, their mean and 95 % t interval over
