@@ -32,6 +32,7 @@ the presets, the generate → optimize → evaluate loop). run_stages.sh exports
 Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed, exiting 2.
 """
 import contextlib
+import dataclasses
 import fcntl
 import fnmatch
 import json
@@ -207,6 +208,9 @@ LOOP_PASSED = {     # the flags run_stages.sh gives every call of the script (te
     "evaluate.py": {"benchmarks", "data_dir", "max_prompt_tokens", "max_response_tokens", "results", "run_start",
                     "gpus", "engines", "nnodes", "node_rank", "store", "policy", "stage", "skip_evaluated"},
 }
+# optimize.py's loss block: the knobs loss.resolve_loss makes the run's Loss of (recorded as that Loss, run_settings)
+LOSS_BLOCK = ("loss", "objective_args", "clip_low", "clip_high", "dual_clip", "advantage", "nav_delta", "nav_scope",
+              "m2po_tau", "tis_cap", "kl_coef", "kl_estimator", "agg", "token_normalizer")
 PHASE_SCRIPTS = {
     "generate.py": LOOP_PASSED["generate.py"] | {
         "grader_workers", "grader_timeout_s", "tensor_parallel", "gpu_memory_utilization", "worker_rank", "resident",
@@ -224,12 +228,14 @@ PHASE_SCRIPTS = {
 
 
 def run_settings(k):
-    """What makes a run what it is: every knob but each node's own and RERUN_SAFE, and the phase scripts' blocks but
-    their safe knobs ({"knobs": ..., "<script>": ...}); recorded at its first attempt (records.RUN_SETTINGS)."""
+    """What makes a run what it is: every knob but each node's own and RERUN_SAFE, the phase scripts' blocks but
+    their safe knobs and optimize.py's loss block, and the Loss that block, LOSS and LOSS_ARGS make (its row of loss.py's
+    PRESETS as it is: an edited row is a changed run) ({"knobs": ..., "<script>": ..., "loss": ...}); recorded at its
+    first attempt (records.RUN_SETTINGS)."""
     knobs = {n: k[n] for n, (_, *own) in SETTINGS.items() if not own and n not in RERUN_SAFE}
-    scripts = {name: {key: v for key, v in common.script_defaults(name).items() if key not in safe}
-               for name, safe in PHASE_SCRIPTS.items()}
-    return {"knobs": knobs, **scripts, "data": data_files(k)}
+    scripts = {name: {key: v for key, v in common.script_defaults(name).items() if key not in safe
+                      and not (name == "optimize.py" and key in LOSS_BLOCK)} for name, safe in PHASE_SCRIPTS.items()}
+    return {"knobs": knobs, **scripts, "loss": dataclasses.asdict(run_loss(k)), "data": data_files(k)}
 
 
 def data_files(k):
@@ -251,7 +257,9 @@ def setting_changes(recorded, now):
             a, b = (x if x != "" else "(empty)" for x in (a, b))
             # (data: a file not there yet, fetched later; a flag the loop always passes: a record made before
             # LOOP_PASSED left those out holds their block values, which no run used)
-            if a == b or part == "data" and "(unset)" in (a, b) or key in LOOP_PASSED.get(part, ()):
+            # (a record made before the loss was recorded whole: its loss block's values, now the Loss's part)
+            if a == b or part == "data" and "(unset)" in (a, b) or key in LOOP_PASSED.get(part, ()) \
+                    or part == "loss" and part not in recorded or part == "optimize.py" and key in LOSS_BLOCK:
                 continue
             if part == "knobs" and key in EXTENDABLE and str(a).isdigit() and str(b).isdigit() and int(b) > int(a):
                 raised = True
@@ -436,16 +444,16 @@ def run_problems(k):
         flags[name] = values
     if "loss" in flags["LOSS_ARGS"]:
         return f"LOSS_ARGS={k['LOSS_ARGS']} names a loss preset: that is LOSS's (LOSS={flags['LOSS_ARGS']['loss']})"
-    given = {**knob_flags("LOSS_ARGS", k["LOSS_FLAGS"])[0], **flags["LOSS_ARGS"]}      # as optimize.py will get them
-    loss = {**common.script_defaults(ROOT / "optimize.py"), **given, **flags["DRIFT_ARGS"]}
+    loss, given = loss_knobs(k)
+    loss = {**loss, **flags["DRIFT_ARGS"]}
     if loss["nav_delta"] is not None and loss["nav_delta"] <= 0:
         return (f"NAV δ {loss['nav_delta']} (LOSS={k['LOSS']}, NAV_DELTA or LOSS_ARGS) never triggers, since a ratio is "
                 f"positive: NAV is off that way without saying so; turn it off with --nav_delta=none "
                 f"(LOSS=relaxed-no-nav) or give δ > 0 (the paper's 1e-4)")
     if loss["clip_low"] is not None and loss["clip_high"] is not None and loss["clip_low"] >= loss["clip_high"]:
         return f"the clip interval [{loss['clip_low']}, {loss['clip_high']}] (LOSS={k['LOSS']}, LOSS_ARGS) is empty"
-    try:                               # the Loss optimize.py will make (loss.resolve_loss), made here first
-        L().resolve_loss(k["LOSS"], loss, given, loss["objective_args"])
+    try:                               # the Loss optimize.py will make, made here first
+        run_loss(k)
     except ValueError as e:
         args = f" with LOSS_ARGS={shlex.quote(k['LOSS_ARGS'])}" if k["LOSS_ARGS"] else ""
         return f"LOSS={k['LOSS']}{args}: {e}"
@@ -467,6 +475,20 @@ def run_problems(k):
     if k["EVAL_CACHE"] and Path(k["EVAL_CACHE"]).exists() and not Path(k["EVAL_CACHE"]).is_dir():
         return f"EVAL_CACHE={k['EVAL_CACHE']} is a file: it names a directory of kept evaluations"
     return None
+
+
+def loss_knobs(k):
+    """optimize.py's loss block as the run gives it (LOSS_FLAGS, then LOSS_ARGS over the block's values), and the
+    names given as flags."""
+    preset = k.get("LOSS_FLAGS") or loss_flags(k["LOSS"], k.get("NAV_DELTA", ""))       # (resolve's, else made here)
+    given = {**knob_flags("LOSS_ARGS", preset)[0], **knob_flags("LOSS_ARGS", k["LOSS_ARGS"])[0]}
+    return {**common.script_defaults(ROOT / "optimize.py"), **given}, given
+
+
+def run_loss(k):
+    """The loss.Loss optimize.py trains the run with (loss.resolve_loss of its loss block), or the ValueError."""
+    loss, given = loss_knobs(k)
+    return L().resolve_loss(k["LOSS"], loss, given, loss["objective_args"])
 
 
 def L():

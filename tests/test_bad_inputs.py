@@ -147,7 +147,8 @@ def test_a_rerun_with_a_changed_setting_is_refused_naming_each(tmp_path, capsys)
     assert refusal(k) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith(f"RUN={run} was run with other settings: LOSS_ARGS (empty) → --clip_low=0.8; "
-                           f"LR 2e-4 → 1e-3. It holds finished work (1 rollout shard(s) of stage 0), which is kept: "
+                           f"LR 2e-4 → 1e-3; loss settings {{'clip_high': 5.0, 'clip_low': 0.0}} → {{'clip_low': 0.8, "
+                           f"'clip_high': 5.0}}. It holds finished work (1 rollout shard(s) of stage 0), which is kept: "
                            f"rerun with its settings ({run}/{records.RUN_SETTINGS}), or choose a new RUN"), line
     assert "\n" not in line
 
@@ -171,7 +172,7 @@ def test_a_rerun_may_change_what_does_not_change_the_science(tmp_path):
 def test_an_edited_default_in_a_phase_scripts_block_is_a_changed_setting(tmp_path, monkeypatch, capsys):
     run, k = recorded_run(tmp_path)
     real = common.script_defaults
-    monkeypatch.setattr(common, "script_defaults", lambda name: {**real(name), **(
+    monkeypatch.setattr(common, "script_defaults", lambda name, **kw: {**real(name, **kw), **(
         {"weight_decay": 0.1, "checkpoint_every": 5} if name == "optimize.py" else {})})
     assert refusal(k) == 2
     line = capsys.readouterr().err
@@ -183,7 +184,7 @@ def test_an_edited_default_the_loop_always_passes_is_no_changed_setting(tmp_path
     # value is never a run's: editing one (a git pull that changes it) must not refuse a rerun. Every one edited at once
     run, k = recorded_run(tmp_path)
     real = common.script_defaults
-    edited = lambda name: {**real(name), **{knob: "edited" for knob in launch.LOOP_PASSED.get(name, ())}}  # noqa: E731
+    edited = lambda name, **kw: {**real(name, **kw), **{knob: "edited" for knob in launch.LOOP_PASSED.get(name, ())}}  # noqa: E731
     monkeypatch.setattr(common, "script_defaults", edited)
     assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}
     planted = {script: safe - launch.LOOP_PASSED[script] for script, safe in launch.PHASE_SCRIPTS.items()}
@@ -551,3 +552,22 @@ def test_a_record_gains_the_hashes_of_data_fetched_after_it(tmp_path, monkeypatc
         str(data / "test.jsonl"), str(data / "train.jsonl")]
     (data / "test.jsonl").write_text('{"id": "b", "problem": "2+2?", "answer": "5"}\n')      # then edited
     assert refusal(k) == 2
+
+
+def test_the_runs_loss_is_recorded_whole_so_an_edited_preset_row_is_a_changed_setting(tmp_path, monkeypatch, capsys):
+    # the LOSS row lives in loss.py, no phase script's block: before the Loss was recorded, editing mu-grpo's row
+    # between attempts changed a run's loss unseen. A record made before (its optimize.py loss block's values, no
+    # Loss) still matches its run
+    import loss as L
+    run, k = recorded_run(tmp_path)
+    monkeypatch.setitem(L.PRESETS, "mu-grpo", L.Preset("clip", dict(clip_low=0.0, clip_high=4.0, nav_delta=1e-4),
+                                                        "an edited row"))
+    assert refusal(k) == 2
+    assert "loss settings {'clip_high': 5.0, 'clip_low': 0.0} → {'clip_low': 0.0, 'clip_high': 4.0}" in \
+        capsys.readouterr().err
+    monkeypatch.undo()
+    record = json.loads((run / records.RUN_SETTINGS).read_text())
+    del record["loss"]
+    record["optimize.py"].update(clip_low=0.0, clip_high=5.0, nav_delta=0.0001, nav_scope="H")   # the old block's
+    common.atomic_write_json(run / records.RUN_SETTINGS, record)
+    assert launch.rerun_check(k) == {"FRESH": "0", "EXTEND": "0"}

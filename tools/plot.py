@@ -261,8 +261,9 @@ def ablation_table(ablation, initial):
         collapsed = [next((u for u, a in c if a < collapse_below * initial), None) for c in v["curves"].values()]
         per_seed_min = [r for rows in v["metrics"].values() if (r := lowest_ratio_neg(rows)) is not None]
 
-        def mean_metric(key):
-            vals = [m.get(key) or 0.0 for rows in v["metrics"].values() for m in rows]
+        def mean_metric(key, absent=0.0):     # absent: a mask or clip the loss has not (0), a metric it did not log
+            vals = [m.get(key, absent) for rows in v["metrics"].values() for m in rows]
+            vals = [x if x is not None else absent for x in vals]
             return sum(vals) / len(vals) if vals else float("nan")
         best = max(curve, key=lambda c: c[1])
         table.append({
@@ -273,7 +274,9 @@ def ablation_table(ablation, initial):
             "min_ratio_neg": sum(per_seed_min) / len(per_seed_min) if per_seed_min else float("nan"),
             "vetoed_frac": mean_metric("nav/vetoed_frac"),
             "clipped_frac": mean_metric("clip/upper_frac") + mean_metric("clip/lower_frac")
-                            + mean_metric("m2po/masked_frac")})
+                            + mean_metric("m2po/masked_frac"),
+            # every objective's: the share of each sign's tokens given no gradient (clipped, masked, vetoed, its own)
+            "zero_pos": mean_metric("grad/zero_frac_pos", math.nan), "zero_neg": mean_metric("grad/zero_frac_neg", math.nan)})
     return table
 
 
@@ -282,12 +285,14 @@ def table_markdown(table, initial):
         return "—" if x != x else f"{x:.{digits}f}"
     lines = [f"initial policy: {initial:.3f}; collapse: a seed's accuracy below {collapse_below:g} × the initial",
              "", "| variant | seeds | final (min–max) | best (at update) | collapsed seeds (first at) | "
-             "lowest E[ρ \\| A<0] | vetoed tokens | clipped/masked tokens |", "|---|---|---|---|---|---|---|---|"]
+             "lowest E[ρ \\| A<0] | vetoed tokens | clipped/masked tokens | no gradient, A>0 | no gradient, A<0 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         collapse = f"{r['collapsed_seeds']} ({r['collapse_at']})" if r["collapsed_seeds"] else "0"
         lines.append(f"| {r['variant']} | {r['seeds']} | {r['final']:.3f} ({r['final_min']:.3f}–{r['final_max']:.3f}) "
                      f"| {r['best']:.3f} ({r['best_at']}) | {collapse} | {f(r['min_ratio_neg'], 3)} | "
-                     f"{f(r['vetoed_frac'], 4)} | {f(r['clipped_frac'], 4)} |")
+                     f"{f(r['vetoed_frac'], 4)} | {f(r['clipped_frac'], 4)} | {f(r['zero_pos'], 4)} | "
+                     f"{f(r['zero_neg'], 4)} |")
     return "\n".join(lines) + "\n"
 
 
