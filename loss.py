@@ -678,33 +678,38 @@ def aggregate(kept_loss, norm, agg="token-mean", num_tokens=None, num_seqs=None,
 # the bins of the log-ratio histograms whose quantiles are logged (a count per bin adds up over micro-batches and
 # ranks, a quantile does not): 0, then ±40 bins of equal width in log |log ρ| from 1e-4 to the clamp (tokens; a bin
 # spans a factor 1.37) or to 1e4 (the sequence's Σ_t log ρ_t; a factor 1.60)
-TOKEN_EDGES = torch.logspace(-4, math.log10(LOG_RATIO_LIMIT), 40)
-SEQ_EDGES = torch.logspace(-4, 4, 40)
+TOKEN_BINS = (-4, math.log10(LOG_RATIO_LIMIT), 40)      # torch.logspace's start, end, steps of the edges
+SEQ_BINS = (-4, 4, 40)
 QUANTILES = (0.01, 0.5, 0.99)
 
 
-def _signed_edges(edges):
-    return torch.cat([-edges.flip(0), edges])
+def edges(bins, device=None):
+    """The positive edges of a histogram's bins [steps] (made on the device: no copy from the host)."""
+    return torch.logspace(*bins, device=device)
 
 
-def _histogram(values, edges):
-    """Counts of values [N] in the bins of _signed_edges(edges): [2·len(edges) + 1], float32."""
-    signed = _signed_edges(edges).to(values.device)
-    return torch.bincount(torch.bucketize(values.detach().float(), signed), minlength=len(signed) + 1).float()
+def _histogram(values, selected, bins):
+    """Counts of values [B, T] where selected, in the bins 0, ±edges(bins): [2·steps + 1] float32. A sum over every
+    value, not over values[selected], whose shape depends on the data (on a GPU: a sync per call)."""
+    positive = edges(bins, values.device)
+    signed = torch.cat([-positive.flip(0), positive])
+    index = torch.bucketize(values.detach().float(), signed).flatten()
+    return torch.zeros(len(signed) + 1, device=values.device).scatter_add_(0, index, selected.flatten().float())
 
 
-def histogram_quantile(counts, edges, q):
-    """The q-quantile of a _histogram, to its bin: the geometric middle of its bounds (0 for the bin around 0, the
-    last edge for the bins beyond it); nan without values."""
+def histogram_quantile(counts, bins, q):
+    """The q-quantile of a _histogram of those bins, to its bin: the geometric middle of its bounds (0 for the bin
+    around 0, the last edge for the bins beyond it); nan without values."""
     total = float(counts.sum())
     if total == 0:
         return math.nan
     i = int(torch.searchsorted(counts.cumsum(0), torch.tensor([q * total], dtype=counts.dtype))[0])
-    n = len(edges)
-    j = abs(min(i, 2 * n) - n)             # bin i spans magnitudes edges[j − 1] .. edges[j]
+    positive = edges(bins).tolist()
+    n = len(positive)
+    j = abs(min(i, 2 * n) - n)             # bin i spans magnitudes positive[j − 1] .. positive[j]
     if j == 0:
         return 0.0
-    magnitude = float(edges[-1]) if j == n else math.sqrt(float(edges[j - 1]) * float(edges[j]))
+    magnitude = positive[-1] if j == n else math.sqrt(positive[j - 1] * positive[j])
     return magnitude if i > n else -magnitude
 
 
@@ -745,8 +750,8 @@ def _stats(value, kept_loss, x, engine_log_ratio, kl, masks, loss):
     }
     for sign, tokens in (("pos", pos), ("neg", neg)):
         responses = x.responses(1 if sign == "pos" else -1)[:, 0]
-        s[f"token_{sign}_hist"] = _histogram(log_ratio[tokens], TOKEN_EDGES)
-        s[f"seq_{sign}_hist"] = _histogram(seq_log[:, 0][responses], SEQ_EDGES)
+        s[f"token_{sign}_hist"] = _histogram(log_ratio, tokens, TOKEN_BINS)
+        s[f"seq_{sign}_hist"] = _histogram(seq_log[:, 0], responses, SEQ_BINS)
     if loss.nav_delta is not None:
         trig, _ = nav_triggers(ratio, x.adv[:, 0], mask, loss.nav_delta)
         s.update({"nav_trig": _count(trig), "nav_vetoed": _count(mask & ~nav_keep), "nav_trig_seqs": _count(trig.any(1))})
@@ -808,9 +813,9 @@ def metrics(stats, extra=None):
     # the token ratio's quantiles per advantage sign, and the sequence log-ratio's (Σ_t log ρ_t), each to its bin
     for sign in ("pos", "neg"):
         for q in QUANTILES:
-            m[f"ratio/p{q * 100:02.0f}_{sign}"] = math.exp(histogram_quantile(s[f"token_{sign}_hist"], TOKEN_EDGES, q)) \
+            m[f"ratio/p{q * 100:02.0f}_{sign}"] = math.exp(histogram_quantile(s[f"token_{sign}_hist"], TOKEN_BINS, q)) \
                 if s[f"token_{sign}_hist"].sum() else math.nan
-            m[f"seq_log_ratio/p{q * 100:02.0f}_{sign}"] = histogram_quantile(s[f"seq_{sign}_hist"], SEQ_EDGES, q)
+            m[f"seq_log_ratio/p{q * 100:02.0f}_{sign}"] = histogram_quantile(s[f"seq_{sign}_hist"], SEQ_BINS, q)
     # an upper bound on the 99.9th percentile of |Δ log p|: the lowest level at most 0.1 % of the tokens exceed
     over = [(level, m[f"mismatch/frac_over_{level:g}"]) for level in MISMATCH_LEVELS]
     m["mismatch/p999_at_most"] = next((level for level, f in over if f <= 1e-3), math.inf) if s["tokens"] else math.nan
