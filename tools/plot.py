@@ -261,9 +261,9 @@ def ablation_table(ablation, initial):
         collapsed = [next((u for u, a in c if a < collapse_below * initial), None) for c in v["curves"].values()]
         per_seed_min = [r for rows in v["metrics"].values() if (r := lowest_ratio_neg(rows)) is not None]
 
-        def mean_metric(key, absent=0.0):     # absent: a mask or clip the loss has not (0), a metric it did not log
-            vals = [m.get(key, absent) for rows in v["metrics"].values() for m in rows]
-            vals = [x if x is not None else absent for x in vals]
+        def mean_metric(key, absent=0.0):     # absent: a mask or clip the loss has not (0), a metric it did not log;
+            vals = [m.get(key, absent) for rows in v["metrics"].values() for m in rows]     # NaN (an update without
+            vals = [x for x in vals if x is not None and x == x]                              # such tokens): left out
             return sum(vals) / len(vals) if vals else float("nan")
         best = max(curve, key=lambda c: c[1])
         table.append({
