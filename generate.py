@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 
 from mu_grpo import (benchmarks, common, engine, grading, handoff, model_cards, nodes, processes, records, rollouts,
-                     sampling)
-import update  # (its prompt order: update.shuffled_window)
+                     sampling, stage_rules)
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the stage: its policy, prompts and outputs
@@ -164,7 +163,7 @@ def stage_shards(s, problems, prompts):
     """{shard k: (positions in the stage, problem rows)} of stage s's `prompts` prompts: shard_count() shards of
     equal size (the last one smaller). Every prompt has its own sampling seed, so a response is the same whichever
     engine and shard generate it."""
-    stage_rows = update.shuffled_window(problems, prompt_offset(s), prompts, seed)
+    stage_rows = stage_rules.shuffled_window(problems, prompt_offset(s), prompts, seed)
     size = math.ceil(len(stage_rows) / shard_count(prompts))
     return {k: (list(range(i, min(i + size, len(stage_rows)))), stage_rows[i:i + size])
             for k, i in enumerate(range(0, len(stage_rows), size))}

@@ -10,11 +10,9 @@ loss's options, the gradient clip) are arguments. This module reads no script's 
 hyperparameters and the stage loop.
 """
 import dataclasses
-import functools
 import json
 import math
 import os
-import random
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from tqdm import tqdm
 import torch.distributed as dist
 
 import loss as L
-from mu_grpo import common, records, rollouts
+from mu_grpo import common, records, rollouts, stage_rules
 from mu_grpo import trainer_model as M
 
 
@@ -64,22 +62,6 @@ def check_fits(stage, policy):
 # ----------------------------------------------------------------------------- the order of prompts and minibatches
 
 
-@functools.lru_cache(maxsize=4)
-def _permutation(n, seed, epoch):
-    order = list(range(n))
-    random.Random(seed * 100_003 + epoch).shuffle(order)
-    return order
-
-
-def shuffled_window(items, start, count, seed):
-    """items at positions [start, start + count) of an endless sequence of seeded shuffles of items, a new shuffle
-    per pass (epoch): the order in which a run meets its training problems. generate.py takes each stage's prompts
-    from it (stages see different prompts, wrapping into a new epoch; a rerun sees the same ones), minibatch_schedule
-    an update's groups when it draws from repeated passes."""
-    n = len(items)
-    return [items[_permutation(n, seed, g // n)[g % n]] for g in range(start, start + count)]
-
-
 def minibatch_schedule(stage, updates_per_stage, prompts_per_update, seed, skip_zero_variance=False):
     """[updates_per_stage, prompts_per_update] group indices: the stage's groups in one seeded order, cut into
     consecutive minibatches, so update u sees groups it alone sees, u updates stale. A stage with too few
@@ -103,7 +85,7 @@ def minibatch_schedule(stage, updates_per_stage, prompts_per_update, seed, skip_
     elif need < len(candidates):
         log(f"note: {len(candidates) - need} of the stage's {len(candidates)} groups are left unused "
             f"({updates_per_stage} updates × {prompts_per_update} prompts)")
-    order = shuffled_window(candidates.tolist(), 0, need, seed)
+    order = stage_rules.shuffled_window(candidates.tolist(), 0, need, seed)
     return np.asarray(order, dtype=np.int64).reshape(updates_per_stage, prompts_per_update)
 
 

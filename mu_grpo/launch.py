@@ -731,7 +731,7 @@ def prepared(env):
     if per_stage > len(rows):   # (the paper's own: 65,536 prompts a stage from DeepScaleR's ~40k): said, not refused
         print(f"[run] a stage's {per_stage} prompts are {per_stage / len(rows):.2f} passes over TRAIN_DATA's "
               f"{len(rows)} problems: a stage samples some problems twice, in groups of their own "
-              f"(update.shuffled_window)", file=sys.stderr)
+              f"(stage_rules.shuffled_window)", file=sys.stderr)
     if env["TEMPLATE"] in ("chat", "chat-system") or model_cards.known(env["MODEL"]):   # the prompt its model card shows
         from transformers import AutoTokenizer      # (2-3 s: not for the toy and lab tasks' plain prompts)
         if (problem := model_cards.check_prompt(AutoTokenizer.from_pretrained(model), env["MODEL"], env["TEMPLATE"])):

@@ -3,8 +3,10 @@ and where training on a stage ends (StageEnd: after every minibatch, or on the d
 the resident trainer and the preflight follow the same two, read from the run's records (stage_<s>/stage_end.json)
 alone, so that a rerun plans the same stages."""
 import dataclasses
+import functools
 import json
 import math
+import random
 
 from mu_grpo import records
 
@@ -113,3 +115,19 @@ class StageEnd:
                 "drift_warning": warned, "drift_window": self.window, "drift_threshold": self.threshold,
                 "drift_min_updates": self.min_updates, "unused_prompts": len(unused_groups),
                 "unused_groups": unused_groups}
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n, seed, epoch):
+    order = list(range(n))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    return order
+
+
+def shuffled_window(items, start, count, seed):
+    """items at positions [start, start + count) of an endless sequence of seeded shuffles of items, a new shuffle
+    per pass (epoch): the order in which a run meets its training problems. generate.py takes each stage's prompts
+    from it (stages see different prompts, wrapping into a new epoch; a rerun sees the same ones), minibatch_schedule
+    an update's groups when it draws from repeated passes."""
+    n = len(items)
+    return [items[_permutation(n, seed, g // n)[g % n]] for g in range(start, start + count)]

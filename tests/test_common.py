@@ -1,20 +1,19 @@
-"""mu_grpo/common.py: overrides, strict JSONL, atomic files; update.py's prompt order."""
+"""mu_grpo/common.py: overrides, strict JSONL, atomic files; stage_rules.py's prompt order."""
 import pytest
 
-from mu_grpo import common, engine
-import update
+from mu_grpo import common, engine, stage_rules
 
 
 def test_shuffled_window_covers_each_epoch_once_then_reshuffles():
     items = list(range(10))
-    first = update.shuffled_window(items, 0, 10, seed=3)
+    first = stage_rules.shuffled_window(items, 0, 10, seed=3)
     assert sorted(first) == items and first != items                  # a permutation, not the identity
-    second = update.shuffled_window(items, 10, 10, seed=3)
+    second = stage_rules.shuffled_window(items, 10, 10, seed=3)
     assert sorted(second) == items and second != first               # the next epoch is shuffled anew
     # a window across the epoch boundary is the tail of one and the head of the next
-    assert update.shuffled_window(items, 7, 6, seed=3) == first[7:] + second[:3]
-    assert update.shuffled_window(items, 7, 6, seed=3) == update.shuffled_window(items, 7, 6, seed=3)
-    assert update.shuffled_window(items, 0, 10, seed=4) != first
+    assert stage_rules.shuffled_window(items, 7, 6, seed=3) == first[7:] + second[:3]
+    assert stage_rules.shuffled_window(items, 7, 6, seed=3) == stage_rules.shuffled_window(items, 7, 6, seed=3)
+    assert stage_rules.shuffled_window(items, 0, 10, seed=4) != first
 
 
 def test_overrides_are_typed_and_strict():
