@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# docs/bakeoff.md's runs (issue 78), every run a frontier.sh run on the second lab task in the paper's shape
+# (resumable: finished runs are skipped, a killed one resumes; rerun to continue):
+#   bash tools/bakeoff.sh tune     §3: every arm × lr of LRS on the rule's first three learning builds of candidates
+#                                  0–11 (the first lr's frontier probes and keeps them; the others run on those)
+# The later steps (confirm, dose, chaos) are added here with the tuning's results, before they run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+STEP=${1:-}
+OUT=${OUT:-runs/bakeoff}
+LRS=${LRS:-1e-4 3e-5 1e-5}      # the grid (docs/bakeoff.md §3; an arm best at an end: LRS="3e-4" or "3e-6" after)
+ARMS=${ARMS:-mu-grpo-d1e-4:64 relaxed-no-nav:64 grpo:64 m2po:64 topr:64 cispo:64 cispo-nav-d1e-4:64 oapl:64 dppo-tv:64 vespo:64 gspo:64 grpo:4}
+export PRESET=lab-fork SEEDS=0 EVAL_UPDATES=64 EVAL_K=1 BENCHMARKS=test,heldout NAV_DELTAS=1e-4 MUS="4 64"
+export EVAL_CACHE=$OUT/eval_cache   # a build's initial policy evaluated once for every arm and lr
+losses() { local p; for p in "$@"; do p=${p%:*}; echo "${p%-d1e-4}"; done | sort -u | tr '\n' ' '; }
+
+case "$STEP" in
+  tune)
+    first=${LRS%% *} BUILDS=
+    for lr in $LRS; do
+      if [[ -z "$BUILDS" && -d "$OUT/tune/lr$first" ]]; then   # the rule's builds, kept by the first lr's frontier
+        BUILDS=$(ls -d "$OUT/tune/lr$first"/build* 2>/dev/null | sed 's/.*build//' | sort -n | tr '\n' ' ')
+      fi
+      rule=(REGIMES=learns:3 MIN_BUILDS=3 CANDIDATES="0 1 2 3 4 5 6 7 8 9 10 11")
+      [[ -z "$BUILDS" ]] || rule=(BUILDS="$BUILDS")
+      env "${rule[@]}" LR="$lr" LOSSES="$(losses $ARMS)" POINTS="$ARMS" KEY_POINTS="$ARMS" BASELINE=grpo:4 \
+          OUT="$OUT/tune/lr$lr" bash frontier.sh
+      [[ -n "$BUILDS" ]] || BUILDS=$(ls -d "$OUT/tune/lr$lr"/build* | sed 's/.*build//' | sort -n | tr '\n' ' ')
+    done ;;
+  *) echo "usage: bash tools/bakeoff.sh tune (docs/bakeoff.md)" >&2; exit 2 ;;
+esac
