@@ -458,6 +458,11 @@ class Loss:
                    **{k: getattr(self, k) for k in ("soft_value_beta", "nav_delta", "m2po_tau", "tis_cap", "kl_coef")}}
         if wrong := [k for k, v in numbers.items() if isinstance(v, (str, bool))]:
             raise ValueError(f"{wrong[0]} must be a number, got {numbers[wrong[0]]!r}")
+        fields = {f.name: f.default for f in dataclasses.fields(self) if f.name not in ("objective", "settings")}
+        defaults = {**own, **fields}           # none only where the default is none (a mask off, dual_clip off)
+        if unset := [k for k, v in {**self.settings, **{k: getattr(self, k) for k in fields}}.items()
+                     if v is None and defaults[k] is not None]:
+            raise ValueError(f"{unset[0]} cannot be none (its default: {defaults[unset[0]]!r})")
         for name, allowed in (("advantage", ADVANTAGES), ("nav_scope", NAV_SCOPES), ("kl_estimator", KL_ESTIMATORS),
                               ("agg", AGG_MODES), ("token_normalizer", TOKEN_NORMALIZERS)):
             if getattr(self, name) not in allowed:
@@ -571,6 +576,8 @@ def resolve_loss(name, knobs, given=(), objective_args=""):
     mask off), and the objective's own settings of objective_args ('name=value,...')."""
     set_here = {k: v for k, v in knobs.items() if k in LOSS_FIELDS + CLIP_SETTINGS and k != "norm_len"
                 and (v is not None or k in given)}
+    if "nav_scope" in set_here and set_here["nav_scope"] is None:       # (a flag parser reads `none` as None)
+        set_here["nav_scope"] = "none"
     return preset(name, **{**set_here, **parse_settings(objective_args)})
 
 
@@ -676,8 +683,8 @@ def aggregate(kept_loss, norm, agg="token-mean", num_tokens=None, num_seqs=None,
 
 
 # the bins of the log-ratio histograms whose quantiles are logged (a count per bin adds up over micro-batches and
-# ranks, a quantile does not): 0, then ±40 bins of equal width in log |log ρ| from 1e-4 to the clamp (tokens; a bin
-# spans a factor 1.37) or to 1e4 (the sequence's Σ_t log ρ_t; a factor 1.60)
+# ranks, a quantile does not): around 0, then on each side 39 bins of equal width in log |log ρ| from 1e-4 to the clamp
+# (tokens; a bin spans a factor 1.37) or to 1e4 (the sequence's Σ_t log ρ_t; a factor 1.60) and one beyond: 81 in all
 TOKEN_BINS = (-4, math.log10(LOG_RATIO_LIMIT), 40)      # torch.logspace's start, end, steps of the edges
 SEQ_BINS = (-4, 4, 40)
 QUANTILES = (0.01, 0.5, 0.99)

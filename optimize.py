@@ -6,7 +6,8 @@
 The stage's groups are put once in a seeded order and cut into `updates_per_stage` minibatches of
 `prompts_per_update` groups: update u trains on minibatch u, data exactly u updates stale, no
 response used twice (docs/design.md §1). An update (update.py) is one AdamW step on loss.policy_loss: the loss
-is summed over packed micro-batches and ranks and divided by the minibatch's kept-token count. With --resident, one
+is summed over packed micro-batches and ranks and normalised as its aggregation says (μ-GRPO's: by the minibatch's
+kept-token count). With --resident, one
 process trains a run's every stage, each of the μ that stage_rules.StagePlan gives it.
 
 Writes next to --out (default <stage_dir>/policy): the next policy (an HF directory vLLM loads, in the
@@ -75,7 +76,8 @@ optimizer_boundary = "carry"    # at a stage's start: carry (AdamW's moments and
                                 # AdamW on the fp32 master weights, which --init_state carries either way)
 grad_clip = 1.0                 # max global grad norm
 
-# the loss (loss.py): `loss` names a row of loss.PRESETS; a value below but None (a flag's none too) overrides its
+# the loss (loss.py): `loss` names a row of loss.PRESETS; any value below other than None, or given as a flag (none
+# too: --nav_delta=none turns NAV off), overrides the row's
 loss = "mu-grpo"                # mu-grpo | grpo | dapo | m2po | cispo | topr | oapl | ... (run_stages.sh LOSS)
 objective_args = ""             # the objective's own settings (and soft_value_beta) over the row's: name=value,...
 temperature = 0.0               # log-prob temperature; 0: the sampling temperature from the manifest

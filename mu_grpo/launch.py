@@ -405,7 +405,10 @@ def resolve(knobs):
     if k["PREFLIGHT_ONLY"] == "true" and k["PREFLIGHT"] == "0" and not (k["EVAL_CACHE"] and k["EVAL_EVERY"] != "0"):
         return k, ("PREFLIGHT_ONLY=true stops after the preflight and the initial evaluation kept in EVAL_CACHE, and "
                    "this runs neither: use PREFLIGHT=1 (or an EVAL_CACHE)")
-    return k, run_problems(k)
+    problem = run_problems(k)
+    if problem is None and "KL_COEF" not in given:    # β as the run's Loss has it (its row, or LOSS_ARGS' --kl_coef):
+        k["KL_COEF"] = str(run_loss(k).kl_coef)       # run_stages.sh points KL's reference at MODEL when it is > 0
+    return k, problem
 
 
 FLAG_KNOBS = {"LOSS_ARGS": "optimize.py", "DRIFT_ARGS": "optimize.py", "PREFLIGHT_ARGS": "mu_grpo/preflight.py"}

@@ -51,5 +51,7 @@ def test_c_star_is_the_best_family_and_waits_for_all_of_them():
     chosen["mu-grpo-d1e-4:64"] = (3e-5, 0.99, False)                   # not a candidate, however good
     chosen["cispo-nav-d1e-4:64"] = (3e-5, 0.98, False)
     assert bakeoff.c_star(chosen) == "gspo:64"                          # the last family: 0.6
+    chosen["topr:64"] = (3e-5, 0.6, False)                               # a tie with gspo: the first of §2's table
+    assert bakeoff.c_star(chosen) == "topr:64"
     del chosen["topr:64"]
     assert bakeoff.c_star(chosen) is None

@@ -71,7 +71,10 @@ def choose(finals, builds):
 def c_star(chosen):
     """The family with the highest tuned mean test accuracy (docs/bakeoff.md §3), or None before they all ran."""
     families = {arm: v for arm, v in chosen.items() if arm.rsplit(":", 1)[0].removesuffix("-d1e-4") in FAMILIES}
-    return max(families, key=lambda arm: families[arm][1]) if len(families) == len(FAMILIES) else None
+    if len(families) < len(FAMILIES):
+        return None
+    in_order = sorted(families, key=lambda arm: FAMILIES.index(arm.rsplit(":", 1)[0]))   # a tie: the first (§2)
+    return max(in_order, key=lambda arm: round(families[arm][1], 3))
 
 
 def main():

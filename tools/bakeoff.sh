@@ -2,7 +2,9 @@
 # docs/bakeoff.md's runs (issue 78), every run a frontier.sh run on the second lab task in the paper's shape
 # (resumable: finished runs are skipped, a killed one resumes; rerun to continue):
 #   bash tools/bakeoff.sh tune     §3: every arm × lr of LRS on the rule's first three learning builds of candidates
-#                                  0–11 (the first lr's frontier probes and keeps them; the others run on those)
+#                                  0–11 (lr 1e-4's frontier probes and keeps them, its probes at lr 1e-4; the others
+#                                  run on those). One point beyond an end, for that arm only (docs/bakeoff.md, amendment 1):
+#                                  ARMS="topr:64" LRS=3e-6 bash tools/bakeoff.sh tune
 # The later steps (confirm, dose, chaos) are added here with the tuning's results, before they run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -16,14 +18,15 @@ losses() { local p; for p in "$@"; do p=${p%:*}; echo "${p%-d1e-4}"; done | sort
 
 case "$STEP" in
   tune)
-    first=${LRS%% *} BUILDS=
+    BUILDS=
+    [[ "$LRS" == 1e-4* || -d "$OUT/tune/lr1e-4" ]] || { echo "tune LRS=1e-4 first: its frontier finds the builds" >&2; exit 2; }
     for lr in $LRS; do
-      if [[ -z "$BUILDS" && -d "$OUT/tune/lr$first" ]]; then   # the rule's builds, kept by the first lr's frontier
-        BUILDS=$(ls -d "$OUT/tune/lr$first"/build* 2>/dev/null | sed 's/.*build//' | sort -n | tr '\n' ' ')
+      if [[ -z "$BUILDS" && -d "$OUT/tune/lr1e-4" ]]; then     # the rule's builds, kept by lr 1e-4's frontier
+        BUILDS=$(ls -d "$OUT/tune/lr1e-4"/build* 2>/dev/null | sed 's/.*build//' | sort -n | tr '\n' ' ')
       fi
       rule=(REGIMES=learns:3 MIN_BUILDS=3 CANDIDATES="0 1 2 3 4 5 6 7 8 9 10 11")
       [[ -z "$BUILDS" ]] || rule=(BUILDS="$BUILDS")
-      env "${rule[@]}" LR="$lr" LOSSES="$(losses $ARMS)" POINTS="$ARMS" KEY_POINTS="$ARMS" BASELINE=grpo:4 \
+      env "${rule[@]}" LR="$lr" LOSSES="$(losses $ARMS)" POINTS="$ARMS" KEY_POINTS="$ARMS" BASELINE="${ARMS%% *}" \
           OUT="$OUT/tune/lr$lr" bash frontier.sh
       [[ -n "$BUILDS" ]] || BUILDS=$(ls -d "$OUT/tune/lr$lr"/build* | sed 's/.*build//' | sort -n | tr '\n' ' ')
     done ;;
