@@ -22,7 +22,7 @@ case "$STEP" in
     [[ "$LRS" == 1e-4* || -d "$OUT/tune/lr1e-4" ]] || { echo "tune LRS=1e-4 first: its frontier finds the builds" >&2; exit 2; }
     for lr in $LRS; do
       if [[ -z "$BUILDS" && -d "$OUT/tune/lr1e-4" ]]; then     # the rule's builds, kept by lr 1e-4's frontier
-        BUILDS=$(ls -d "$OUT/tune/lr1e-4"/build* 2>/dev/null | sed 's/.*build//' | sort -n | tr '\n' ' ')
+        BUILDS=$( (ls -d "$OUT/tune/lr1e-4"/build* 2>/dev/null || :) | sed 's/.*build//' | sort -n | tr '\n' ' ')
       fi
       rule=(REGIMES=learns:3 MIN_BUILDS=3 CANDIDATES="0 1 2 3 4 5 6 7 8 9 10 11")
       [[ -z "$BUILDS" ]] || rule=(BUILDS="$BUILDS")
