@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 import loss as L
-from mu_grpo import checkpoint, common, handoff, records, stage_rules, tracking
+from mu_grpo import checkpoint, common, handoff, passes, records, stage_rules, tracking
 from mu_grpo import trainer_model as M
 import update
 
@@ -116,9 +116,9 @@ max_nonfinite = 3               # consecutive non-finite updates before the run 
 engine_mismatch_bound = -1.0    # before a stage's first update, each engine's responses: mean |ℓ − b| (nats per token)
                                 # between the trainer's and the engine's log-probs at most this at the run's first
                                 # stage, else the run stops naming the engine; -1: the device's bound
-                                # (update.agreement_bound), 0: no check (a replay with another policy than the sampler's)
+                                # (passes.agreement_bound), 0: no check (a replay with another policy than the sampler's)
 agreement_growth = 10.0         # later stages: at most max(that bound, this × stage 0's measured mean)
-                                # (update.agreement_gate)
+                                # (passes.agreement_gate)
 collapse_entropy_ratio = 2.0    # above it, a policy whose entropy moved more than this factor from stage 0's has
                                 # collapsed: recorded in the stage's first metrics row (agreement/collapsed), not stopped
 agreement_responses = 16        # responses per engine in that check (a no-grad pass over them)
@@ -156,7 +156,7 @@ stage_plan = stage_rules.StagePlan(updates_per_stage=updates_per_stage, stages=s
                                    drift_max_updates=drift_max_updates, prompts_per_update=prompts_per_update,
                                    eval_every=eval_every, save_every=save_every)
 ending = stage_rules.StageEnd(stage_end, drift_window, drift_threshold, drift_min_updates)   # where each stage ends
-gate = update.AgreementGate(engine_mismatch_bound, agreement_growth, collapse_entropy_ratio, agreement_responses)
+gate = passes.AgreementGate(engine_mismatch_bound, agreement_growth, collapse_entropy_ratio, agreement_responses)
 betas = common.adam_betas(adam_betas)
 if updates_per_stage < 0 or prompts_per_update < 1 or micro_batch_tokens < 1:
     sys.exit("--updates_per_stage must be >= 0, --prompts_per_update and --micro_batch_tokens >= 1")
@@ -295,12 +295,12 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     """What a stage needs before its first update (of this run: a resumed stage's, progress.start): TIS's stored
     pass of the stage policy, added to `columns`; the metrics lines of the updates already done, and their drift
     signal (lines after the resumed update are dropped, so the file matches an unbroken run); at update 0 the
-    engines' agreement (update.check_engines); with check_packing the packing check. Returns (columns, timing, the drift
+    engines' agreement (passes.check_engines); with check_packing the packing check. Returns (columns, timing, the drift
     signal so far, the checks' values for the first update's metrics line)."""
     start, updates_per_stage, timing = progress.start, progress.updates_per_stage, {}
     if loss_spec.tis_cap is not None:
         columns = {**columns}
-        columns["old"], timing["old_pass_seconds"] = update.logprob_pass(
+        columns["old"], timing["old_pass_seconds"] = passes.logprob_pass(
             model, stage, temp, "old", progress.start_weights, progress.work_dir, micro_batch_tokens,
             resumed_state=progress.state_dir if start else None)
     kept = None
@@ -313,10 +313,10 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     resampled = temperature and temperature != stage.temperature        # log-probs at another temperature than b's
     first_row = {}
     if start == 0 and updates_per_stage and engine_mismatch_bound != 0 and not resampled:
-        first_row = update.check_engines(model, stage, temp, gate, micro_batch_tokens)
+        first_row = passes.check_engines(model, stage, temp, gate, micro_batch_tokens)
     if check_packing and start < updates_per_stage:
         first = stage.groups[schedule[start]].ravel()
-        first_row.update(update.packing_check(model, stage, temp, update.micro_batches(
+        first_row.update(passes.packing_check(model, stage, temp, passes.micro_batches(
             stage, first[np.argsort(-stage.response_len[first], kind="stable")][rank::world], micro_batch_tokens)[0]))
     return columns, timing, neg_ratios, first_row
 
@@ -394,7 +394,7 @@ class Trainer:
         if not self.reference:
             return {}, {}
         model = self.ref_model or self.build_reference()
-        column, seconds = update.logprob_pass(model, stage, logprob_temperature(stage), "ref",
+        column, seconds = passes.logprob_pass(model, stage, logprob_temperature(stage), "ref",
                                               common.policy_fingerprint(self.reference), work_dir, micro_batch_tokens)
         if model is not self.ref_model:
             del model
@@ -468,7 +468,7 @@ def train_one(trainer, handover, stage, progress):
     the process's first stage), the updates (train_stage, which saves the policy where the hand-over said), the
     policy handed over (per phase: its save is all), the timing."""
     t0 = time.time()
-    update.check_fits(stage, trainer.start_policy)
+    passes.check_fits(stage, trainer.start_policy)
     record_settings(progress, stage, trainer)
     check_disk(stage, trainer, progress)
     handover.before_stage(stage.index)
@@ -489,7 +489,7 @@ def one_stage():
     """The process-per-phase loop's stage: --stage_dir, from --policy (default: the one that generated it),
     resuming its own train state or continuing --init_state; its outputs at --out. Returns (trainer, hand-over,
     [(the stage, its progress)])."""
-    stage = update.open_stage(stage_dir)
+    stage = passes.open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
     common.require_policy(start_policy)
     out_dir = Path(out) if out else Path(stage_dir) / records.POLICY
@@ -573,7 +573,7 @@ def resident_stages(handover, first):
         log(tracking.where_line(run_dir, stage_plan.run_updates, s) if is_main else None)   # the stage's line
         handover.wait_for_rollouts(s)
         stage_policy = records.stage_dir(run_dir, s) / records.POLICY
-        yield update.open_stage(records.stage_dir(run_dir, s)), records.StageProgress(
+        yield passes.open_stage(records.stage_dir(run_dir, s)), records.StageProgress(
             out_dir=stage_policy, updates_per_stage=decided.updates, save_state=decided.save,
             policy_dirs=handover.policy_dirs(stage_policy, s, decided.save), check_saves=s == first)
         s += 1

@@ -26,6 +26,12 @@ from safetensors import safe_open
 ATTENTION = ("auto", "flash_attention_2", "varlen_attn", "flex_attention", "varlen_sdpa", "sdpa", "eager")
 
 
+def log(*args):
+    """print on rank 0 only (placement from torch)."""
+    if placement()[0] == 0:
+        print(*args, flush=True)
+
+
 def placement():
     """(rank, world size, device) of this process: torch.distributed's when a process group is up, and the
     current CUDA device (the caller sets it from LOCAL_RANK) or the CPU."""
@@ -391,7 +397,7 @@ def parameter_kind(name):
 
 def parameter_groups(model):
     """The trainable parameters as AdamW's parameter groups, one per kind (parameter_kind) in PARAMETER_KINDS' order,
-    each named ("name"), so that every update's Adam measurements are per group (update.adam_measures). AdamW is
+    each named ("name"), so that every update's Adam measurements are per group (passes.adam_metrics). AdamW is
     elementwise: the groups change no update."""
     groups = {}
     for name, p in model.named_parameters():

@@ -93,22 +93,22 @@ def test_every_script_refuses_lengths_its_model_cannot_hold_before_anything_else
 
 def test_the_trainer_refuses_rollouts_its_policy_cannot_take(tmp_path):
     # optimize.py has no length flags: its rollouts' longest prompt + response and largest token id are checked against
-    # the policy (update.check_fits)
+    # the policy (passes.check_fits)
     import types
 
     import numpy as np
-    import update
+    from mu_grpo import passes
     policy = write_config(tmp_path / "lab", model_type="qwen2", max_position_embeddings=2048, vocab_size=1000)
 
     def stage(second_response, max_token_id=999):
         return types.SimpleNamespace(directory=tmp_path / "stage_0", prompt_len=np.array([100, 1500]),
                                      response_len=np.array([1948, second_response]), max_token_id=lambda: max_token_id)
-    update.check_fits(stage(548), policy)                       # 2048 and 2048 tokens: at the limit; ids < 1000
+    passes.check_fits(stage(548), policy)                       # 2048 and 2048 tokens: at the limit; ids < 1000
     with pytest.raises(SystemExit, match="token id 1000 ≥ the policy's vocabulary size 1000: rollouts made with "
                                          "another tokenizer"):
-        update.check_fits(stage(548, max_token_id=1000), policy)
+        passes.check_fits(stage(548, max_token_id=1000), policy)
     with pytest.raises(SystemExit) as e:
-        update.check_fits(stage(549), policy)
+        passes.check_fits(stage(549), policy)
     assert "\n" not in str(e.value) and str(e.value).startswith(
         f"{tmp_path / 'stage_0'}: a prompt and response of 2049 tokens, more than the policy {policy} holds "
         f"(max_position_embeddings = 2048)")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import loss as L
-from mu_grpo import common, rollouts
+from mu_grpo import common, passes, rollouts
 from mu_grpo import trainer_model as M
 import update
 
@@ -67,12 +67,12 @@ def test_micro_batches_fill_the_budget_longest_first_and_hold_each_response_once
     # responses 0, 1, 2 (prompt 4; responses 6, 3, 1) and 4, 5, 6 (prompt 2; responses 8, 5, 1): 10, 7, 5, 10, 7, 3
     # tokens; longest first (ties in the order given): 10 10 | 7 7 5 | 3 under 20 tokens (a batch may reach the budget)
     assert (stage.prompt_len + stage.response_len)[[0, 1, 2, 4, 5, 6]].tolist() == [10, 7, 5, 10, 7, 3]
-    assert update.micro_batches(stage, [0, 1, 2, 4, 5, 6], 20) == [[0, 4], [1, 5, 2], [6]]
+    assert passes.micro_batches(stage, [0, 1, 2, 4, 5, 6], 20) == [[0, 4], [1, 5, 2], [6]]
     # under 9 a response longer than the budget is a micro-batch of its own
-    assert update.micro_batches(stage, [0, 1, 2, 4, 5, 6], 9) == [[0], [4], [1], [5], [2, 6]]
-    assert update.micro_batches(stage, [], 9) == []
+    assert passes.micro_batches(stage, [0, 1, 2, 4, 5, 6], 9) == [[0], [4], [1], [5], [2, 6]]
+    assert passes.micro_batches(stage, [], 9) == []
     for budget in (1, 12, 30, 1000):       # the whole stage: every response exactly once, under the budget if it can
-        batches = update.micro_batches(stage, np.arange(stage.n), budget)
+        batches = passes.micro_batches(stage, np.arange(stage.n), budget)
         assert sorted(i for mb in batches for i in mb) == list(range(stage.n))
         tokens = [int((stage.prompt_len[mb] + stage.response_len[mb]).sum()) for mb in batches]
         assert all(t <= budget or len(mb) == 1 for t, mb in zip(tokens, batches))
@@ -80,7 +80,7 @@ def test_micro_batches_fill_the_budget_longest_first_and_hold_each_response_once
 
 def test_the_packed_row_restarts_positions_and_keeps_the_response_predictions(tiny):
     _, stage = tiny
-    x = update.pack(stage, [0, 1], {})                 # prompt 4 + response 6, then prompt 4 + response 3
+    x = passes.pack(stage, [0, 1], {})                 # prompt 4 + response 6, then prompt 4 + response 3
     (p0, r0, b0), (p1, r1, b1) = stage.tokens(0), stage.tokens(1)
     assert x["ids"][0].tolist() == [*p0, *r0, *p1, *r1]
     assert x["pos"][0].tolist() == [*range(10), *range(7)]
@@ -97,7 +97,7 @@ def test_packed_log_probs_are_each_responses_alone(tiny):
     policy, stage = tiny
     model = trainer(policy)
     with torch.no_grad():
-        x = update.forward(model, stage, [4, 0, 9, 2], 0.7)
+        x = passes.forward(model, stage, [4, 0, 9, 2], 0.7)
         for j, i in enumerate([4, 0, 9, 2]):
             p, r, _ = stage.tokens(i)
             torch.testing.assert_close(x["lp"][j, :len(r)], alone(model, p, r, 0.7), rtol=0, atol=1e-5)
@@ -180,7 +180,7 @@ def test_a_stored_pass_is_each_responses_log_probs_computed_once(tiny, tmp_path)
     policy, stage = tiny
     model = trainer(policy)
     with torch.no_grad():
-        column, seconds = update.logprob_pass(model, stage, 0.7, "old", "k1", tmp_path, micro_batch_tokens=12)
+        column, seconds = passes.logprob_pass(model, stage, 0.7, "old", "k1", tmp_path, micro_batch_tokens=12)
         for i in range(stage.n):
             p, r, _ = stage.tokens(i)
             np.testing.assert_allclose(column.get(stage, i), alone(model, p, r, 0.7).numpy(), rtol=0, atol=1e-5)
@@ -188,10 +188,10 @@ def test_a_stored_pass_is_each_responses_log_probs_computed_once(tiny, tmp_path)
     assert seconds > 0 and column.path == path and column.values.mode == "r"
     assert json.loads((path.parent / "old-k1-T0.7.f32.complete").read_text()) == {
         "model": "k1", "temperature": 0.7, "responses": 12}
-    again, seconds = update.logprob_pass(None, stage, 0.7, "old", "k1", tmp_path, micro_batch_tokens=12)  # stored:
+    again, seconds = passes.logprob_pass(None, stage, 0.7, "old", "k1", tmp_path, micro_batch_tokens=12)  # stored:
     assert seconds == 0.0 and np.array_equal(again.values, column.values)                           # no model run
     with pytest.raises(SystemExit, match=f"delete {tmp_path / 'train_state'} to restart the stage"):
-        update.logprob_pass(None, stage, 0.7, "old", "k2", tmp_path, 12, resumed_state=tmp_path / "train_state")
+        passes.logprob_pass(None, stage, 0.7, "old", "k2", tmp_path, 12, resumed_state=tmp_path / "train_state")
 
 
 def test_a_stored_column_is_read_only(tiny, tmp_path):
@@ -200,7 +200,7 @@ def test_a_stored_column_is_read_only(tiny, tmp_path):
     column = rollouts.TokenColumn(tmp_path / "c.f32", n, create=True)
     column.values[:] = np.arange(n)
     column.mark_complete({})
-    stored = update.stored_column(tmp_path / "c.f32", n)
+    stored = passes.stored_column(tmp_path / "c.f32", n)
     assert stored.values.tolist() == list(range(n)) and stored.values.mode == "r"
     with pytest.raises(ValueError, match="read-only"):
         stored.values[0] = 1.0
@@ -215,7 +215,7 @@ def test_a_rank_without_responses_adds_nothing(tiny, loss_kw, columns):
     # kl_in_loss, a flag (> 0 after merging: the KL is in the loss), not a count
     _, stage = tiny
     empty = update.empty_stats(loss_kw, columns, cutoff=None)
-    x = update.pack(stage, [0, 5], {})
+    x = passes.pack(stage, [0, 5], {})
     lp = x["behavior"] + 0.3 * x["mask"]
     extra = {"old_logprobs": x["behavior"]} if loss_kw.tis_cap is not None else {}
     real = L.policy_loss(lp, x["behavior"], x["adv"], x["mask"], loss_kw, **extra,
@@ -244,9 +244,9 @@ def test_the_adam_measurements_are_adamws_own_arithmetic_by_hand():
     rows = []
     for g in ((1.0, 2.0), (3.0, 1.0)):
         w.grad = torch.tensor(g)
-        before = update.adam_sums(optimizer, after_step=False)
+        before = passes.adam_sums(optimizer, after_step=False)
         optimizer.step()
-        rows.append(update.adam_metrics(before, update.adam_sums(optimizer, after_step=True)))
+        rows.append(passes.adam_metrics(before, passes.adam_sums(optimizer, after_step=True)))
     assert rows[0]["adam/step_rms/mlp"] == pytest.approx(1.0, abs=1e-7)       # |g| ≫ ε: g / (|g| + ε) = ±1
     assert np.isnan(rows[0]["adam/g2_over_v/mlp"])
     assert rows[1]["adam/g2_over_v/mlp"] == pytest.approx(2.0, rel=1e-5)
@@ -258,9 +258,9 @@ def test_the_adam_measurements_are_adamws_own_arithmetic_by_hand():
     # a reset makes the next step a new AdamW's first again: step RMS 1, no v̂ before it
     M.reset_optimizer_state(optimizer)
     w.grad = torch.tensor((3.0, 1.0))
-    before = update.adam_sums(optimizer, after_step=False)
+    before = passes.adam_sums(optimizer, after_step=False)
     optimizer.step()
-    again = update.adam_metrics(before, update.adam_sums(optimizer, after_step=True))
+    again = passes.adam_metrics(before, passes.adam_sums(optimizer, after_step=True))
     assert again["adam/step_rms/mlp"] == pytest.approx(1.0, abs=1e-7) and np.isnan(again["adam/g2_over_v/mlp"])
     assert int(optimizer.state[w]["step"]) == 1
 

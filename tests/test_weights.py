@@ -1,6 +1,6 @@
 """Which weights an engine serves (issue 45, item 15): the layout-free weight hash the trainer records and each
 engine's worker recomputes (common.tensor_hash, engine.verify_weights), and the trainer's per-engine agreement
-with the rollouts' log-probs before a stage's first update (update.engine_agreement)."""
+with the rollouts' log-probs before a stage's first update (passes.engine_agreement)."""
 import re
 import sys
 
@@ -184,13 +184,13 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
     from mu_grpo import rollouts
     from mu_grpo import trainer_model as M
     import optimize
-    import update
+    from mu_grpo import passes
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", shift)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
-    assert update.response_engines(stage).tolist() == [0] * 4 + [1] * 4
+    assert passes.response_engines(stage).tolist() == [0] * 4 + [1] * 4
     net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
-    check = lambda: update.check_engines(net, stage, 1.0, optimize.gate, optimize.micro_batch_tokens)  # noqa: E731
-    seen, entropy = update.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
+    check = lambda: passes.check_engines(net, stage, 1.0, optimize.gate, optimize.micro_batch_tokens)  # noqa: E731
+    seen, entropy = passes.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
     assert set(seen) == {0, 1} and entropy > 0
     if not stops:
         assert max(seen.values()) < 1e-5                     # float32 noise and the 1e-6 rounding of the stored values
@@ -218,8 +218,8 @@ def test_the_trainer_stops_before_training_on_an_engine_whose_log_probs_it_does_
 ])
 def test_the_agreement_gate_is_absolute_at_the_first_stage_and_relative_after(means, entropy, reference, verdict,
                                                                               applied):
-    import update
-    assert update.agreement_gate(means, entropy, reference, 1e-3, growth=10.0, entropy_ratio=2.0) == (
+    from mu_grpo import passes
+    assert passes.agreement_gate(means, entropy, reference, 1e-3, growth=10.0, entropy_ratio=2.0) == (
         verdict, pytest.approx(applied))
 
 
@@ -232,18 +232,18 @@ def test_a_later_stage_is_gated_relative_to_stage_0s_record_and_a_collapsed_poli
     from mu_grpo import rollouts
     from mu_grpo import trainer_model as M
     import optimize
-    import update
+    from mu_grpo import passes
     write_two_engine_stage(tmp_path / "stage_3", toy / "model", 2e-3)
     stage = rollouts.open_stage(tmp_path / "stage_3" / "rollouts", workers=1)
     net = M.build(toy / "model", attention=M.choose_attention("auto", torch.device("cpu")))
-    check = lambda: update.check_engines(net, stage, 1.0, optimize.gate, optimize.micro_batch_tokens)  # noqa: E731
-    _, entropy = update.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
+    check = lambda: passes.check_engines(net, stage, 1.0, optimize.gate, optimize.micro_batch_tokens)  # noqa: E731
+    _, entropy = passes.engine_agreement(net, stage, 1.0, responses=16, micro_batch_tokens=16384)
     stage_0 = tmp_path / "stage_0"
     stage_0.mkdir()
     for reference_entropy, stops in [(entropy, True), (4 * entropy, False)]:
         common.atomic_write_lines(stage_0 / "metrics.jsonl", [{"update": 0, "mismatch/mean_abs_log_ratio": 1e-4,
                                                                "entropy": reference_entropy}])
-        assert update.agreement_reference(stage)[:2] == (1e-4, reference_entropy)
+        assert passes.agreement_reference(stage)[:2] == (1e-4, reference_entropy)
         if stops:
             with pytest.raises(SystemExit) as e:
                 check()

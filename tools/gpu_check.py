@@ -12,7 +12,7 @@ On a model built from a config with random weights (tools/synthetic.py) and a sy
    that size (fp32 weights, gradients and AdamW's two moments, 16 bytes per parameter, + the saved activations +
    one micro-batch's logits' gradient, [tokens, vocabulary] in the compute dtype, + the trainer's overhead,
    handoff.TRAINER_OVERHEAD_GIB; informational, not gated);
-2. bf16: one packed micro-batch's loss (loss.policy_loss through update.forward) and gradients in bf16 against a
+2. bf16: one packed micro-batch's loss (loss.policy_loss through passes.forward) and gradients in bf16 against a
    float32 pass of the same weights, both ways a box computes in bf16: autocast (one GPU, one rank) and FSDP2's bf16
    parameters over fp32 masters (model.fsdp2, the box's several ranks; here one rank), within bounds that follow
    from bf16's 8-bit significand: relative rounding 2^-9 per operation through a few dozen layers of sums, so the
@@ -50,7 +50,7 @@ from mu_grpo import handoff  # noqa: E402
 from mu_grpo import records  # noqa: E402
 from mu_grpo import rollouts  # noqa: E402
 from mu_grpo import trainer_model as M  # noqa: E402
-import update  # noqa: E402
+from mu_grpo import passes  # noqa: E402
 from synthetic import build_model, model_flops, trained_lengths, write_stage  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
@@ -103,12 +103,12 @@ def bf16_against_fp32(model_dir, stage):
     attention = M.choose_attention("auto", device)
     data = rollouts.open_stage(stage / records.ROLLOUTS, workers=1)
     first = np.arange(min(8 * prompts_per_update, data.n))
-    mb = update.micro_batches(data, first[np.argsort(-(data.prompt_len + data.response_len)[first], kind="stable")],
+    mb = passes.micro_batches(data, first[np.argsort(-(data.prompt_len + data.response_len)[first], kind="stable")],
                               micro_batch_tokens)[0]
 
     def loss_and_grad(net, bf16):
         net.zero_grad(set_to_none=True)
-        x = update.forward(net, data, mb, 1.0, bf16=bf16)
+        x = passes.forward(net, data, mb, 1.0, bf16=bf16)
         value, _ = L.policy_loss(x["lp"], x["behavior"], x["adv"], x["mask"], L.preset("mu-grpo"))
         value.backward()
         grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in net.parameters()
