@@ -211,33 +211,34 @@ def describe_stage(stage, updates_per_stage):
     return temp
 
 
-def train_stage(model, optimizer, stage, progress, columns, start_policy, save_dtype):
-    """The stage's updates from progress.start on: the schedule, what comes before the first update (the TIS pass,
-    the guards), the loop (metrics lines, intermediate policies and resumable states), then the final train state
-    and policy. `columns`: the stored per-stage passes computed so far (KL's reference); start_policy: its
-    tokenizer files go with every saved policy. Returns (its timing, the counts it ends at: the next stage's start)."""
-    updates_per_stage, start = progress.updates_per_stage, progress.start
+def train_stage(trainer, stage, outputs, columns):
+    """The stage's updates from where `trainer` stands (trainer.start) on: the schedule, what comes before the first
+    update (the TIS pass, the guards), the loop (metrics lines, intermediate policies and resumable states), then the
+    final train state and policy where `outputs` says. `columns`: the stored per-stage passes computed so far (KL's
+    reference). Returns (its timing, the counts it ends at: the next stage's start)."""
+    model, optimizer, start = trainer.model, trainer.optimizer, trainer.start
+    updates_per_stage = outputs.updates_per_stage
     temp = describe_stage(stage, updates_per_stage)
     recipe = update.Recipe(update.stage_loss(loss_spec, stage, norm_len), micro_batch_tokens, grad_clip)
     schedule = update.minibatch_schedule(stage, updates_per_stage, prompts_per_update, seed, skip_zero_variance)
-    columns, timing, neg_ratios, first_row = before_first_update(model, stage, progress, columns, temp, schedule)
+    columns, timing, neg_ratios, first_row = before_first_update(trainer, stage, outputs, columns, temp, schedule)
 
     def save_policy(directory, done):
-        checkpoint.save_policy(model, start_policy, save_dtype, directory,
-                               {"stage": stage.index, "stage_updates": done, **progress.counts(done)})
+        checkpoint.save_policy(model, trainer.start_policy, trainer.dtype, directory,
+                               {"stage": stage.index, "stage_updates": done, **trainer.counts(done)})
 
     def save_state(done, final=False):
-        checkpoint.save_state(model, optimizer, progress.state_dir, {
-            "update": done, **progress.counts(done), "complete": final, "start_weights": progress.start_weights})
+        checkpoint.save_state(model, optimizer, outputs.state_dir, {
+            "update": done, **trainer.counts(done), "complete": final, "start_weights": trainer.start_weights})
         home = stage.directory.parent                 # the stage's directory: kept there, its state is the run's
-        if release_older_states and progress.save_state and is_main and progress.work_dir.resolve() == home.resolve():
+        if release_older_states and outputs.save_state and is_main and outputs.work_dir.resolve() == home.resolve():
             for older, directory in records.stage_dirs(home.parent):   # it takes over from the run's older ones
                 if older < stage.index:
                     shutil.rmtree(directory / records.TRAIN_STATE, ignore_errors=True)
 
     if start == 0 and optimizer_boundary == "reset":     # (a resumed stage's state was saved after its reset; a new
         M.reset_optimizer_state(optimizer)                # AdamW, the run's first stage's: a no-op)
-        progress.before = {**progress.before, "optimizer_updates": 0}
+        trainer.before = {**trainer.before, "optimizer_updates": 0}
     nonfinite_in_row, skipped_total, train_seconds = 0, 0, 0.0
     bar = tqdm(range(start, updates_per_stage), disable=not is_main, desc=f"stage {stage.index} updates",
                initial=start, total=updates_per_stage)
@@ -247,7 +248,7 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             done = u
             break
         t0 = time.perf_counter()
-        counts = progress.counts(u)                         # this update's index in the run and in AdamW's life
+        counts = trainer.counts(u)                         # this update's index in the run and in AdamW's life
         lr_now = lr * update.warmup(counts["optimizer_updates"], warmup_updates) * update.warmup(u, stage_warmup_updates)
         for group in optimizer.param_groups:
             group["lr"] = lr_now
@@ -266,49 +267,49 @@ def train_stage(model, optimizer, stage, progress, columns, start_policy, save_d
             "skipped_nonfinite": skipped_total, "update_skipped": not stepped, **(first_row if u == start else {})})
         neg_ratios.append(row.get("ratio/mean_neg_adv"))
         if is_main:
-            common.append_jsonl(progress.metrics_path, row)
+            common.append_jsonl(outputs.metrics_path, row)
             bar.set_postfix(loss=f"{m['loss/policy']:.4f}", reward=f"{row['reward/mean']:.2f}",
                             ratio_neg=f"{m['ratio/mean_neg_adv']:.3f}")
         if save_policy_every and (u + 1) % save_policy_every == 0 and u + 1 < updates_per_stage:
-            save_policy(progress.out_dir.with_name(f"{progress.out_dir.name}_u{u + 1:05d}"), u + 1)
+            save_policy(outputs.out_dir.with_name(f"{outputs.out_dir.name}_u{u + 1:05d}"), u + 1)
         if checkpoint_every and (u + 1) % checkpoint_every == 0 and u + 1 < updates_per_stage:
             save_state(u + 1)
     bar.close()
     t_save = time.perf_counter()
-    record_stage_end(stage, schedule, done, neg_ratios, progress)
-    if progress.save_state:
+    record_stage_end(stage, schedule, done, neg_ratios, outputs, trainer.counts(done))
+    if outputs.save_state:
         save_state(done, final=True)
-    first, *copies = progress.policy_dirs or (None,)
+    first, *copies = outputs.policy_dirs or (None,)
     if first is not None:
         save_policy(first, done)
     if is_main:
         for directory in copies:                 # the same files: copied, not gathered again
             common.atomic_copytree(first, directory)
-        if not progress.save_state:
-            shutil.rmtree(progress.state_dir, ignore_errors=True)
+        if not outputs.save_state:
+            shutil.rmtree(outputs.state_dir, ignore_errors=True)
     M.barrier()
     return {**timing, "train_seconds": train_seconds, "save_seconds": time.perf_counter() - t_save,
-            "updates_this_run": done - start}, progress.counts(done)
+            "updates_this_run": done - start}, trainer.counts(done)
 
 
-def before_first_update(model, stage, progress, columns, temp, schedule):
-    """What a stage needs before its first update (of this run: a resumed stage's, progress.start): TIS's stored
+def before_first_update(trainer, stage, outputs, columns, temp, schedule):
+    """What a stage needs before its first update (of this run: a resumed stage's, trainer.start): TIS's stored
     pass of the stage policy, added to `columns`; the metrics lines of the updates already done, and their drift
     signal (lines after the resumed update are dropped, so the file matches an unbroken run); at update 0 the
     engines' agreement (passes.check_engines); with check_packing the packing check. Returns (columns, timing, the drift
     signal so far, the checks' values for the first update's metrics line)."""
-    start, updates_per_stage, timing = progress.start, progress.updates_per_stage, {}
+    model, start, updates_per_stage, timing = trainer.model, trainer.start, outputs.updates_per_stage, {}
     if loss_spec.tis_cap is not None:
         columns = {**columns}
         columns["old"], timing["old_pass_seconds"] = passes.logprob_pass(
-            model, stage, temp, "old", progress.start_weights, progress.work_dir, micro_batch_tokens,
-            resumed_state=progress.state_dir if start else None)
+            model, stage, temp, "old", trainer.start_weights, outputs.work_dir, micro_batch_tokens,
+            resumed_state=outputs.state_dir if start else None)
     kept = None
     if is_main:  # metrics lines after the resumed update are dropped, so the file matches an unbroken run
-        progress.work_dir.mkdir(parents=True, exist_ok=True)
-        rows = common.read_jsonl(progress.metrics_path, missing_ok=True, torn_tail_ok=True)   # (killed mid-line)
+        outputs.work_dir.mkdir(parents=True, exist_ok=True)
+        rows = common.read_jsonl(outputs.metrics_path, missing_ok=True, torn_tail_ok=True)   # (killed mid-line)
         kept = [r for r in rows if r.get("update", 0) < start]
-        common.atomic_write_lines(progress.metrics_path, kept)
+        common.atomic_write_lines(outputs.metrics_path, kept)
     neg_ratios = M.broadcast([r.get("ratio/mean_neg_adv") for r in kept] if is_main else None)   # the drift signal
     resampled = temperature and temperature != stage.temperature        # log-probs at another temperature than b's
     first_row = {}
@@ -321,17 +322,17 @@ def before_first_update(model, stage, progress, columns, temp, schedule):
     return columns, timing, neg_ratios, first_row
 
 
-def record_stage_end(stage, schedule, done, neg_ratios, progress):
+def record_stage_end(stage, schedule, done, neg_ratios, outputs, counts):
     """stage_end.json beside metrics.jsonl (stage_rules.StageEnd.record, the run's counts): the next stage's size is
     planned from it (stage_rules.StagePlan)."""
-    row = ending.record(stage.index, done, progress.updates_per_stage, neg_ratios,
+    row = ending.record(stage.index, done, outputs.updates_per_stage, neg_ratios,
                         [stage.group_keys[g] for g in schedule[done:].ravel().tolist()])
-    if done < progress.updates_per_stage:
-        log(f"stage {stage.index} ends on drift after {done} of {progress.updates_per_stage} updates: the average "
+    if done < outputs.updates_per_stage:
+        log(f"stage {stage.index} ends on drift after {done} of {outputs.updates_per_stage} updates: the average "
             f"1 − E[ρ | A<0] of the last {drift_window} updates is {row['drift_signal']:.4f} > {drift_threshold}; "
             f"{row['unused_prompts']} prompts unused")
     if is_main:
-        common.atomic_write_json(progress.work_dir / records.STAGE_END, {**row, **progress.counts(done)})
+        common.atomic_write_json(outputs.work_dir / records.STAGE_END, {**row, **counts})
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -401,6 +402,10 @@ class Trainer:
             M.release_memory()
         return {"ref": column}, {"ref_pass_seconds": seconds}
 
+    def counts(self, done):
+        """The run's and AdamW's update counts after `done` updates of the stage it trains."""
+        return {k: n + done for k, n in self.before.items()}
+
     def next_stage(self, after):
         """Where the next stage starts, this one having ended at the counts `after`: its update 0, from weights no
         file names (a fresh id keys its TIS pass)."""
@@ -417,88 +422,86 @@ class Trainer:
         return [common.finite_or_none(x) for x in reserved]
 
 
-def record_settings(progress, stage, trainer):
+def record_settings(outputs, stage, trainer):
     """optimize_config.json beside metrics.jsonl: the hyperparameters as resolved (with the stage plan's defaults:
     total_updates, drift_max_updates), what this stage resolved at run time, the versions of the code and libraries,
     and the command line."""
     if is_main:
-        progress.work_dir.mkdir(parents=True, exist_ok=True)
+        outputs.work_dir.mkdir(parents=True, exist_ok=True)
         resolved = {"policy": trainer.start_policy, "ref_policy": trainer.reference,
                     "temperature": logprob_temperature(stage), "attention": trainer.attention,
                     "norm_len": norm_len or stage.max_response_tokens, "loss": dataclasses.asdict(loss_spec), **({"resident": True} if resident else {})}
-        common.atomic_write_json(progress.work_dir / records.OPTIMIZE_CONFIG, {
+        common.atomic_write_json(outputs.work_dir / records.OPTIMIZE_CONFIG, {
             "hyperparameters": {**common.hyperparameters(globals()), **dataclasses.asdict(stage_plan)},
             "resolved": resolved, "world": world, "device": str(device), "versions": common.versions(), "argv": sys.argv})
 
 
-def check_disk(stage, trainer, progress):
+def check_disk(stage, trainer, outputs):
     """Refuse, before any compute, a stage whose outputs will not fit: a train state when it saves one (fp32 weights
     and AdamW's two moments, 12 bytes per parameter; a new one is written beside the current before it replaces
     it), every policy it saves into the run (in the initial model's dtype) and the per-stage log-prob passes still
-    to compute (4 bytes per response token each). progress.check_saves: as if it saved both (a resident run's first
+    to compute (4 bytes per response token each). outputs.check_saves: as if it saved both (a resident run's first
     stage: a disk without room for one save stops the run now, not hours in)."""
     n = M.parameter_count(trainer.start_policy)
-    saves_state = progress.save_state or bool(checkpoint_every) or progress.check_saves
-    saves_policy = progress.out_dir in progress.policy_dirs or progress.check_saves
+    saves_state = outputs.save_state or bool(checkpoint_every) or outputs.check_saves
+    saves_policy = outputs.out_dir in outputs.policy_dirs or outputs.check_saves
     state = (4 if lora_rank else 12) * n if saves_state else 0
-    policies = int(saves_policy) + (max(progress.updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
+    policies = int(saves_policy) + (max(outputs.updates_per_stage - 1, 0) // save_policy_every if save_policy_every else 0)
     policy_bytes = policies * n * trainer.dtype.itemsize
     passes = bool(trainer.reference) + (loss_spec.tis_cap is not None)
     pass_bytes = passes * 4 * int(stage.token_offset[-1])
-    common.require_free_disk(progress.work_dir, state + policy_bytes + pass_bytes,
+    common.require_free_disk(outputs.work_dir, state + policy_bytes + pass_bytes,
                              f"this stage's train state ({state / 1e9:.1f} GB), {policies} policy directory(ies) "
                              f"({policy_bytes / 1e9:.1f} GB) and {passes} log-prob pass(es) ({pass_bytes / 1e9:.1f} GB)")
 
 
-def write_timing(progress, timing):
+def write_timing(outputs, timing):
     """optimize_timing.json (rank 0), with every rank's peak RSS."""
     peak_rss = M.gather_values(torch.tensor([common.peak_rss_gib()], device=device))
     if is_main:
         timing = {**timing, "world": world, "peak_rss_gib_per_rank": peak_rss.tolist()}
-        common.atomic_write_json(progress.work_dir / records.OPTIMIZE_TIMING, timing)
+        common.atomic_write_json(outputs.work_dir / records.OPTIMIZE_TIMING, timing)
         seconds = ", ".join(f"{k} {v:.1f}" for k, v in timing.items() if k.endswith("seconds"))
-        log(f"next policy written to {progress.out_dir} ({seconds})")
+        log(f"next policy written to {outputs.out_dir} ({seconds})")
 
 
 # ----------------------------------------------------------------------------- the stages this process trains
 
 
-def train_one(trainer, handover, stage, progress):
+def train_one(trainer, handover, stage, outputs):
     """One stage, as both modes train it: the checks before any compute, KL's reference pass, the model (built for
     the process's first stage), the updates (train_stage, which saves the policy where the hand-over said), the
     policy handed over (per phase: its save is all), the timing."""
     t0 = time.time()
     passes.check_fits(stage, trainer.start_policy)
-    record_settings(progress, stage, trainer)
-    check_disk(stage, trainer, progress)
+    record_settings(outputs, stage, trainer)
+    check_disk(stage, trainer, outputs)
     handover.before_stage(stage.index)
-    columns, timing = trainer.reference_columns(stage, progress.work_dir)
+    columns, timing = trainer.reference_columns(stage, outputs.work_dir)
     if built := trainer.ready():
         timing["load_seconds"] = built
-    progress.start, progress.before, progress.start_weights = trainer.start, trainer.before, trainer.start_weights
-    trained, after = train_stage(trainer.model, trainer.optimizer, stage, progress, columns, trainer.start_policy,
-                                 trainer.dtype)
+    trained, after = train_stage(trainer, stage, outputs, columns)
     timing.update(trained)
     timing.update(handover.hand_over(stage.index, trainer, after["run_updates"]))
     trainer.next_stage(after)
-    write_timing(progress, {**timing, "attention": trainer.attention})
+    write_timing(outputs, {**timing, "attention": trainer.attention})
     handover.record(stage.index, t0, timing)
 
 
 def one_stage():
     """The process-per-phase loop's stage: --stage_dir, from --policy (default: the one that generated it),
     resuming its own train state or continuing --init_state; its outputs at --out. Returns (trainer, hand-over,
-    [(the stage, its progress)])."""
+    [(the stage, its outputs)])."""
     stage = passes.open_stage(stage_dir)
     start_policy = common.local_dir(policy or stage.manifest["policy"])
     common.require_policy(start_policy)
     out_dir = Path(out) if out else Path(stage_dir) / records.POLICY
     handover = handoff.StageDirectory()
-    progress = records.StageProgress(out_dir=out_dir, updates_per_stage=updates_per_stage, save_state=save_train_state,
+    outputs = records.StageOutputs(out_dir=out_dir, updates_per_stage=updates_per_stage, save_state=save_train_state,
                                      policy_dirs=handover.policy_dirs(out_dir, stage.index, True))
-    source = M.broadcast(checkpoint.state_source(progress.state_dir, init_state) if is_main else None)  # rank 0 decides
-    trainer = Trainer(start_policy, source, resume=source == progress.state_dir, keep_reference=False)
-    return trainer, handover, [(stage, progress)]
+    source = M.broadcast(checkpoint.state_source(outputs.state_dir, init_state) if is_main else None)  # rank 0 decides
+    trainer = Trainer(start_policy, source, resume=source == outputs.state_dir, keep_reference=False)
+    return trainer, handover, [(stage, outputs)]
 
 
 def resident_start():
@@ -566,14 +569,14 @@ def resident_start():
 
 
 def resident_stages(handover, first):
-    """(stage, its progress) of every stage from `first` until the plan ends the run, each decided once the stage
+    """(stage, its outputs) of every stage from `first` until the plan ends the run, each decided once the stage
     before it is trained (stage_rules.StagePlan.stage) and opened once its rollouts are in."""
     s = first
     while (decided := stage_plan.stage(run_dir, s)).updates:
         log(tracking.where_line(run_dir, stage_plan.run_updates, s) if is_main else None)   # the stage's line
         handover.wait_for_rollouts(s)
         stage_policy = records.stage_dir(run_dir, s) / records.POLICY
-        yield passes.open_stage(records.stage_dir(run_dir, s)), records.StageProgress(
+        yield passes.open_stage(records.stage_dir(run_dir, s)), records.StageOutputs(
             out_dir=stage_policy, updates_per_stage=decided.updates, save_state=decided.save,
             policy_dirs=handover.policy_dirs(stage_policy, s, decided.save), check_saves=s == first)
         s += 1
@@ -585,8 +588,8 @@ def main():
     (handoff.StageDirectory or handoff.PolicyHandover)."""
     trainer, handover, stages = resident_start() if resident else one_stage()
     try:
-        for stage, progress in stages:
-            train_one(trainer, handover, stage, progress)
+        for stage, outputs in stages:
+            train_one(trainer, handover, stage, outputs)
     finally:
         handover.close()
     del trainer

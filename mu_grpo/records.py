@@ -8,7 +8,7 @@ by run_stages.sh (mu_grpo.launch --command=row: each phase; --command=attempt: a
 mu_grpo/launch.py (a resident attempt's top row, attempt_row), by the resident processes (handoff.Partner.timeline)
 and by generate.py (the evaluation its engines make before a stage): rows that carry "process", parts of a top row
 (their attempt's, their generate phase's). It is also the home of the run directory's names (a stage's rollouts/
-files: mu_grpo/rollouts.py) and of where a stage's training starts and writes (StageProgress); the stage plan and the
+files: mu_grpo/rollouts.py) and of what a stage trains and where it writes (StageOutputs); the stage plan and the
 drift rule that read them are mu_grpo/stage_rules.py.
 """
 import dataclasses
@@ -58,21 +58,15 @@ def stage_dirs(run_dir):
 
 
 @dataclasses.dataclass
-class StageProgress:
-    """Where training on a stage starts and where its outputs go (optimize.py's train_stage)."""
+class StageOutputs:
+    """A stage's size and where its training writes (optimize.py's train_stage; where training stands, the update it
+    starts from and the counts before it, is the trainer's)."""
     out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go next to it
     updates_per_stage: int      # μ: the stage's minibatches (its updates unless it ends on drift)
-    start: int = 0              # the first update to run (a resumed stage: its state's)
-    before: dict = None         # the counts before this stage, {run_updates, optimizer_updates} (mu_grpo/trainer_model.py's records)
-    start_weights: str = ""     # id of the weights the stage started from (keys TIS's stored pass)
     save_state: bool = True     # write the final train state (the next stage's, or a resume's, starting point)
     policy_dirs: tuple = ()     # where the final policy goes (the hand-over's policy_dirs: the stage directory's
                                 # policy/ when it is saved there; (): nowhere, a resident transfer's stage without a save)
     check_saves: bool = False   # check the disk for both saves even when none is due (a resident run's first stage)
-
-    def counts(self, done):
-        """The run's and AdamW's update counts after `done` updates of this stage."""
-        return {k: n + done for k, n in self.before.items()}
 
     @property
     def work_dir(self):
