@@ -36,8 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-from mu_grpo import (benchmarks, common, engine, grading, handoff, model_cards, nodes, processes, records, rollouts,
-                     sampling, stage_rules)
+from mu_grpo import (benchmarks, common, engine, grading, model_cards, nodes, processes, records, rollouts, sampling,
+                     stage_rules)
+from mu_grpo.resident_engines import EngineSide
 
 # ----------------------------------------------------------------------------- hyperparameters
 # the stage: its policy, prompts and outputs
@@ -319,26 +320,21 @@ def evaluation_due(cluster, s, flag):
 class Engines:
     """This process's part of the stages it generates, the same steps in both modes (generate_stages): its own vLLM
     engine (none in a main process whose engines are processes of their own, which it coordinates), the policy each
-    stage is generated with (per phase --policy, for --stage alone; resident each one the trainer hands over,
-    engine.PolicyReceiver, until one says the run is over), and in the main process the run's files (each stage's
-    plan and manifest, the evaluations' rows). What differs between the modes is where the policies come from and
-    whether the engines live on: per phase a coordinator starts its engine processes for the stage, resident ones
-    live for the run, sleeping between stages.
-
-    Resident timeline rows: the main process's per stage (phase generate: from the policy's arrival to the manifest,
-    and the wait for it), every engine's own per stage (phase engine: its reload, sleep and the GPU memory sleep
-    freed), the main process's per evaluation."""
+    stage is generated with, and in the main process the run's files (each stage's plan and manifest, the
+    evaluations' rows). Where the modes differ is `resident` (mu_grpo/resident_engines.py EngineSide; None per phase): per
+    phase --policy generates --stage alone and a coordinator starts its engine processes for the stage; resident
+    engines live for the run, each stage's policy handed over by the trainer, sleeping between stages."""
 
     def __init__(self, cluster, procs=()):
         self.cluster, self.procs, self.rank = cluster, procs, max(worker_rank, 0)
         self.has_engine = is_engine_worker or n_engines == 1
         self.node0 = not is_engine_worker and node_rank == 0        # writes the run's files
-        self.partner = handoff.Partner(run_dir, "engine") if resident else None
-        self.llm = self.receiver = self.row = self.mine = None
-        self.engine_rows = []            # resident, the main process: its engines' rows of the stage (their flags)
+        self.first_stage, self.index, self.llm = stage, engine_index(), None
+        self.resident = EngineSide(run_dir, policy_handoff, n_engines, self.rank, not is_engine_worker) if resident \
+            else None
 
     def where(self, s):
-        return f"engine {engine_index()}, stage {s}"
+        return f"engine {self.index}, stage {s}"
 
     def given(self):
         """The flag of --policy, as a handed-over policy's (handoff.Partner.publish_policy)."""
@@ -348,69 +344,14 @@ class Engines:
 
     def policies(self):
         """(s, the flag of its policy) of every stage this process generates: per phase --stage alone (none once its
-        manifest is written), resident handed_over's."""
-        if resident:
-            yield from self.handed_over()
+        manifest is written), resident every stage from the first without a manifest, each with the policy handed
+        over before it."""
+        if self.resident:
+            yield from self.resident.policies(self, first_pending_stage(), start_engine)
         elif self.cluster.share(f"generate_{stage}/complete", (rollouts_dir(stage) / records.MANIFEST).exists()) == "True":
             print(f"{rollouts_dir(stage)} is complete (manifest.json exists); nothing to do")
         else:
             yield stage, self.given()
-
-    def handed_over(self):
-        """Resident: every stage from the first without a manifest, each with the policy handed over before it (the
-        first: --policy, or on a resume the last one handed over), until a policy's flag has no next stage."""
-        partner = self.partner
-        if not is_engine_worker:
-            partner.announce()
-        first = first_pending_stage()
-        flag = self.given()
-        # a resumed run's engine starts on the last policy handed over; with the transfer it starts on the initial
-        # one, since the policy it waits for may come over the API, which needs the engine up
-        if first > stage and policy_handoff == "files":
-            flag, _ = partner.wait_for_policy(first - 1)
-        t_start = time.time()                    # the start-up (after that wait: the trainer's time, the engine not up)
-        if self.has_engine:
-            self.llm = start_engine(flag["path"], first)
-        self.receiver = engine.PolicyReceiver(policy_handoff, partner, self.llm, engine_index(), self.where(first))
-        # a resumed run with the transfer: the trainer trains before this engine's first stage, so the engine sleeps
-        # at once (the trainer takes memory only once every engine has slept: optimize.py resident_start)
-        sleeps_first = policy_handoff == "transfer" and first > stage
-        if self.has_engine and sleeps_first:
-            engine.sleep(self.llm)
-            partner.engine_asleep(self.rank)
-        started = time.time() - t_start          # this engine's start-up (its first stage's row says it)
-        if not is_engine_worker:
-            if sleeps_first:                     # its row ends once every engine is asleep ("asleep": the trainer's turn)
-                partner.wait(lambda: partner.engines_asleep(n_engines), partner=False,
-                             watch=lambda: (self.watch_workers(), self.trainer_alive_or_done(first - 1)))
-            partner.timeline({"phase": "start", "name": "engine_start", "stage": first, "start": t_start,
-                              "end": time.time(), **({"asleep": True} if sleeps_first else {})})
-        try:
-            for s in itertools.count(first):
-                self.row = {"phase": "generate", "name": f"generate_{s}", "stage": s, "wait_seconds": 0.0}
-                self.mine = {"phase": "engine", "name": f"engine_{self.rank}_{s}", "stage": s, "engine": self.rank,
-                             "reload_seconds": 0.0, "start_seconds": started if s == first else 0.0,
-                             "handoff": policy_handoff}
-                if s > first or sleeps_first:    # a policy arrives before it
-                    flag, self.row["wait_seconds"] = self.receiver.wait(s, self.where(s))
-                    if self.has_engine:
-                        self.mine.update(self.receiver.load(flag, self.where(s)))
-                self.row["start"] = self.mine["start"] = time.time()
-                yield s, flag
-                if not flag["next_stage_prompts"]:
-                    return
-        finally:
-            self.receiver.close()
-
-    def trainer_alive_or_done(self, s):
-        """Raise if the trainer died before handing over the policy trained on stage s: a resumed trainer with nothing
-        left to train hands over the last policy and ends at once, often before the engine processes are up (the
-        engines then evaluate it alone; before, the coordinator took that end for a death, and so on every rerun)."""
-        try:
-            self.partner.check_partner()
-        except SystemExit:
-            if self.partner.trained(s) is None:       # (read after the check: the trainer writes it before it ends)
-                raise
 
     def watch_workers(self):
         for p in self.procs:
@@ -418,11 +359,11 @@ class Engines:
                 raise SystemExit(f"an engine process failed (exit {p.returncode}); rerun to resume")
 
     def evaluation_parts(self, s):
-        """Where the engines leave their shares of the evaluation before stage s: resident, the hand-off's directory
-        (cleared with every attempt's flags); per phase a directory the nodes meet in (cluster.meeting_dir, beside
-        the results table; on one node a temporary one), given to the engine processes (--eval_parts)."""
-        if resident:
-            return contextlib.nullcontext(records.stage_dir(handoff.state_dir(run_dir) / "eval", s - 1))
+        """Where the engines leave their shares of the evaluation before stage s: resident, the hand-off's (EngineSide);
+        per phase a directory the nodes meet in (cluster.meeting_dir, beside the results table; on one node a
+        temporary one), given to the engine processes (--eval_parts)."""
+        if self.resident:
+            return self.resident.evaluation_parts(s)
         if is_engine_worker:
             return contextlib.nullcontext(Path(eval_parts))
         return self.cluster.meeting_dir(Path(results).parent / ".nodes" / f"eval_stage_{s - 1}", f"generate_{s}/eval")
@@ -432,40 +373,32 @@ class Engines:
         then (resident) asleep; a coordinator waits for its engine processes' parts (per phase: started for the
         stage; resident: their flags)."""
         mine = engine_shards(shards, self.rank, s) if self.has_engine else []
-        if self.has_engine and (ev or mine or resident):
+        if self.has_engine and (ev or mine or self.resident):
             self.llm = self.llm or start_engine(flag["path"], s)     # resident: started before the first stage
             if ev:
                 sample_evaluation(self.llm, ev, parts)
             if mine:
                 sampling.generate_shards(self.llm, shard_job(s, flag["policy"], flag["next_stage_prompts"]),
                                          flag["fingerprint"], mine, shards)
-            if resident and shards:              # asleep before the trainer (told by the manifest) takes memory
-                self.mine["sleep_seconds"], self.mine["freed_gib"] = engine.sleep(self.llm)
-                self.partner.engine_asleep(self.rank)
-                self.partner.engine_finished(s, self.rank, {**self.mine, "end": time.time()})
-        elif not self.has_engine and not resident:
+            if self.resident and shards:
+                self.resident.asleep(self.llm, s)
+        elif not self.has_engine and not self.resident:
             todo = [k for r in range(n_engines) for k in engine_shards(shards, r, s)]
             if ev or todo:
                 codes = processes.run_workers(__file__, [*sys.argv[1:], *([f"--eval_parts={parts}"] if ev else [])],
                                               engine.worker_environments(n_engines, tensor_parallel))
                 if any(codes):
                     sys.exit(f"engine processes failed with exit codes {codes}; rerun to resume")
-        if resident and not is_engine_worker:
-            if ev:
-                self.partner.wait(lambda: all(benchmarks.part_path(parts, r).exists() for r in range(n_engines)),
-                                  watch=self.watch_workers, partner=False)
-            if shards:
-                self.engine_rows = self.partner.wait(lambda: self.partner.engines_finished(s, n_engines),
-                                                     watch=self.watch_workers, partner=False)[1]
+        if self.resident and not is_engine_worker:
+            self.resident.wait_for_engines(s, parts if ev else None, shards, self.watch_workers)
 
     def timeline(self, row):
         records.append(run_dir, row, process="engine" if resident else "generate")
 
     def stage_rows(self):
         """Resident: the stage's rows, every engine's and the main process's (which ends with the manifest)."""
-        if resident:
-            for r in [*self.engine_rows, {**self.row, "end": time.time()}]:
-                self.timeline(r)
+        for row in self.resident.stage_rows() if self.resident else []:
+            self.timeline(row)
 
 
 def generate_stages(problems, engines):

@@ -17,7 +17,7 @@ continues (--init_state): a run's stages are one optimization whose rollouts are
 caches of the stage (rollout columns, per-stage log-prob passes) go into the stage directory.
 """
 import dataclasses
-import gc
+import functools
 import math
 import os
 import shutil
@@ -31,7 +31,8 @@ import torch
 from tqdm import tqdm
 
 import loss as L
-from mu_grpo import checkpoint, common, handoff, passes, records, stage_rules, tracking
+from mu_grpo import checkpoint, common, handoff, passes, records, stage_rules
+from mu_grpo.resident_trainer import trainer_start
 from mu_grpo import trainer_model as M
 import update
 
@@ -504,89 +505,16 @@ def one_stage():
     return trainer, handover, [(stage, outputs)]
 
 
-def resident_start():
-    """Resident mode's start: the hand-over (handoff.PolicyHandover) and the trainer continuing the run directory's
-    newest train state, built once the engines have slept (after their first rollouts; on a resume with the transfer,
-    at once); a resumed run trains the stages after that state again (their rollouts are on disk): an unbroken run's
-    weights. Returns (trainer, hand-over, the stages: resident_stages); no trainer and no stages once every stage is
-    trained (the engines still evaluate the last policy)."""
-    partner = handoff.Partner(run_dir, "trainer")
-    if is_main:
-        partner.announce()
-    handover = handoff.PolicyHandover(partner, stage_plan, is_main)
-    last, meta = checkpoint.newest_state(run_dir)
-    first = (last + 1 if meta["complete"] else last) if meta else 0
-    last_dir = records.stage_dir(run_dir, last) if meta else None
-    # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
-    resave = meta is not None and meta["complete"] and not common.policy_record(last_dir / records.POLICY)
-    untrained = stage_plan.stage(run_dir, first).updates
-    if meta is not None and meta["complete"] and not resave:
-        handover.publish_saved(last, last_dir / records.POLICY)   # the engine resumes from it
-        # killed in its last evaluation: nothing to train, so no model or state (~91 GB at 7B) is loaded beside the
-        # engine's start (vllm/v1/worker/gpu_worker.py:719 asserts no other process frees memory meanwhile)
-        if not untrained:
-            log(f"stage {first}: every stage is trained; the last policy goes to its evaluation")
-            return None, handover, []
-    if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
-        from mu_grpo import transfer  # vLLM's transfer classes: only with the transfer hand-off
-        handover.sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
-                                          buffer_bytes=handoff_buffer_mb * 2**20)
-    # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
-    # that policy, holding none)
-    if untrained and not resave:
-        partner.wait_for_rollouts(first)
-    # with the transfer the engines start at once, also on a resumed run whose stages from `first` have their rollouts
-    # already: they sleep before this process takes memory (with files a resumed engine waits for this one's policy)
-    if policy_handoff == "transfer":
-        partner.wait(lambda: partner.engines_asleep(engines))
-    t_start = time.time()
-    trainer = Trainer(common.local_dir(policy), last_dir / records.TRAIN_STATE if meta else None,
-                      resume=meta is not None and not meta["complete"], keep_reference=True)
-    trainer.ready()
-    if handover.kind == "transfer":
-        log(f"policies are handed over through vLLM's weight-transfer API ({handover.sender.backend}, {engines} engine(s))")
-    else:   # rank 0 chooses where (it sees the same /dev/shm as the engines), broadcast: a rank that chose otherwise
-        # would save alone into a collective
-        fast, why = M.broadcast(handoff.fast_dir(run_dir, M.parameter_count(trainer.start_policy) * trainer.dtype.itemsize)
-                                if is_main else None)
-        handover.use_files(fast)
-        log(f"policies are handed over through {fast}: {why}")
-    if resave:
-        counts = {k: meta[k] for k in checkpoint.COUNTS}
-        checkpoint.save_policy(trainer.model, trainer.start_policy, trainer.dtype, last_dir / records.POLICY,
-                               {"stage": last, "stage_updates": meta["update"], **counts})
-        # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
-        # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
-        # as every stage's hand-over does (release_gradients)
-        M.release_memory()
-        handover.publish_saved(last, last_dir / records.POLICY)
-    gc.collect()      # (the train state's load leaves garbage) then what lives for the run (the model, the modules:
-    gc.freeze()       # vLLM's with the transfer) is out of every later gc.collect (model.release_memory's): on a CPU
-    # a collect takes 0.1 s with torch and transformers imported, 0.3 s with vLLM too, a few ms once they are frozen
-    if is_main:
-        partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
-    return trainer, handover, resident_stages(handover, first)
-
-
-def resident_stages(handover, first):
-    """(stage, its outputs) of every stage from `first` until the plan ends the run, each decided once the stage
-    before it is trained (stage_rules.StagePlan.stage) and opened once its rollouts are in."""
-    s = first
-    while (decided := stage_plan.stage(run_dir, s)).updates:
-        log(tracking.where_line(run_dir, stage_plan.run_updates, s) if is_main else None)   # the stage's line
-        handover.wait_for_rollouts(s)
-        stage_policy = records.stage_dir(run_dir, s) / records.POLICY
-        yield passes.open_stage(records.stage_dir(run_dir, s)), records.StageOutputs(
-            out_dir=stage_policy, updates_per_stage=decided.updates, save_state=decided.save,
-            policy_dirs=handover.policy_dirs(stage_policy, s, decided.save), check_saves=s == first)
-        s += 1
-
-
 def main():
     """The stages this process is given, each trained by train_one: per phase the one at --stage_dir, then the
     process ends; resident every stage of the run, the process living on. What differs is the hand-over
     (handoff.StageDirectory or handoff.PolicyHandover)."""
-    trainer, handover, stages = resident_start() if resident else one_stage()
+    if resident:
+        trainer, handover, stages = trainer_start(
+            run_dir, stage_plan, functools.partial(Trainer, common.local_dir(policy), keep_reference=True),
+            policy_handoff, engines, handoff_buffer_mb)
+    else:
+        trainer, handover, stages = one_stage()
     try:
         for stage, outputs in stages:
             train_one(trainer, handover, stage, outputs)

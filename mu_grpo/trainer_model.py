@@ -27,8 +27,8 @@ ATTENTION = ("auto", "flash_attention_2", "varlen_attn", "flex_attention", "varl
 
 
 def log(*args):
-    """print on rank 0 only (placement from torch)."""
-    if placement()[0] == 0:
+    """print on rank 0 only (placement from torch); nothing for a None alone."""
+    if placement()[0] == 0 and any(args):
         print(*args, flush=True)
 
 
