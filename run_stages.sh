@@ -38,22 +38,8 @@ TOTAL_UPDATES=${TOTAL_UPDATES:-}  # drift: the run's updates (default STAGES × 
 DRIFT_GROWTH=${DRIFT_GROWTH:-1.25}  # drift: after a warning at update u the next stage plans ceil(growth · u) updates
 DRIFT_MAX_UPDATES=${DRIFT_MAX_UPDATES:-}  # drift: the largest μ a stage is planned with (default 4 × UPDATES_PER_STAGE)
 DRIFT_ARGS=${DRIFT_ARGS:-}      # drift: optimize.py's warning, e.g. "--drift_window=16 --drift_min_updates=16"
-# ---- the phases' knobs, homes in their scripts' blocks (empty: the block's value)
-LR=${LR:-}                      # optimize.py lr: AdamW's learning rate
-WARMUP=${WARMUP:-}              # optimize.py warmup_updates: linear warmup over AdamW's first updates
-KL_COEF=${KL_COEF:-}            # optimize.py kl_coef: β of the KL penalty to the initial policy (empty: the LOSS row's)
-OPTIMIZER_BOUNDARY=${OPTIMIZER_BOUNDARY:-}  # optimize.py optimizer_boundary: carry | reset AdamW at each stage's start
-ADAM_BETAS=${ADAM_BETAS:-}      # optimize.py adam_betas: AdamW's β1,β2
-STAGE_WARMUP=${STAGE_WARMUP:-}  # optimize.py stage_warmup_updates: lr warmup over each stage's first updates
-MICRO_BATCH_TOKENS=${MICRO_BATCH_TOKENS:-}  # optimize.py micro_batch_tokens: tokens packed per micro-batch, per GPU
-GRAD_CKPT=${GRAD_CKPT:-}        # optimize.py gradient_checkpointing
-SAVE_POLICY_EVERY=${SAVE_POLICY_EVERY:-}  # optimize.py save_policy_every: a policy every N updates within a stage too
-TEMPERATURE=${TEMPERATURE:-}    # generate.py temperature: the rollouts' sampling temperature (the trainer's too)
-SHARD_PROMPTS=${SHARD_PROMPTS:-}  # generate.py shard_prompts: prompts per rollout shard, the unit of resume
-PER_REQUEST_SEED=${PER_REQUEST_SEED:-}  # generate.py per_request_seed: each prompt samples from its own seed
-EVAL_K=${EVAL_K:-}              # evaluate.py k: samples per problem (avg@k)
-EVAL_TEMPERATURE=${EVAL_TEMPERATURE:-}  # evaluate.py temperature
-EVAL_TOP_P=${EVAL_TOP_P:-}      # evaluate.py top_p
+# ---- the phase scripts' knobs (LR=3e-5 bash run_stages.sh, LR optimize.py's lr; the README's table names each one's
+# flag): their homes are those scripts' blocks; given here or by a preset, each is passed as its flag (launch.py KNOBS)
 # ---- evaluation and what is kept
 EVAL_EVERY=${EVAL_EVERY:-1}     # evaluate after every N-th stage (and always after the last); 0: never
 EVAL_CACHE=${EVAL_CACHE:-}      # kept evaluations: the initial policy's taken from there under this protocol, else made
@@ -177,8 +163,8 @@ KL_ARGS=(); [[ $(awk "BEGIN {print ($KL_COEF > 0)}") == 0 ]] || KL_ARGS=(--ref_p
 # this attempt's start, a zero-length row: the time from the last record before it is not the run's (records.pauses)
 (( NODE_RANK > 0 )) || $PY -m mu_grpo.launch --command=attempt
 # each phase's flags: the loop's knobs, and the phase knobs a preset or the environment gives (mu_grpo/launch.py
-# PHASE_KNOBS: $OPTIMIZE_FLAGS, $GENERATE_FLAGS, $EVAL_FLAGS); the evaluation protocol given once, to both its users
-EVAL_PROTOCOL="--benchmarks=$BENCHMARKS --data_dir=$EVAL_DATA_DIR $EVAL_FLAGS"
+# KNOBS: $OPTIMIZE_FLAGS, $GENERATE_FLAGS, $EVALUATE_FLAGS); the evaluation protocol given once, to both its users
+EVAL_PROTOCOL="--benchmarks=$BENCHMARKS --data_dir=$EVAL_DATA_DIR $EVALUATE_FLAGS"
 EVAL_ARGS=($EVAL_PROTOCOL --max_prompt_tokens="$MAX_PROMPT" --max_response_tokens="$MAX_RESPONSE"
            --results="$RUN/results.jsonl" --run_start="$START" --skip_evaluated=true --gpus="$GPUS" --engines="$ENGINES" "${TEMPLATE_ARG[@]}"
            "${NODE_ARGS[@]}")

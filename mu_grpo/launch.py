@@ -2,7 +2,7 @@
 the presets, the generate → optimize → evaluate loop). run_stages.sh exports its knobs (`set -a`) and calls:
 
     python -m mu_grpo.launch --command=preset     PRESET=auto resolved by the GPUs torch sees (paper on a GPU box, else toy)
-    python -m mu_grpo.launch --command=settings   every knob checked against one table (SETTINGS) before any phase runs, the
+    python -m mu_grpo.launch --command=settings   every knob checked against one table (KNOBS) before any phase runs, the
                                           defaults resolved: shell assignments run_stages.sh evals, SETTINGS among
                                           them (every knob, KEY=value lines: what the nodes' join compares and the
                                           trackers' config)
@@ -126,70 +126,89 @@ def top_p(name, v):                # (0, 1], vLLM's own rule (vllm/sampling_para
         return f"{name} must be a number in (0, 1], got '{v}'"
 
 
-# every knob of run_stages.sh (its own and its presets'), with the rule its value must follow; "own": the node's own (it
-# may differ between nodes), left out of SETTINGS, which every node's must equal node 0's (mu_grpo/nodes.py join)
-SETTINGS = {
-    "PRESET": (one_of("paper", "toy", "lab", "lab-fork"),), "LOSS": (anything,), "LOSS_ARGS": (anything,),
-    "NAV_DELTA": (positive_or_empty,),
-    "RUN": (anything,), "MODEL": (anything,), "TRAIN_DATA": (anything,), "EVAL_DATA_DIR": (anything,),
-    "BENCHMARKS": (anything,), "TEMPLATE": (one_of(*model_cards.TEMPLATES),),
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """A knob of run_stages.sh, declared once (KNOBS): its rule, its home, whether a rerun may change it, whether it
+    is each node's own. Every list of knobs is derived from KNOBS."""
+    rule: object                # rule(name, value): the problem with a value, or None
+    home: str = "run_stages.sh"     # where its default lives: run_stages.sh's block, or "<script> <flag>", a phase
+    # script's block (an empty knob: that block decides, no flag passed; given: passed to that script as the flag)
+    rerun: bool = False         # a rerun may change it: how the run runs, is watched, saved and when it is evaluated,
+    # not what it computes (every other knob is the run's own once a phase has finished: run_settings.json)
+    own: bool = False           # each node's own (it may differ between nodes); every other knob of each node must
+    # equal node 0's (mu_grpo/nodes.py join)
+
+    @property
+    def phase(self):
+        """(script, flag) of a phase knob, else None."""
+        return tuple(self.home.split()) if self.home != "run_stages.sh" else None
+
+
+def phase(script, flag, rule, rerun=False):
+    return Knob(rule, f"{script} {flag}", rerun)
+
+
+SAFE, OWN = dict(rerun=True), dict(own=True)
+# every knob run_stages.sh reads (its block's, its presets', and the phase knobs, whose homes are the scripts' blocks)
+KNOBS = {
+    "PRESET": Knob(one_of("paper", "toy", "lab", "lab-fork")), "LOSS": Knob(anything), "LOSS_ARGS": Knob(anything),
+    "NAV_DELTA": Knob(positive_or_empty), "RUN": Knob(anything, **SAFE), "MODEL": Knob(anything),
+    "TRAIN_DATA": Knob(anything), "EVAL_DATA_DIR": Knob(anything), "BENCHMARKS": Knob(anything),
+    "TEMPLATE": Knob(one_of(*model_cards.TEMPLATES)),
     # the stages
-    "STAGES": (whole(1),), "UPDATES_PER_STAGE": (whole(1),), "PROMPTS_PER_UPDATE": (whole(1),),
-    "GROUP_SIZE": (whole(2),), "STAGE_END": (one_of("fixed", "drift"),), "TOTAL_UPDATES": (whole(1),),
-    "DRIFT_GROWTH": (positive,), "DRIFT_MAX_UPDATES": (whole(1),), "DRIFT_ARGS": (anything,),
-    # sampling and optimization
-    "LR": (number,), "WARMUP": (whole(),), "KL_COEF": (number,), "MAX_PROMPT": (whole(1),),
-    "MAX_RESPONSE": (whole(1),), "TEMPERATURE": (temperature,), "SEED": (whole(),), "PER_REQUEST_SEED": (boolean,),
-    "OPTIMIZER_BOUNDARY": (one_of("carry", "reset"),), "ADAM_BETAS": (betas,), "STAGE_WARMUP": (whole(),),
-    "SAVE_POLICY_EVERY": (whole(),),
-    "MICRO_BATCH_TOKENS": (whole(1),), "GRAD_CKPT": (boolean,), "SHARD_PROMPTS": (whole(1),),
+    "STAGES": Knob(whole(1)), "UPDATES_PER_STAGE": Knob(whole(1)), "PROMPTS_PER_UPDATE": Knob(whole(1)),
+    "GROUP_SIZE": Knob(whole(2)), "STAGE_END": Knob(one_of("fixed", "drift")), "TOTAL_UPDATES": Knob(whole(1)),
+    "DRIFT_GROWTH": Knob(positive), "DRIFT_MAX_UPDATES": Knob(whole(1)), "DRIFT_ARGS": Knob(anything),
+    "MAX_PROMPT": Knob(whole(1)), "MAX_RESPONSE": Knob(whole(1)), "SEED": Knob(whole()),
+    # the phase scripts' knobs
+    "LR": phase("optimize.py", "lr", number), "WARMUP": phase("optimize.py", "warmup_updates", whole()),
+    "KL_COEF": phase("optimize.py", "kl_coef", number),
+    "OPTIMIZER_BOUNDARY": phase("optimize.py", "optimizer_boundary", one_of("carry", "reset")),
+    "ADAM_BETAS": phase("optimize.py", "adam_betas", betas),
+    "STAGE_WARMUP": phase("optimize.py", "stage_warmup_updates", whole()),
+    "MICRO_BATCH_TOKENS": phase("optimize.py", "micro_batch_tokens", whole(1), rerun=True),
+    "GRAD_CKPT": phase("optimize.py", "gradient_checkpointing", boolean, rerun=True),
+    "SAVE_POLICY_EVERY": phase("optimize.py", "save_policy_every", whole(), rerun=True),
+    "TEMPERATURE": phase("generate.py", "temperature", temperature),
+    "SHARD_PROMPTS": phase("generate.py", "shard_prompts", whole(1)),
+    "PER_REQUEST_SEED": phase("generate.py", "per_request_seed", boolean),
+    "EVAL_K": phase("evaluate.py", "k", whole(1)), "EVAL_TEMPERATURE": phase("evaluate.py", "temperature", temperature),
+    "EVAL_TOP_P": phase("evaluate.py", "top_p", top_p),
     # evaluation and saving
-    "EVAL_K": (whole(1),), "EVAL_TEMPERATURE": (temperature,), "EVAL_TOP_P": (top_p,), "EVAL_EVERY": (whole(),),
-    "SAVE_EVERY": (whole(),), "KEEP_TRAIN_STATES": (boolean,), "EVAL_CACHE": (anything,), "CHECKPOINT_EVERY": (whole(),),
+    "EVAL_EVERY": Knob(whole(), **SAFE), "SAVE_EVERY": Knob(whole(), **SAFE),
+    "KEEP_TRAIN_STATES": Knob(boolean, **SAFE), "EVAL_CACHE": Knob(anything, **SAFE),
+    "CHECKPOINT_EVERY": Knob(whole(), **SAFE),
     # the box
-    "GPUS": (whole(),), "ENGINES": (whole(1),), "TRAIN_RANKS": (whole(1),), "RESIDENT": (boolean,),
-    "RESIDENT_GPU_MEMORY": (share_or_auto,), "HANDOFF": (one_of("transfer", "files"),),
-    "PREFLIGHT": (one_of("auto", "0", "1", "force"),),
-    "PREFLIGHT_ARGS": (anything, "own"), "PREFLIGHT_ONLY": (boolean,), "PREFLIGHT_REPORT": (anything,),
+    "GPUS": Knob(whole(), **SAFE), "ENGINES": Knob(whole(1), **SAFE), "TRAIN_RANKS": Knob(whole(1), **SAFE),
+    "RESIDENT": Knob(boolean, **SAFE), "RESIDENT_GPU_MEMORY": Knob(share_or_auto, **SAFE),
+    "HANDOFF": Knob(one_of("transfer", "files"), **SAFE), "PREFLIGHT": Knob(one_of("auto", "0", "1", "force"), **SAFE),
+    "PREFLIGHT_ARGS": Knob(anything, **OWN), "PREFLIGHT_ONLY": Knob(boolean, **SAFE),
+    "PREFLIGHT_REPORT": Knob(anything, **SAFE),
     # several nodes
-    "NNODES": (whole(1),), "NODE_RANK": (whole(), "own"), "MASTER_ADDR": (anything, "own"),
-    "MASTER_PORT": (whole(),),
-    "JOIN_TIMEOUT": (whole(), "own"), "DEAD_AFTER": (whole(), "own"), "COLLECTIVE_TIMEOUT": (whole(1), "own"),
-    "HSDP": (boolean,),
-    # tracking
-    "REPORT_TO": (anything, "own"), "TRACKER_GROUP": (anything, "own"),     # node 0 reports
+    "NNODES": Knob(whole(1), **SAFE), "NODE_RANK": Knob(whole(), **OWN), "MASTER_ADDR": Knob(anything, **OWN),
+    "MASTER_PORT": Knob(whole(), **SAFE), "JOIN_TIMEOUT": Knob(whole(), **OWN), "DEAD_AFTER": Knob(whole(), **OWN),
+    "COLLECTIVE_TIMEOUT": Knob(whole(1), **OWN), "HSDP": Knob(boolean, **SAFE),
+    # tracking (node 0 reports)
+    "REPORT_TO": Knob(anything, **OWN), "TRACKER_GROUP": Knob(anything, **OWN),
 }
-
-
-# the knobs a rerun of a run may change (besides each node's own): how it runs, is watched, saved and when it is
-# evaluated, not what it computes; every other knob is the run's own once a phase has finished (run_settings.json)
-RERUN_SAFE = {"RUN", "EVAL_EVERY", "SAVE_EVERY", "KEEP_TRAIN_STATES", "SAVE_POLICY_EVERY", "EVAL_CACHE", "GPUS",
-              "ENGINES", "TRAIN_RANKS", "RESIDENT", "RESIDENT_GPU_MEMORY", "HANDOFF", "PREFLIGHT", "PREFLIGHT_ONLY",
-              "PREFLIGHT_REPORT", "CHECKPOINT_EVERY",
-              "NNODES", "MASTER_PORT", "HSDP", "MICRO_BATCH_TOKENS", "GRAD_CKPT"}
 EXTENDABLE = ("STAGES", "TOTAL_UPDATES")    # a rerun may raise these: the run goes on to its new length
 RENAMED = {"UPDATES": "UPDATES_PER_STAGE", "RESET_OPTIMIZER": "OPTIMIZER_BOUNDARY (carry | reset)"}
 PLAN_DEFAULTS = ("TOTAL_UPDATES", "DRIFT_MAX_UPDATES")     # empty: stage_rules.StagePlan's defaults
-# the knobs whose home is a phase script's hyperparameter block: empty, that block decides (and no flag is passed, so
-# that editing the block changes the run); given (by a preset, a LOSS preset or the environment), passed to that
-# script as this flag. The loop's own knobs (stages, μ, prompts, G, lengths, data, the box) are run_stages.sh's
-PHASE_KNOBS = {
-    "LR": ("optimize.py", "lr"), "WARMUP": ("optimize.py", "warmup_updates"), "KL_COEF": ("optimize.py", "kl_coef"),
-    "MICRO_BATCH_TOKENS": ("optimize.py", "micro_batch_tokens"), "GRAD_CKPT": ("optimize.py", "gradient_checkpointing"),
-    "OPTIMIZER_BOUNDARY": ("optimize.py", "optimizer_boundary"), "ADAM_BETAS": ("optimize.py", "adam_betas"),
-    "STAGE_WARMUP": ("optimize.py", "stage_warmup_updates"), "SAVE_POLICY_EVERY": ("optimize.py", "save_policy_every"),
-    "TEMPERATURE": ("generate.py", "temperature"), "SHARD_PROMPTS": ("generate.py", "shard_prompts"),
-    "PER_REQUEST_SEED": ("generate.py", "per_request_seed"),
-    "EVAL_K": ("evaluate.py", "k"), "EVAL_TEMPERATURE": ("evaluate.py", "temperature"),
-    "EVAL_TOP_P": ("evaluate.py", "top_p"),
-}
-FLAGS_OF = {"optimize.py": "OPTIMIZE_FLAGS", "generate.py": "GENERATE_FLAGS", "evaluate.py": "EVAL_FLAGS"}
+# derived from KNOBS: the knobs every node must share, those a rerun may change, the phase knobs
+SHARED = [name for name, knob in KNOBS.items() if not knob.own]
+RERUN_SAFE = {name for name, knob in KNOBS.items() if knob.rerun}
+PHASE_KNOBS = {name: knob.phase for name, knob in KNOBS.items() if knob.phase}
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def shell_value(value):
     """A block's Python default as the shell spells it (True → true, None → empty)."""
     return "true" if value is True else "false" if value is False else "" if value is None else str(value)
+
+
+def flags_variable(script):
+    """The variable run_stages.sh passes a phase script's given knobs in: OPTIMIZE_FLAGS for optimize.py."""
+    return f"{Path(script).stem.upper()}_FLAGS"
 
 
 def block_default(name):
@@ -232,7 +251,7 @@ def run_settings(k):
     their safe knobs and optimize.py's loss block, and the Loss that block, LOSS and LOSS_ARGS make (its row of loss.py's
     PRESETS as it is: an edited row is a changed run) ({"knobs": ..., "<script>": ..., "loss": ...}); recorded at its
     first attempt (records.RUN_SETTINGS)."""
-    knobs = {n: k[n] for n, (_, *own) in SETTINGS.items() if not own and n not in RERUN_SAFE}
+    knobs = {n: k[n] for n in SHARED if n not in RERUN_SAFE}
     scripts = {name: {key: v for key, v in common.script_defaults(name).items() if key not in safe
                       and not (name == "optimize.py" and key in LOSS_BLOCK)} for name, safe in PHASE_SCRIPTS.items()}
     return {"knobs": knobs, **scripts, "loss": dataclasses.asdict(run_loss(k)), "data": data_files(k)}
@@ -315,9 +334,9 @@ def misspelt_knobs(environment):
     """Variables of the environment that are no knob of any launcher but close to one of run_stages.sh's (a typo the
     run would ignore): [(name, the knob)]."""
     import difflib  # only the settings check looks for typos
-    known = set(SETTINGS) | set(RENAMED) | launcher_knobs()
+    known = set(KNOBS) | set(RENAMED) | launcher_knobs()
     return [(name, close[0]) for name in environment if name.isupper() and name not in known
-            and (close := difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.85))]
+            and (close := difflib.get_close_matches(name, KNOBS, n=1, cutoff=0.85))]
 
 
 def launcher_knobs():
@@ -330,7 +349,7 @@ def launcher_knobs():
 
 
 def resolve(knobs):
-    """The knobs (name → the shell's value, every one of SETTINGS) checked and their defaults resolved, in one pass:
+    """The knobs (name → the shell's value, every one of KNOBS; a phase knob may be absent) checked and their defaults resolved, in one pass:
     (the resolved knobs, the first problem or None). An empty value is a default still to resolve."""
     k = dict(knobs)
     gpus = int(k["GPUS"]) if re.fullmatch(r"[0-9]+", k.get("GPUS", "")) else 0
@@ -341,20 +360,20 @@ def resolve(knobs):
     given = {name for name in PHASE_KNOBS if k.get(name)}          # passed as flags; the others are their blocks'
     for name in PHASE_KNOBS.keys() - given:
         k[name] = block_default(name)
-    for script, variable in FLAGS_OF.items():
-        k[variable] = " ".join(f"--{flag}={k[name]}" for name, (where, flag) in PHASE_KNOBS.items()
-                               if where == script and name in given)
+    for script in sorted({script for script, _ in PHASE_KNOBS.values()}):    # OPTIMIZE_FLAGS, GENERATE_FLAGS, ...
+        k[flags_variable(script)] = " ".join(f"--{flag}={k[name]}" for name, (where, flag) in PHASE_KNOBS.items()
+                                             if where == script and name in given)
     try:                               # the LOSS preset's flags, and its β of the KL penalty unless KL_COEF is given
         k["LOSS_FLAGS"], row = loss_flags(k.get("LOSS", ""), k.get("NAV_DELTA", "")), L().preset(k.get("LOSS", ""))
         k["KL_COEF"] = k["KL_COEF"] or str(row.kl_coef)
     except ValueError as e:
         return k, str(e)
-    for name, (rule, *_) in SETTINGS.items():
+    for name, knob in KNOBS.items():
         if name not in k:
             return k, f"{name} is not set (run_stages.sh has every knob)"
         if name in PLAN_DEFAULTS and not k[name]:
             continue
-        if problem := rule(name, k[name]):
+        if problem := knob.rule(name, k[name]):
             return k, problem
     if k["STAGE_END"] == "fixed":      # the drift plan's knobs, given to a fixed run: a run other than the one asked for
         fixed = int(k["STAGES"]) * int(k["UPDATES_PER_STAGE"])
@@ -539,7 +558,7 @@ def derived(k):
             "RUN_UPDATES": str(plan.run_updates),
             "LOGS": k["RUN"] + ("/logs" if node0 else f"/logs/node{k['NODE_RANK']}"),
             "LOCK": k["RUN"] + ("/.lock" if node0 else f"/.lock.node{k['NODE_RANK']}"),
-            "SETTINGS": "".join(f"{n}={k[n]}\n" for n, (_, *node) in SETTINGS.items() if not node),
+            "SETTINGS": "".join(f"{n}={k[n]}\n" for n in SHARED),
             "TEMPLATE_FLAG": " ".join(template_args(k["TEMPLATE"]))}
 
 
@@ -553,7 +572,7 @@ def settings_command():
             common.refuse(f"{old}={os.environ[old]}: the knob is {new} now")
     for name, knob in misspelt_knobs(os.environ):
         common.refuse(f"{name}={os.environ[name]} is not a knob: did you mean {knob}? (run_stages.sh's variables)")
-    knobs = {name: os.environ[name] for name in SETTINGS if name in os.environ}
+    knobs = {name: os.environ[name] for name in KNOBS if name in os.environ}
     knobs["GPUS"] = knobs.get("GPUS") or os.environ.get("VISIBLE_GPUS", "")     # empty: every GPU torch sees
     k, problem = resolve(knobs)
     if problem:

@@ -37,7 +37,7 @@ TOY = {"PRESET": "toy", "LOSS": "mu-grpo", "LOSS_ARGS": "", "NAV_DELTA": "", "RU
 
 
 def test_the_table_holds_every_knob_the_toy_preset_sets_and_no_other():
-    assert set(TOY) == set(launch.SETTINGS)
+    assert set(TOY) == set(launch.KNOBS)
 
 
 def test_the_defaults_are_resolved_once_from_the_knobs():
@@ -63,7 +63,7 @@ def test_settings_are_every_knob_but_a_nodes_own():
     k, _ = launch.resolve(TOY)
     settings = dict(line.split("=", 1) for line in launch.derived(k)["SETTINGS"].splitlines())
     assert settings["UPDATES_PER_STAGE"] == "8" and settings["TOTAL_UPDATES"] == "24"
-    assert set(settings) == {n for n, (_, *own) in launch.SETTINGS.items() if not own}
+    assert set(settings) == set(launch.SHARED) == {n for n, knob in launch.KNOBS.items() if not knob.own}
     assert "NODE_RANK" not in settings and "REPORT_TO" not in settings and "MASTER_ADDR" not in settings
 
 
@@ -323,8 +323,27 @@ def test_every_knob_run_stages_sh_sets_is_in_the_table():
     block = text[:text.index("# ------------------------------------------------------------------------------\n\n")]
     knobs = set(re.findall(r"^([A-Z_]+)=\$\{\1:-", block, re.M))
     preset_knobs = set(re.findall(r"\b([A-Z_]+)=", (ROOT / "presets.sh").read_text().split("case")[1]))
-    assert len(knobs) > 50 and preset_knobs - {"LAB_DIR"} <= knobs, preset_knobs - knobs
-    assert knobs == set(launch.SETTINGS), knobs ^ set(launch.SETTINGS)
+    loop_knobs = {n for n, knob in launch.KNOBS.items() if not knob.phase}
+    assert len(knobs) > 40 and preset_knobs - {"LAB_DIR"} <= set(launch.KNOBS), preset_knobs - set(launch.KNOBS)
+    assert knobs == loop_knobs, knobs ^ loop_knobs      # a phase knob's home is its script's block, not this one
+
+
+def test_each_phase_knob_is_declared_once_and_every_list_of_it_agrees():
+    # KNOBS is the one declaration: a phase knob's home names a flag of its script's block whose default its rule
+    # accepts, the flags run_stages.sh passes come from it, and docs/running.md's table is its rows
+    import re
+    phase = launch.PHASE_KNOBS
+    assert {"LR": ("optimize.py", "lr"), "EVAL_K": ("evaluate.py", "k")}.items() <= phase.items() and len(phase) == 15
+    for name, (script, flag) in phase.items():
+        assert flag in common.script_defaults(ROOT / script), (name, script, flag)
+        default = launch.block_default(name)       # (kl_coef's None: the LOSS row's β, resolved by launch.resolve)
+        assert (default == "" if name == "KL_COEF" else launch.KNOBS[name].rule(name, default) is None), name
+    rows = re.findall(r"^\| `([A-Z_]+)` \| (\S+) `([a-z_]+)` \|$", (ROOT / "docs" / "running.md").read_text(), re.M)
+    assert {n: (s, f) for n, s, f in rows} == phase
+    k, problem = launch.resolve({**TOY, "LR": "3e-5", "EVAL_K": "2", "TEMPERATURE": ""})
+    assert problem is None and k["OPTIMIZE_FLAGS"] == "--lr=3e-5 --micro_batch_tokens=4096 --gradient_checkpointing=false"
+    assert k["EVALUATE_FLAGS"] == "--k=2 --top_p=1.0" and k["GENERATE_FLAGS"] == "--shard_prompts=64"
+    assert launch.RERUN_SAFE >= {"MICRO_BATCH_TOKENS", "GPUS"} and not launch.RERUN_SAFE & {"LR", "STAGES", "SEED"}
 
 
 def test_every_flag_the_settings_record_leaves_out_as_the_loops_is_one_run_stages_sh_passes():
@@ -351,7 +370,7 @@ def test_a_phase_knob_left_empty_is_its_blocks_value_and_passes_no_flag_and_a_gi
     assert (k["TEMPERATURE"], k["PER_REQUEST_SEED"], k["WARMUP"]) == ("0.7", "true", "0")
     assert k["OPTIMIZE_FLAGS"] == "--micro_batch_tokens=4096"                       # the one optimize.py knob given
     assert k["GENERATE_FLAGS"] == "--temperature=0.7 --shard_prompts=64"
-    assert k["EVAL_FLAGS"] == "--top_p=1.0"                                         # the toy's: top_p 1, not 0.7
+    assert k["EVALUATE_FLAGS"] == "--top_p=1.0"                                         # the toy's: top_p 1, not 0.7
 
 
 def test_a_resident_gpu_run_sizes_the_engines_share_from_its_checkpoint_and_gpu(tmp_path, monkeypatch):
