@@ -1,13 +1,15 @@
-"""Math grading: the last \\boxed{...} answer against the gold answer, with Hugging Face math-verify.
+"""Math grading: the last \\boxed{...} answer against the gold answer, with Hugging Face
+math-verify.
 
     grade(response, gold, dataset=None)          → (reward, info)         one item, in-process
     (mu_grpo/grading.py grades many in a process pool with a hard limit per item: grade_batch)
 
-What is rewarded: 1.0 when the content of the **last** `\\boxed{...}` (also `\\boxed 5`, `\\fbox{...}`)
-is equivalent to the gold answer, else 0.0 (optionally `format_bonus` for a boxed but wrong answer).
-Boxes joined to the last one by `,`, `and` or `or` are part of it, as in math-verify:
-`\\boxed{1} and \\boxed{2}` answers `{1, 2}` (so a hedge `\\boxed{2} or \\boxed{3}` is not the answer 3).
-No box means 0 with reason `no_box`: there is no last-number fallback, which a policy learns to game.
+What is rewarded: 1.0 when the content of the **last** `\\boxed{...}` (also `\\boxed 5`,
+`\\fbox{...}`) is equivalent to the gold answer, else 0.0 (optionally `format_bonus` for a boxed but
+wrong answer). Boxes joined to the last one by `,`, `and` or `or` are part of it, as in math-verify:
+`\\boxed{1} and \\boxed{2}` answers `{1, 2}` (so a hedge `\\boxed{2} or \\boxed{3}` is not the
+answer 3). No box means 0 with reason `no_box`: there is no last-number fallback, which a policy
+learns to game.
 
 How answers are compared (in this order):
 1. Both sides are normalized as text: `\\%` and `\\text{ percent}` dropped (so `50\\%` equals `50`
@@ -16,7 +18,8 @@ How answers are compared (in this order):
    (`32,\\!349`, `32{,}349`, `1 000`, `1\\,000`), e-notation `4.5e33` → `4.5 \\times 10^{33}`.
    Gold answers get the per-dataset fixes of `normalize_gold` (AIME/AMC `025`/`27.0` → integers,
    GSM8K `1,000`, Minerva Python-isms).
-2. Text answers (gold is `\\text{...}`, e.g. `\\text{(C)}`, `\\text{Evelyn}`): the texts must agree after
+2. Text answers (gold is `\\text{...}`, e.g. `\\text{(C)}`, `\\text{Evelyn}`): the texts must agree
+after
    lower-casing and dropping spaces, braces and parentheses (`C`, `(C)` and `\\text{(C)}` are one).
 3. Minerva decimals (the dataset asks for significant figures): the prediction is a number within
    half a unit of the gold's last significant digit (gold `4.5e33` accepts 4.45e33 … 4.55e33).
@@ -28,9 +31,9 @@ Safety: math-verify's plain-expression path calls sympy's `parse_expr`, which is
 LaTeX path is used, and while grading, `parse_expr` (and so `sympify` of strings) is replaced by a
 function that refuses, so model output never runs as code. Time: each item gets a wall-clock budget
 enforced with SIGALRM (raised as a BaseException that math-verify cannot swallow) in the grading
-thread; grading.grade_batch also kills and replaces a worker that overruns (a C-level sympy call that never
-returns to the interpreter), reporting `timeout` for that item. Reasons: correct, wrong, no_box,
-unparsable, timeout, error. `grade` never raises.
+thread; grading.grade_batch also kills and replaces a worker that overruns (a C-level sympy call
+that never returns to the interpreter), reporting `timeout` for that item. Reasons: correct, wrong,
+no_box, unparsable, timeout, error. `grade` never raises.
 """
 import contextlib
 import functools
@@ -168,7 +171,8 @@ def _as_text(s):
 
 
 def _significant_tolerance(gold_latex):
-    """Half a unit of the last significant digit of a decimal gold (None for integers/non-numbers)."""
+    """Half a unit of the last significant digit of a decimal gold (None for
+    integers/non-numbers)."""
     m = re.match(r"^([-+]?\d*\.?\d+)(?: \\times 10\^\{([-+]?\d+)\})?$", gold_latex)
     if not m or "." not in m.group(1) and m.group(2) is None:
         return None
@@ -182,7 +186,8 @@ def _significant_tolerance(gold_latex):
 
 
 class GradeTimeout(BaseException):
-    """Raised by SIGALRM inside grade(); a BaseException so library `except Exception` can't eat it."""
+    """Raised by SIGALRM inside grade(); a BaseException so library `except Exception` can't eat
+    it."""
 
 
 @contextlib.contextmanager
@@ -212,13 +217,15 @@ _SAFE_EXPR = re.compile(r"^(?:[A-Za-z0-9_+\-*/^ ]|(?<=\d)\.|\.(?=\d))*$")
 @contextlib.contextmanager
 def _no_string_eval():
     """Guard sympy's eval-based string parser wherever math-verify and latex2sympy can reach it."""
-    import latex2sympy2_extended.latex2sympy2 as l2s  # math-verify, sympy: only where answers are graded
+    # math-verify, sympy: only where answers are graded
+    import latex2sympy2_extended.latex2sympy2 as l2s
     import math_verify.parser as mv_parser
     import sympy.parsing.sympy_parser as sympy_parser
     original = sympy_parser.parse_expr
 
     def guarded_parse_expr(s, *args, **kwargs):
-        if not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS or "__" in s or not _SAFE_EXPR.match(s):
+        if (not isinstance(s, str) or len(s) > MAX_ANSWER_CHARS or "__" in s
+            or not _SAFE_EXPR.match(s)):
             raise ValueError("reward.py: refused to eval a string that is not plain arithmetic")
         return original(s, *args, **kwargs)
 
@@ -235,7 +242,8 @@ def _no_string_eval():
 
 @functools.lru_cache(maxsize=4096)
 def _parse_latex(latex):
-    from math_verify import LatexExtractionConfig, parse  # math-verify: only where answers are graded
+    # math-verify: only where answers are graded
+    from math_verify import LatexExtractionConfig, parse
     config = [LatexExtractionConfig(boxed_match_priority=0)]
     return parse(f"${latex}$", extraction_config=config, fallback_mode="no_fallback",
                  parsing_timeout=None)
@@ -289,7 +297,8 @@ def _grade(response, gold, dataset, info):
         pred_latex = re.sub(r"(?<=\d),(?=\d{3}\b)", "", pred_latex)
     text = _TEXT_GOLD.match(gold_latex)
     if text:
-        return "correct" if _as_text(pred_latex) == _as_text(text.group(1)) and pred_latex else "wrong"
+        return ("correct" if _as_text(pred_latex) == _as_text(text.group(1)) and pred_latex
+                else "wrong")
 
     from math_verify import verify  # math-verify: only where answers are graded
     with _no_string_eval():

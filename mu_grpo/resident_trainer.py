@@ -1,9 +1,10 @@
-"""Resident mode's trainer (optimize.py --resident, docs/design.md §4): one process for the whole run, handed each
-stage's rollouts and handing each policy over (mu_grpo/handoff.py) where the process-per-phase loop starts a trainer
-for every stage. What only that mode does: the trainer's start (the hand-over, the run's newest train state
-continued, the engines asleep before it takes memory) and the stages it trains, each decided once the one before is
-trained. optimize.py calls trainer_start where the modes differ; every setting comes as an argument (this module
-reads no script's globals). The engines' side: mu_grpo/resident_engines.py.
+"""Resident mode's trainer (optimize.py --resident, docs/design.md §4): one process for the whole
+run, handed each stage's rollouts and handing each policy over (mu_grpo/handoff.py) where the
+process-per-phase loop starts a trainer for every stage. What only that mode does: the trainer's
+start (the hand-over, the run's newest train state continued, the engines asleep before it takes
+memory) and the stages it trains, each decided once the one before is trained. optimize.py calls
+trainer_start where the modes differ; every setting comes as an argument (this module reads no
+script's globals). The engines' side: mu_grpo/resident_engines.py.
 """
 import gc
 import time
@@ -17,12 +18,14 @@ from mu_grpo.trainer_model import log
 
 
 def trainer_start(run_dir, plan, make_trainer, policy_handoff, engines, buffer_mb):
-    """The resident trainer's start: the hand-over (handoff.PolicyHandover, `policy_handoff` to `engines` engine
-    processes, each rank's transfer buffer `buffer_mb` MiB) and the trainer (make_trainer(source, resume): optimize.py's
-    Trainer) continuing the run directory's newest train state, built once the engines have slept (after their first
-    rollouts; on a resume with the transfer, at once); a resumed run trains the stages after that state again (their
-    rollouts are on disk): an unbroken run's weights. Returns (trainer, hand-over, the stages: trainer_stages); no
-    trainer and no stages once every stage is trained (the engines still evaluate the last policy)."""
+    """The resident trainer's start: the hand-over (handoff.PolicyHandover, `policy_handoff` to
+    `engines` engine processes, each rank's transfer buffer `buffer_mb` MiB) and the trainer
+    (make_trainer(source, resume): optimize.py's Trainer) continuing the run directory's newest
+    train state, built once the engines have slept (after their first rollouts; on a resume with the
+    transfer, at once); a resumed run trains the stages after that state again (their rollouts are
+    on disk): an unbroken run's weights. Returns (trainer, hand-over, the stages: trainer_stages);
+    no trainer and no stages once every stage is trained (the engines still evaluate the last
+    policy)."""
     rank, world, device = M.placement()
     is_main = rank == 0
     partner = handoff.Partner(run_dir, "trainer")
@@ -32,26 +35,32 @@ def trainer_start(run_dir, plan, make_trainer, policy_handoff, engines, buffer_m
     last, meta = checkpoint.newest_state(run_dir)
     first = (last + 1 if meta["complete"] else last) if meta else 0
     last_dir = records.stage_dir(run_dir, last) if meta else None
-    # killed after stage `last`'s complete train state, before its policy reached the run directory: saved again below
-    resave = meta is not None and meta["complete"] and not common.policy_record(last_dir / records.POLICY)
+    # killed after stage `last`'s complete train state, before its policy reached the run directory:
+    # saved again below
+    resave = meta is not None and meta["complete"] and not common.policy_record(
+        last_dir / records.POLICY)
     untrained = plan.stage(run_dir, first).updates
     if meta is not None and meta["complete"] and not resave:
         handover.publish_saved(last, last_dir / records.POLICY)   # the engine resumes from it
-        # killed in its last evaluation: nothing to train, so no model or state (~91 GB at 7B) is loaded beside the
-        # engine's start (vllm/v1/worker/gpu_worker.py:719 asserts no other process frees memory meanwhile)
+        # killed in its last evaluation: nothing to train, so no model or state (~91 GB at 7B) is
+        # loaded beside the engine's start (vllm/v1/worker/gpu_worker.py:719 asserts no other
+        # process frees memory meanwhile)
         if not untrained:
             log(f"stage {first}: every stage is trained; the last policy goes to its evaluation")
             return None, handover, []
-    if policy_handoff == "transfer":    # vLLM's import (seconds) while the engines start, not after their rollouts
+    # vLLM's import (seconds) while the engines start, not after their rollouts
+    if policy_handoff == "transfer":
         from mu_grpo import transfer  # vLLM's transfer classes: only with the transfer hand-off
-        handover.sender = transfer.Sender(run_dir, engines, device, rank, world, check=partner.check_partner,
+        handover.sender = transfer.Sender(run_dir, engines, device, rank, world,
+                                          check=partner.check_partner,
                                           buffer_bytes=buffer_mb * 2**20)
-    # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the engine waits for
-    # that policy, holding none)
+    # the engine's first rollouts: it is asleep before this process takes memory (to resave, no: the
+    # engine waits for that policy, holding none)
     if untrained and not resave:
         partner.wait_for_rollouts(first)
-    # with the transfer the engines start at once, also on a resumed run whose stages from `first` have their rollouts
-    # already: they sleep before this process takes memory (with files a resumed engine waits for this one's policy)
+    # with the transfer the engines start at once, also on a resumed run whose stages from `first`
+    # have their rollouts already: they sleep before this process takes memory (with files a resumed
+    # engine waits for this one's policy)
     if policy_handoff == "transfer":
         partner.wait(lambda: partner.engines_asleep(engines))
     t_start = time.time()
@@ -59,36 +68,49 @@ def trainer_start(run_dir, plan, make_trainer, policy_handoff, engines, buffer_m
                            resume=meta is not None and not meta["complete"])
     trainer.ready()
     if handover.kind == "transfer":
-        log(f"policies are handed over through vLLM's weight-transfer API ({handover.sender.backend}, {engines} engine(s))")
-    else:   # rank 0 chooses where (it sees the same /dev/shm as the engines), broadcast: a rank that chose otherwise
+        log("policies are handed over through vLLM's weight-transfer API "
+            f"({handover.sender.backend}, {engines} engine(s))")
+    # rank 0 chooses where (it sees the same /dev/shm as the engines), broadcast: a rank that chose
+    # otherwise
+    else:
         # would save alone into a collective
-        fast, why = M.broadcast(handoff.fast_dir(run_dir, M.parameter_count(trainer.start_policy) * trainer.dtype.itemsize)
-                                if is_main else None)
+        fast, why = M.broadcast(
+            handoff.fast_dir(run_dir,
+                             M.parameter_count(trainer.start_policy) * trainer.dtype.itemsize)
+            if is_main else None)
         handover.use_files(fast)
         log(f"policies are handed over through {fast}: {why}")
     if resave:
         counts = {k: meta[k] for k in checkpoint.COUNTS}
-        checkpoint.save_policy(trainer.model, trainer.start_policy, trainer.dtype, last_dir / records.POLICY,
+        checkpoint.save_policy(trainer.model, trainer.start_policy, trainer.dtype,
+                               last_dir / records.POLICY,
                                {"stage": last, "stage_updates": meta["update"], **counts})
-        # the cache of the state's load and the policy's gather back to the driver before the engine starts beside
-        # this process (vLLM's start refuses a share above the free memory, vllm/v1/worker/utils.py request_memory),
-        # as every stage's hand-over does (release_gradients)
+        # the cache of the state's load and the policy's gather back to the driver before the engine
+        # starts beside this process (vLLM's start refuses a share above the free memory,
+        # vllm/v1/worker/utils.py request_memory), as every stage's hand-over does
+        # (release_gradients)
         M.release_memory()
         handover.publish_saved(last, last_dir / records.POLICY)
-    gc.collect()      # (the train state's load leaves garbage) then what lives for the run (the model, the modules:
-    gc.freeze()       # vLLM's with the transfer) is out of every later gc.collect (model.release_memory's): on a CPU
-    # a collect takes 0.1 s with torch and transformers imported, 0.3 s with vLLM too, a few ms once they are frozen
+    # (the train state's load leaves garbage) then what lives for the run (the model, the modules:
+    # vLLM's with the transfer) is out of every later gc.collect (model.release_memory's): on a CPU
+    gc.collect()
+    gc.freeze()
+    # a collect takes 0.1 s with torch and transformers imported, 0.3 s with vLLM too, a few ms once
+    # they are frozen
     if is_main:
-        partner.timeline({"phase": "start", "name": "trainer_start", "stage": first, "start": t_start, "end": time.time()})
+        partner.timeline({"phase": "start", "name": "trainer_start", "stage": first,
+                          "start": t_start, "end": time.time()})
     return trainer, handover, trainer_stages(run_dir, plan, handover, first)
 
 
 def trainer_stages(run_dir, plan, handover, first):
-    """(stage, its records.StageOutputs) of every stage from `first` until the plan ends the run, each decided once
-    the stage before it is trained (stage_rules.StagePlan.stage) and opened once its rollouts are in."""
+    """(stage, its records.StageOutputs) of every stage from `first` until the plan ends the run,
+    each decided once the stage before it is trained (stage_rules.StagePlan.stage) and opened once
+    its rollouts are in."""
     s = first
     while (decided := plan.stage(run_dir, s)).updates:
-        log(tracking.where_line(run_dir, plan.run_updates, s) if M.placement()[0] == 0 else None)   # the stage's line
+        # the stage's line
+        log(tracking.where_line(run_dir, plan.run_updates, s) if M.placement()[0] == 0 else None)
         handover.wait_for_rollouts(s)
         stage_policy = records.stage_dir(run_dir, s) / records.POLICY
         yield passes.open_stage(records.stage_dir(run_dir, s)), records.StageOutputs(

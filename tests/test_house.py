@@ -39,13 +39,37 @@ def test_no_function_takes_more_than_seven_required_parameters():
     assert len(functions) > 100 and not long, "\n".join(long)
 
 
-# the sizes the house agreed on (issue 55): a script read top to bottom stays readable in one sitting
-SIZE_BARS = {"generate.py": 600, "optimize.py": 600, "run_stages.sh": 230, "frontier.sh": 150}
+# the sizes the house agreed on (issues 55, 79): a script read top to bottom stays readable in one
+# sitting; (lines, characters), since a bar on lines alone rewards long lines. The bars are today's
+# sizes, lines of at most 100 columns, with room for one more knob
+SIZE_BARS = {"generate.py": (540, 31_500), "optimize.py": (640, 37_500), "update.py": (200, 10_800),
+             "run_stages.sh": (310, 19_800), "frontier.sh": (150, 10_500)}
+# no line past 100 columns (nanochat's 6 % of lines past 100 is the house's 0 here): the science and
+# phase scripts, and the files issue 79 reflowed
+NARROW = ["generate.py", "optimize.py", "evaluate.py", "update.py", "loss.py", "reward.py",
+          "run_stages.sh", "mu_grpo/passes.py", "mu_grpo/resident_trainer.py",
+          "mu_grpo/resident_engines.py", "mu_grpo/launch.py", "mu_grpo/records.py",
+          "mu_grpo/trainer_model.py", "mu_grpo/stage_rules.py", "tools/gpu_check.py"]
+
+
+def sizes(text):
+    return len(text.splitlines()), len(text)
 
 
 def test_the_scripts_stay_within_their_size_bars():
-    sizes = {name: len((ROOT / name).read_text().splitlines()) for name in SIZE_BARS}
-    assert {name: n for name, n in sizes.items() if n > SIZE_BARS[name]} == {}, sizes
+    assert sizes("a\nbc\n") == (2, 5)          # characters, not bytes: "μ" is one
+    assert sizes("μ") == (1, 1)
+    measured = {name: sizes((ROOT / name).read_text(encoding="utf-8")) for name in SIZE_BARS}
+    over = {name: (n, c) for name, (n, c) in measured.items()
+            if n > SIZE_BARS[name][0] or c > SIZE_BARS[name][1]}
+    assert over == {}, measured
+
+
+def test_no_line_of_the_narrow_files_runs_past_100_columns():
+    long = [f"{name}:{i}: {len(line)}" for name in NARROW
+            for i, line in enumerate((ROOT / name).read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > 100]
+    assert long == [], "\n".join(long)
 
 
 def unexplained_imports(text):
