@@ -19,7 +19,6 @@ directory.
 """
 import dataclasses
 import functools
-import math
 import os
 import shutil
 import sys
@@ -498,18 +497,6 @@ class Trainer:
         from weights no file names (a fresh id keys its TIS pass)."""
         self.start, self.before, self.start_weights = 0, after, uuid.uuid4().hex[:16]
 
-    def release_gradients(self):
-        """Free the gradients (4 bytes per parameter) before the engines wake; returns the bytes
-        still held."""
-        return M.release_gradients(self.optimizer)
-
-    def reserved_gib_per_rank(self):
-        """What each rank's allocator holds (NaN without a GPU: None), gathered on every rank."""
-        held = M.reserved_gib()
-        held = torch.tensor([math.nan if held is None else held], device=device)
-        reserved = M.gather_values(held).tolist()
-        return [common.finite_or_none(x) for x in reserved]
-
 
 def record_settings(outputs, stage, trainer):
     """optimize_config.json beside metrics.jsonl: the hyperparameters as resolved (with the stage
@@ -607,7 +594,7 @@ def one_stage():
 def main():
     """The stages this process is given, each trained by train_one: per phase the one at
     --stage_dir, then the process ends; resident every stage of the run, the process living on. What
-    differs is the hand-over (handoff.StageDirectory or handoff.PolicyHandover)."""
+    differs is the hand-over (handoff.StageDirectory or resident_trainer.PolicyHandover)."""
     if resident:
         trainer, handover, stages = trainer_start(
             run_dir, stage_plan,

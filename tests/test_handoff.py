@@ -8,8 +8,9 @@ import time
 import types
 
 import pytest
+import torch
 
-from mu_grpo import common, handoff, processes
+from mu_grpo import common, handoff, processes, resident_trainer
 
 
 def test_a_partner_that_announced_is_watched_and_a_dead_one_is_named(tmp_path):
@@ -79,7 +80,7 @@ def test_the_file_hand_over_saves_where_the_engines_load_and_publishes_the_next_
     from mu_grpo import stage_rules
     run, fast = tmp_path / "run", tmp_path / "fast"
     plan = stage_rules.StagePlan(4, stages=3, prompts_per_update=8, eval_every=2)
-    handover = handoff.PolicyHandover(handoff.Partner(run, "trainer"), plan, is_main=True)
+    handover = resident_trainer.PolicyHandover(handoff.Partner(run, "trainer"), plan, is_main=True)
     handover.use_files(fast)
     assert handover.kind == "files"
     assert handover.policy_dirs(run / "stage_1" / "policy", 1, due=False) == (fast / "policy_1",)
@@ -87,9 +88,12 @@ def test_the_file_hand_over_saves_where_the_engines_load_and_publishes_the_next_
     for s, updates in [(0, 4), (2, 12)]:
         (fast / f"policy_{s}").mkdir(parents=True)
         (fast / f"policy_{s}" / common.POLICY_ID_FILE).write_text(json.dumps({"fingerprint": f"fp{s}", "run_updates": updates}))
-    # the trainer's side the hand-over asks for: its gradients freed (bytes still held), its ranks' reserved memory
-    trainer = types.SimpleNamespace(release_gradients=lambda: 0, reserved_gib_per_rank=lambda: [None])
+    # the trainer's side the hand-over frees: its gradients (bytes still held: none)
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    trainer = types.SimpleNamespace(optimizer=torch.optim.SGD([weight], lr=0.1))
     assert handover.hand_over(0, trainer, run_updates=4) == {"wait_seconds": None, "gradient_bytes_kept": 0}
+    assert weight.grad is None and handover.reserved == [None]      # (no GPU: no allocator)
     handover.hand_over(2, trainer, run_updates=12)
     engine = handoff.Partner(run, "engine")
     assert engine.trained(0) == {"stage": 0, "path": str(fast / "policy_0"), "policy": str(run / "stage_0" / "policy"),
