@@ -438,9 +438,9 @@ class Trainer:
         torch.manual_seed(seed)
         self.start_policy, self.source, self.resume = start_policy, source, resume
         self.attention = M.choose_attention(attn_implementation, device)
-        hsdp_shape = f"; HSDP: {world // shard_ranks} replica(s) × {shard_ranks} shard(s)"
-        log(f"{world} process(es) on {device.type}, attention {self.attention}"
-            + (hsdp_shape if shard_ranks else ""))
+        hsdp_shape = (f"; HSDP: {world // shard_ranks} replica(s) × {shard_ranks} shard(s)"
+                      if shard_ranks else "")
+        log(f"{world} process(es) on {device.type}, attention {self.attention}{hsdp_shape}")
         self.reference = kl_reference(start_policy)
         self.keep_reference = keep_reference and bool(self.reference)
         # every policy is saved in the initial model's dtype
