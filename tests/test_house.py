@@ -1,4 +1,5 @@
-"""The house's own bars (issue 55): what a reader of the code meets, checked on the source, not on a run."""
+"""The house's own bars (issue 55): what a reader of the code meets, checked on the source, not on a
+run."""
 import ast
 from pathlib import Path
 
@@ -13,12 +14,13 @@ def sources():
 
 
 def required_parameters(function):
-    """A def's parameters a caller must give: positional ones without a default and keyword-only ones without one
-    (self and cls not counted)."""
+    """A def's parameters a caller must give: positional ones without a default and keyword-only
+    ones without one (self and cls not counted)."""
     a = function.args
     positional = a.posonlyargs + a.args
     required = len(positional) - len(a.defaults) + sum(d is None for d in a.kw_defaults)
-    bound = positional and positional[0].arg in ("self", "cls") and len(a.defaults) < len(positional)
+    bound = (positional and positional[0].arg in ("self", "cls")
+             and len(a.defaults) < len(positional))
     return required - bool(bound)
 
 
@@ -31,10 +33,12 @@ def test_required_parameters_are_counted_as_a_caller_sees_them():
 
 
 def test_no_function_takes_more_than_seven_required_parameters():
-    # a long list of required parameters is settings read one by one or state that belongs in one object
+    # a long list of required parameters is settings read one by one or state that belongs in one
+    # object
     functions = [(f, n) for f in sources() for n in ast.walk(ast.parse(f.read_text()))
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    long = [f"{f.relative_to(ROOT)}:{n.lineno} {n.name} ({required_parameters(n)})" for f, n in functions
+    long = [f"{f.relative_to(ROOT)}:{n.lineno} {n.name} ({required_parameters(n)})"
+            for f, n in functions
             if required_parameters(n) > MAX_REQUIRED_PARAMETERS]
     assert len(functions) > 100 and not long, "\n".join(long)
 
@@ -49,7 +53,9 @@ SIZE_BARS = {"generate.py": (540, 31_500), "optimize.py": (640, 37_500), "update
 NARROW = ["generate.py", "optimize.py", "evaluate.py", "update.py", "loss.py", "reward.py",
           "run_stages.sh", "mu_grpo/passes.py", "mu_grpo/resident_trainer.py",
           "mu_grpo/resident_engines.py", "mu_grpo/launch.py", "mu_grpo/records.py",
-          "mu_grpo/trainer_model.py", "mu_grpo/stage_rules.py", "tools/gpu_check.py"]
+          "mu_grpo/trainer_model.py", "mu_grpo/stage_rules.py", "tools/gpu_check.py",
+          "tests/test_launch.py", "tests/test_update.py", "tests/test_engine.py",
+          "tests/test_weights.py", "tests/test_house.py", "tests/test_handoff.py"]
 
 
 def sizes(text):
@@ -73,15 +79,21 @@ def test_no_line_of_the_narrow_files_runs_past_100_columns():
 
 
 def unexplained_imports(text):
-    """The line numbers of imports made inside a function with no comment saying why: on the import's line, on the
-    line above it, or on the first import of the run of imports it belongs to."""
+    """The line numbers of imports made inside a function with no comment saying why: on the
+    import's line, on the line above it, or on the first import of the run of imports it belongs
+    to."""
     lines = text.splitlines()
-    functions = [f for f in ast.walk(ast.parse(text)) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    inside = sorted({n.lineno for f in functions for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))})
+    functions = [
+        f for f in ast.walk(ast.parse(text)) if isinstance(
+            f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    inside = sorted(
+        {n.lineno for f in functions for n in ast.walk(f) if isinstance(
+            n, (ast.Import, ast.ImportFrom))})
     said = set()
     for i in inside:
         above = lines[i - 2].strip() if i > 1 else ""
-        if "#" in lines[i - 1] or above.startswith("#") or (i - 1 in said and above.startswith(("import ", "from "))):
+        if "#" in lines[i - 1] or above.startswith("#") or (
+            i - 1 in said and above.startswith(("import ", "from "))):
             said.add(i)
     return [i for i in inside if i not in said]
 
@@ -100,20 +112,24 @@ def test_an_import_inside_a_function_is_explained_by_hand():
 
 
 def test_imports_are_at_the_top_unless_a_comment_says_why_not():
-    # an import inside a function is a cost moved (a heavy library only the path that needs it loads), a cycle
-    # broken, or a module found at run time: the comment says which
-    found = [f"{f.relative_to(ROOT)}:{i}" for f in sources() for i in unexplained_imports(f.read_text())]
-    assert not found, f"{len(found)} imports inside functions without a comment saying why:\n" + "\n".join(found)
+    # an import inside a function is a cost moved (a heavy library only the path that needs it
+    # loads), a cycle broken, or a module found at run time: the comment says which
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in sources()
+             for i in unexplained_imports(f.read_text())]
+    assert not found, (f"{len(found)} imports inside functions without a comment saying why:\n"
+                       + "\n".join(found))
 
 
-# ----------------------------------------------------------------------------- the layout (issue 70)
+# ---------------------------------------------------------------------------- the layout (issue 70)
 
-TOP_LEVEL_SCRIPTS = {"generate.py", "optimize.py", "evaluate.py", "update.py", "loss.py", "reward.py"}
+TOP_LEVEL_SCRIPTS = {"generate.py", "optimize.py", "evaluate.py", "update.py", "loss.py",
+                     "reward.py"}
 
 
 def tracked():
     import subprocess
-    return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.split()
 
 
 def test_the_top_level_is_what_a_researcher_reads_edits_and_runs():
@@ -124,35 +140,45 @@ def test_the_top_level_is_what_a_researcher_reads_edits_and_runs():
     assert len(top) <= 28, sorted(top)
     assert {f for f in top if f.endswith(".py")} == TOP_LEVEL_SCRIPTS
     assert {f.split("/")[1] for f in files if f.startswith("mu_grpo/") and f.endswith(".py")} >= {
-        "launch.py", "records.py", "rollouts.py", "grading.py", "trainer_model.py", "model_cards.py"}
+        "launch.py", "records.py", "rollouts.py", "grading.py", "trainer_model.py",
+        "model_cards.py"}
 
 
 def module_references(path, text):
-    """[(where, what, kind)] of the module and script names a file hands to something that runs them: `-m name` and
-    a script path after python in a shell script, "-m", "name" and a ".py" path as a Python argv element, vLLM's
-    worker_extension_cls and multiprocessing's forkserver preload."""
+    """[(where, what, kind)] of the module and script names a file hands to something that runs
+    them: `-m name` and a script path after python in a shell script, "-m", "name" and a ".py" path
+    as a Python argv element, vLLM's worker_extension_cls and multiprocessing's forkserver
+    preload."""
     import re
     found = []
     if path.suffix in (".sh", ".sbatch"):
         for n, line in enumerate(text.splitlines(), 1):
             code = line.split(" #")[0]
-            found += [(f"{path.name}:{n}", m, "module") for m in re.findall(r"(?:python3?|\$PY|/bin/python\"?)(?: -u)? "
-                                                                             r"-m ([\w.]+)", code)]
-            found += [(f"{path.name}:{n}", m, "script") for m in re.findall(r"(?:python3?|\$PY|/bin/python\"?)(?: -u)? "
-                                                                             r"([\w/]+\.py)\b", code)]
+            python = r"(?:python3?|\$PY|/bin/python\"?)(?: -u)? "
+            found += [(f"{path.name}:{n}", m, "module")
+                      for m in re.findall(python + r"-m ([\w.]+)", code)]
+            found += [(f"{path.name}:{n}", m, "script")
+                      for m in re.findall(python + r"([\w/]+\.py)\b", code)]
         return found
     tree = ast.parse(text)
     for node in ast.walk(tree):
         if isinstance(node, (ast.List, ast.Tuple)):
-            items = [e.value if isinstance(e, ast.Constant) and isinstance(e.value, str) else None for e in node.elts]
+            items = [
+                e.value if isinstance(e,
+                                      ast.Constant) and isinstance(e.value, str) else None
+                                      for e in node.elts]
             for a, b in zip(items, items[1:]):
                 if a == "-m" and b:
                     found.append((f"{path.name}:{node.lineno}", b, "module"))
-            found += [(f"{path.name}:{node.lineno}", s, "script") for s in items if s and re.fullmatch(r"[\w/]+\.py", s)
+            found += [(f"{path.name}:{node.lineno}",
+                       s, "script") for s in items if s and re.fullmatch(r"[\w/]+\.py", s)
                       and not s.startswith(("ipykernel", "pytest"))]
-        if isinstance(node, ast.keyword) and node.arg == "worker_extension_cls" and isinstance(node.value, ast.Constant):
+        if isinstance(node,
+                      ast.keyword) and node.arg == "worker_extension_cls" and isinstance(
+                          node.value, ast.Constant):
             found.append((f"{path.name}:{node.lineno}", node.value.value, "class"))
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "set_forkserver_preload":
+        if isinstance(node, ast.Call) and getattr(node.func,
+                                                  "attr", "") == "set_forkserver_preload":
             found += [(f"{path.name}:{node.lineno}", e.value, "module") for e in node.args[0].elts
                       if isinstance(e, ast.Constant)]
     return found
@@ -171,33 +197,39 @@ def unresolved(references):
             ok = importlib.util.find_spec(what) is not None
         else:
             module, _, name = what.rpartition(".")
-            ok = importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), name)
+            ok = (importlib.util.find_spec(module) is not None
+                  and hasattr(importlib.import_module(module), name))
         if not ok:
             bad.append(f"{where}: {kind} {what}")
     return bad
 
 
 def test_every_module_or_script_a_file_hands_to_a_runner_exists():
-    # a name a move missed (a script run by path, `-m` a module, vLLM's worker_extension_cls, the forkserver's
-    # preload) fails here, not in a run
+    # a name a move missed (a script run by path, `-m` a module, vLLM's worker_extension_cls, the
+    # forkserver's preload) fails here, not in a run
     files = [f for f in sources() + sorted(ROOT.glob("*.sh")) + sorted(ROOT.glob("slurm/*.sbatch"))
              + sorted((ROOT / "tests").glob("*.py"))]
     references = [r for f in files for r in module_references(f, f.read_text())]
     assert len(references) > 50 and {k for *_, k in references} == {"module", "script", "class"}
     assert unresolved(references) == []
     # planted: the names of before the move
-    planted = module_references(Path("x.sh"), '$PY launch.py --command=lock\n$PY -m tracking --command=where\n') + \
-        module_references(Path("x.py"), 'f(worker_extension_cls="engine.WeightHashes")\nrun(["-m", "nodes"])\n')
+    planted = module_references(Path("x.sh"), '$PY launch.py --command=lock\n$PY -m tracking '
+                                              '--command=where\n') + \
+        module_references(Path("x.py"), 'f(worker_extension_cls="engine.WeightHashes")\nrun(["-m", '
+                                        '"nodes"])\n')
     assert len(unresolved(planted)) == 4
 
 
 def test_every_script_and_tool_is_run_by_a_test():
-    # a script no test runs rots unseen (tools/bench_train.py had been failing on its own synthetic stage since the
-    # agreement check came): each is named in a test, which runs it or imports it at a tiny size
+    # a script no test runs rots unseen (tools/bench_train.py had been failing on its own synthetic
+    # stage since the agreement check came): each is named in a test, which runs it or imports it at
+    # a tiny size
     import re
     tests = "\n".join(f.read_text() for f in (ROOT / "tests").glob("*.py"))
-    scripts = [*TOP_LEVEL_SCRIPTS, *(f.name for f in ROOT.glob("*.sh")), *(f"tools/{f.name}" for f in
-               (ROOT / "tools").glob("*.py")), *(f"data/{f.name}" for f in (ROOT / "data").glob("*.py")),
+    scripts = [*TOP_LEVEL_SCRIPTS, *(f.name for f in ROOT.glob("*.sh")),
+               *(f"tools/{f.name}" for f in
+               (ROOT / "tools").glob("*.py")),
+               *(f"data/{f.name}" for f in (ROOT / "data").glob("*.py")),
                *(f"slurm/{f.name}" for f in (ROOT / "slurm").glob("*.sbatch"))]
     unrun = [s for s in scripts if not re.search(rf"\b{re.escape(Path(s).stem)}\b", tests)]
     assert len(scripts) > 25 and unrun == [], unrun
