@@ -55,3 +55,33 @@ def test_c_star_is_the_best_family_and_waits_for_all_of_them():
     assert bakeoff.c_star(chosen) == "topr:64"
     del chosen["topr:64"]
     assert bakeoff.c_star(chosen) is None
+
+
+def fake_chaos_run(root, lr, copy, build, arm, heldout, fingerprint):
+    run = root / "chaos" / f"lr{lr}" / copy / f"build{build}" / "seed0" / arm
+    (run / ".done").mkdir(parents=True)
+    (run / ".done" / "all").write_text("")
+    rows = [{"stage": -1, "updates": 0, "benchmark": "heldout", "avg_at_k": 0.1, "k": 1, "time": 1.0},
+            {"stage": 3, "updates": 256, "benchmark": "heldout", "avg_at_k": heldout, "k": 1, "time": 2.0},
+            {"stage": 3, "updates": 256, "benchmark": "test", "avg_at_k": 0.99, "k": 1, "time": 3.0}]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for s, fp in ((0, "early"), (3, fingerprint)):
+        (run / f"stage_{s}" / "policy").mkdir(parents=True)
+        (run / f"stage_{s}" / "policy" / "policy_id.json").write_text(json.dumps({"fingerprint": fp}))
+
+
+def test_the_chaos_floor_pools_the_triples_spread_and_checks_the_repeat_bit_for_bit(tmp_path):
+    # build 1, mu-grpo: 0.30, 0.30 (the same final policy), 0.36 (the split): mean 0.32, sample variance
+    # (0.0004 + 0.0004 + 0.0016) / 2 = 0.0012; build 2, grpo: 0.5 three times (variance 0), its repeat a
+    # different policy. Pooled: √(0.0006) = 0.02449, resolvable 0.04899. A triple missing its split is left out
+    for copy, (a, fa), (b, fb) in [("original", (0.30, "x"), (0.5, "y")), ("repeat", (0.30, "x"), (0.5, "z")),
+                                   ("split", (0.36, "w"), (0.5, "v"))]:
+        fake_chaos_run(tmp_path, "1e-4", copy, 1, "mu-grpo-d1e-4-mu64", a, fa)
+        fake_chaos_run(tmp_path, "1e-4", copy, 2, "grpo-mu64", b, fb)
+    for copy in ("original", "repeat"):
+        fake_chaos_run(tmp_path, "1e-4", copy, 3, "grpo-mu64", 0.9, "q")
+    floor = bakeoff.chaos_floor(tmp_path / "chaos")[1e-4]
+    assert floor["triples"] == {(1, "mu-grpo-d1e-4-mu64"): [0.30, 0.30, 0.36], (2, "grpo-mu64"): [0.5] * 3}
+    assert floor["identical"] == {(1, "mu-grpo-d1e-4-mu64"): True, (2, "grpo-mu64"): False}
+    assert floor["sd"] == pytest.approx(0.0006 ** 0.5, rel=1e-9)
+    assert floor["resolvable"] == pytest.approx(2 * 0.0006 ** 0.5, rel=1e-9)

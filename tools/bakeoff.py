@@ -1,6 +1,7 @@
 """docs/bakeoff.md's tuning read as its design declares (§3, §6): each arm's learning rate, C*, the gate's T.
 
     python tools/bakeoff.py --out=runs/bakeoff          # after `bash tools/bakeoff.sh tune`: prints the table
+    python tools/bakeoff.py --step=chaos                # after `bash tools/bakeoff.sh chaos`: §8's floor
 
 Reads the finished runs of tools/bakeoff.sh tune (<out>/tune/lr<lr>/build<b>/seed0/<label>-mu<μ>/, run_stages.sh
 runs). Per arm and lr: the mean over the tuning builds of the final `test` avg@1 (after 256 updates); the arm's lr
@@ -8,7 +9,6 @@ the highest (an exact tie to three decimals: the lr nearer 3e-5); whether that i
 beyond it is then due); C*, the best of the families; T = 2 × GRPO μ = 4's share of response tokens beyond its clip at
 its lr. Held-out rows are never read. Writes <out>/tune.json and prints the markdown the page takes.
 """
-import json
 import math
 import sys
 from pathlib import Path
@@ -19,6 +19,7 @@ from mu_grpo import common, records  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 out = "runs/bakeoff"        # tools/bakeoff.sh's OUT
+step = "tune"               # tune (§3, §6) | chaos (§8)
 # -----------------------------------------------------------------------------
 FAMILIES = ("m2po", "topr", "cispo", "oapl", "dppo-tv", "vespo", "gspo")   # C*'s candidates (docs/bakeoff.md §3)
 GRID_MIDDLE = 3e-5
@@ -77,8 +78,64 @@ def c_star(chosen):
     return max(in_order, key=lambda arm: round(families[arm][1], 3))
 
 
+def final_heldout_and_policy(run_dir):
+    """A finished run's final `heldout` avg@1 and the fingerprint of its last stage's policy (None, None if
+    unfinished)."""
+    if not (run_dir / ".done" / "all").exists():
+        return None, None
+    rows = [r for r in records.own_results(common.read_jsonl(run_dir / "results.jsonl", missing_ok=True))
+            if r["benchmark"] == "heldout"]
+    stages = [d for _, d in records.stage_dirs(run_dir) if (d / records.POLICY).is_dir()]
+    last = common.policy_fingerprint(stages[-1] / records.POLICY) if stages else None
+    return (max(rows, key=lambda r: r["updates"])["avg_at_k"] if rows else None), last
+
+
+COPIES = ("original", "repeat", "split")
+
+
+def chaos_floor(chaos_dir):
+    """§8: per lr, each (build, arm)'s triple of final held-out accuracies (the original, a repeat, the micro-batch
+    split halved), whether the repeat's final policy is the original's bit for bit, the pooled within-triple SD (the
+    mean of the complete triples' sample variances, square-rooted) and twice it, the smallest difference the lab
+    resolves. Returns {lr: {"triples": {(build, arm): [accuracies]}, "identical": {(build, arm): bool}, "sd": ...,
+    "resolvable": ...}}."""
+    out = {}
+    for lr_dir in sorted(Path(chaos_dir).glob("lr*")):
+        triples, identical = {}, {}
+        for run_dir in sorted((lr_dir / COPIES[0]).glob("build*/seed0/*-mu*")):
+            build, arm = int(run_dir.parents[1].name[5:]), run_dir.name
+            found = [final_heldout_and_policy(lr_dir / copy / run_dir.relative_to(lr_dir / COPIES[0]))
+                     for copy in COPIES]
+            if all(acc is not None for acc, _ in found):
+                triples[(build, arm)] = [acc for acc, _ in found]
+                identical[(build, arm)] = found[0][1] == found[1][1]
+        variances = [sum((x - sum(t) / 3) ** 2 for x in t) / 2 for t in triples.values()]
+        sd = math.sqrt(sum(variances) / len(variances)) if variances else math.nan
+        out[float(lr_dir.name[2:])] = {"triples": triples, "identical": identical, "sd": sd, "resolvable": 2 * sd}
+    return out
+
+
+def chaos_main():
+    floor = chaos_floor(Path(out) / "chaos")
+    lines = []
+    for lr, f in floor.items():
+        lines += [f"lr {lr:g}: pooled within-triple SD {f['sd']:.4f} over {len(f['triples'])} triple(s); the "
+                  f"smallest resolvable difference {f['resolvable']:.4f}", "",
+                  "| build | arm | original | repeat | split | repeat bit-identical |", "|---|---|---|---|---|---|"]
+        lines += [f"| {b} | {arm} | " + " | ".join(f"{x:.3f}" for x in t) + f" | {f['identical'][(b, arm)]} |"
+                  for (b, arm), t in f["triples"].items()] + [""]
+    common.atomic_write_json(Path(out) / "chaos.json", {f"{lr:g}": {
+        "sd": f["sd"], "resolvable": f["resolvable"],
+        "triples": {f"build{b}/{arm}": t for (b, arm), t in f["triples"].items()},
+        "identical": {f"build{b}/{arm}": v for (b, arm), v in f["identical"].items()}} for lr, f in floor.items()})
+    print("\n".join(lines))
+
+
 def main():
     common.apply_overrides(globals(), sys.argv[1:])
+    common.check_choice("step", step, ("tune", "chaos"))
+    if step == "chaos":
+        return chaos_main()
     finals, clips = collect(Path(out) / "tune")
     builds = sorted({b for by_lr in finals.values() for v in by_lr.values() for b in v})
     chosen = choose(finals, builds)

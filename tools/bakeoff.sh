@@ -5,7 +5,10 @@
 #                                  0–11 (lr 1e-4's frontier probes and keeps them, its probes at lr 1e-4; the others
 #                                  run on those). One point beyond an end, for that arm only (docs/bakeoff.md, amendment 1):
 #                                  ARMS="topr:64" LRS=3e-6 bash tools/bakeoff.sh tune
-# The later steps (confirm, dose, chaos) are added here with the tuning's results, before they run.
+#   bash tools/bakeoff.sh chaos    §8: μ-GRPO and GRPO clip at μ = 64, lr 1e-4 and 3e-5, on the first two tuning
+#                                  builds, each three times (chaos/lr<lr>/<copy>/): the original, a repeat, and the
+#                                  micro-batch split halved (MICRO_BATCH_TOKENS=2048: only the float order of sums)
+# The later steps (confirm, dose) are added here with the tuning's results, before they run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEP=${1:-}
@@ -30,5 +33,16 @@ case "$STEP" in
           OUT="$OUT/tune/lr$lr" bash frontier.sh
       [[ -n "$BUILDS" ]] || BUILDS=$(ls -d "$OUT/tune/lr$lr"/build* | sed 's/.*build//' | sort -n | tr '\n' ' ')
     done ;;
-  *) echo "usage: bash tools/bakeoff.sh tune (docs/bakeoff.md)" >&2; exit 2 ;;
+  chaos)
+    [[ -d "$OUT/tune/lr1e-4" ]] || { echo "tune LRS=1e-4 first: its frontier finds the builds" >&2; exit 2; }
+    BUILDS=$(ls -d "$OUT/tune/lr1e-4"/build* | sed 's/.*build//' | sort -n | head -2 | tr '\n' ' ')
+    for lr in 1e-4 3e-5; do
+      for copy in original repeat split; do
+        split=(); [[ $copy != split ]] || split=(MICRO_BATCH_TOKENS=2048)
+        env "${split[@]}" BUILDS="$BUILDS" LR="$lr" LOSSES="mu-grpo grpo" POINTS="mu-grpo-d1e-4:64 grpo:64" \
+            KEY_POINTS="mu-grpo-d1e-4:64 grpo:64" BASELINE=mu-grpo-d1e-4:64 OUT="$OUT/chaos/lr$lr/$copy" \
+            bash frontier.sh
+      done
+    done ;;
+  *) echo "usage: bash tools/bakeoff.sh tune | chaos (docs/bakeoff.md)" >&2; exit 2 ;;
 esac
