@@ -2,8 +2,8 @@
 
     python evaluate.py --policy=runs/toy/stage_0/policy --benchmarks=toy --data_dir=data/toy \\
         --results=runs/toy/results.jsonl --stage=0
-    python evaluate.py --policy=runs/x/policy_u00032,runs/x/policy_u00064 ...   # a curve: one
-    engine
+    python evaluate.py --policy=runs/x/policy_u00032,runs/x/policy_u00064 ...   # a curve:
+                                                                                # one engine
 
 A comma list of policies (checkpoints of one model, e.g. optimize.py's --save_policy_every) is
 evaluated by one engine that reloads the weights in place between them (no new engine per

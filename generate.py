@@ -1,8 +1,8 @@
 """Generate one stage's rollouts: vLLM samples G responses per prompt with the frozen stage policy,
 reward.py grades them, and JSONL shards with behavior log-probs and advantages go to disk.
 
-    python generate.py --policy=data/toy/model --data=data/toy/train.jsonl --run_dir=runs/toy
-    --stage=0
+    python generate.py --policy=data/toy/model --data=data/toy/train.jsonl --run_dir=runs/toy \\
+        --stage=0
 
 Output (docs/design.md §3): <run_dir>/stage_<s>/rollouts/shard_<k>.jsonl, one line per response,
 each shard written atomically; manifest.json last (its presence means the stage is complete).
@@ -401,7 +401,7 @@ class Engines:
         alone (none once its manifest is written), resident every stage from the first without a
         manifest, each with the policy handed over before it."""
         if self.resident:
-            yield from self.resident.policies(self, first_pending_stage(), start_engine)
+            yield from self.resident.policies(self, first_pending_stage, start_engine)
         elif self.cluster.share(f"generate_{stage}/complete",
                                 (rollouts_dir(stage) / records.MANIFEST).exists()) == "True":
             print(f"{rollouts_dir(stage)} is complete (manifest.json exists); nothing to do")

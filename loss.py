@@ -2,14 +2,16 @@
 
 Reads next to docs/design.md §1 and docs/objectives.md. Per response i with response tokens t:
 
-    ρ_t    = exp(ℓ_t − b_t)                                 current vs behavior log-prob
-    A_i    = (r_i − mean(r_group)) / (std(r_group) + eps)   group-normalized advantage (or
-    ADVANTAGES' others) surr_t = min(ρ_t·A_i, clip(ρ_t, lo, hi)·A_i)            clipped surrogate
-    (μ-GRPO: lo=0, hi=5) trig_t = (A_i < 0) and (ρ_t < δ)                         NAV trigger (δ ≈
-    1e-4) κ_i    = first t with trig_t
-    veto_t = (A_i < 0) and (t > κ_i) and not trig_t          NAV scope "H"
-    m_t    = not veto_t (and not masked by M2PO)                kept tokens
-    loss   = aggregate(−surr_t + β·KL_t(π ‖ π_ref), over tokens with m_t)   β = 0 unless kl_coef
+    ρ_t    = exp(ℓ_t − b_t)                                current vs behavior log-prob
+    A_i    = (r_i − mean(r_group)) / (std(r_group) + eps)  group-normalized advantage (or
+                                                           ADVANTAGES' others)
+    surr_t = min(ρ_t·A_i, clip(ρ_t, lo, hi)·A_i)           clipped surrogate (μ-GRPO: lo=0, hi=5)
+    trig_t = (A_i < 0) and (ρ_t < δ)                        NAV trigger (δ ≈ 1e-4)
+    κ_i    = first t with trig_t
+    veto_t = (A_i < 0) and (t > κ_i) and not trig_t         NAV scope "H"
+    m_t    = not veto_t (and not masked by M2PO)            kept tokens
+    loss   = aggregate(−surr_t + β·KL_t(π ‖ π_ref), over tokens with m_t)
+                                                           β = 0 unless kl_coef
 
 The objective (−surr_t above) is a seam: OBJECTIVES holds μ-GRPO's clipped surrogate beside CISPO,
 TOPR, OAPL, DPPO-TV, VESPO, GSPO and M2PO's unclipped one, each a function over the same inputs; the
@@ -246,12 +248,12 @@ def m2po_mask(log_ratio, advantages, response_mask, tau=0.04, cutoff=None):
 
 
 def kl_penalty(logprobs, ref_logprobs, estimator="k3"):
-    """Per-token estimate of KL(π ‖ π_ref) from samples, [B, T] (Schulman's estimators, d = ℓ_ref −
-    ℓ):
+    """Per-token estimate of KL(π ‖ π_ref) from samples, [B, T] (Schulman's estimators,
+    d = ℓ_ref − ℓ):
         k1 = −d                 unbiased, can be negative
         k2 = d² / 2             biased, ≥ 0
-        k3 = exp(d) − d − 1     unbiased for on-policy samples, ≥ 0, low variance (TRL's and verl's
-        default)
+        k3 = exp(d) − d − 1     unbiased for on-policy samples, ≥ 0, low variance (TRL's and
+                                verl's default)
     d is clamped to ±LOG_RATIO_LIMIT like the ratio, so exp(d) stays finite."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -289,8 +291,9 @@ class Tokens:
         """log ρ(y_i) [B, 1]: Σ_t log ρ_t (product: the sequence's likelihood ratio) or its mean
         over the response's tokens (geometric: GSPO's length-normalised ratio). With grad."""
         total = self.log_ratio.sum(1, keepdim=True)
-        tokens = self.maskf.sum(1, keepdim=True).clamp(min=1.0)
-        return total if level == "product" else total / tokens
+        if level == "product":
+            return total
+        return total / self.maskf.sum(1, keepdim=True).clamp(min=1.0)
 
     def responses(self, sign):
         """Responses with tokens and A > 0 (sign +1) or A < 0 (−1), [B, 1] bool."""
@@ -438,12 +441,10 @@ def response_advantages(rewards, kind, soft_value_beta=1.0):
     """The advantage of each response for the kinds the trainer computes from the stage's rewards
     [groups, G] (float array or tensor) → float32 tensor [groups, G] ("group" is generate.py's,
     stored with the rollouts: group_advantages):
-        signed-reward  A_i = 2·r_i − 1: +1 for a correct response, −1 for a wrong one (TOPR's raw ±1
-        reward, no
-                       baseline; for rewards in {0, 1})
+        signed-reward  A_i = 2·r_i − 1: +1 for a correct response, −1 for a wrong one (TOPR's
+                       raw ±1 reward, no baseline; for rewards in {0, 1})
         soft-value     Â*_i = r_i − β₁·log mean_j exp(r_j/β₁), β₁ = soft_value_beta (OAPL's
-        advantage: the group's
-                       own samples estimate the optimal value V̂*)"""
+                       advantage: the group's own samples estimate the optimal value V̂*)"""
     r = torch.as_tensor(rewards, dtype=torch.float64)
     if kind == "signed-reward":
         return (2 * r - 1).float()
@@ -680,25 +681,24 @@ def policy_loss(logprobs, behavior_logprobs, advantages, response_mask, loss, *,
     behavior_logprobs [B, T]  log-probs stored by the engine at sampling time
     advantages [B]            per-response advantage (the kind loss.advantage names)
     response_mask [B, T]      True on real response tokens
-    m2po_cutoff               M2PO's cutoff over the whole minibatch (update.py), else this call's
-    tokens' old_logprobs [B, T]       the trainer's log-probs of the behavior policy, with
-    loss.tis_cap: the ratio's
-                              denominator, and min(exp(old − behavior), cap), detached, weighs each
-                              token
-    ref_logprobs [B, T]       the reference policy's: β·KL_t (kl_penalty) is added to each token's
-    loss before the
-                              aggregation (it follows the same masks, and every split stays exact);
-                              logged when β = 0
-    num_tokens, num_seqs      the whole minibatch's token-mean denominator and response count, so
-    that a micro-batch's
-                              loss is its exact share (default: this call's). With token-mean over
-                              kept tokens the count is known only once every micro-batch's ratios
-                              are: update.py passes num_tokens=1 (a sum) and divides the gradient by
-                              the kept count afterwards
-    Aggregations: token-mean Σ kept loss / num_tokens; seq-mean-token-mean the mean over responses
-    of each one's mean over its normalised tokens; seq-mean-token-sum-norm Σ kept loss / (num_seqs ·
-    norm_len) (Dr. GRPO). The normaliser's tokens: "kept" (response tokens not vetoed or masked,
-    verl's masked mean) or "all".
+    m2po_cutoff               M2PO's cutoff over the whole minibatch (update.py), else this
+                              call's tokens'
+    old_logprobs [B, T]       the trainer's log-probs of the behavior policy, with
+                              loss.tis_cap: the ratio's denominator, and min(exp(old −
+                              behavior), cap), detached, weighs each token
+    ref_logprobs [B, T]       the reference policy's: β·KL_t (kl_penalty) is added to each
+                              token's loss before the aggregation (it follows the same masks,
+                              and every split stays exact); logged when β = 0
+    num_tokens, num_seqs      the whole minibatch's token-mean denominator and response count,
+                              so that a micro-batch's loss is its exact share (default: this
+                              call's). With token-mean over kept tokens the count is known only
+                              once every micro-batch's ratios are: update.py passes
+                              num_tokens=1 (a sum) and divides the gradient by the kept count
+                              afterwards
+    Aggregations: token-mean Σ kept loss / num_tokens; seq-mean-token-mean the mean over
+    responses of each one's mean over its normalised tokens; seq-mean-token-sum-norm Σ kept loss /
+    (num_seqs · norm_len) (Dr. GRPO). The normaliser's tokens: "kept" (response tokens not vetoed
+    or masked, verl's masked mean) or "all".
     """
     if loss.tis_cap is not None and old_logprobs is None:
         raise ValueError("tis_cap needs old_logprobs (the trainer's log-probs of the behavior "

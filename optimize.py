@@ -1,7 +1,7 @@
 """Optimize one stage: μ minibatch updates of the stage policy on its (increasingly stale) rollouts.
 
-    python optimize.py --stage_dir=runs/toy/stage_0                     # one process: CPU or one
-    GPU torchrun --nproc_per_node=4 optimize.py --stage_dir=runs/x/stage_0  # FSDP2 over 4 GPUs
+    python optimize.py --stage_dir=runs/toy/stage_0                     # one process: CPU, 1 GPU
+    torchrun --nproc_per_node=4 optimize.py --stage_dir=runs/x/stage_0  # FSDP2 over 4 GPUs
 
 The stage's groups are put once in a seeded order and cut into `updates_per_stage` minibatches of
 `prompts_per_update` groups: update u trains on minibatch u, data exactly u updates stale, no
@@ -18,7 +18,6 @@ Derived caches of the stage (rollout columns, per-stage log-prob passes) go into
 directory.
 """
 import dataclasses
-import functools
 import os
 import shutil
 import sys
@@ -596,10 +595,10 @@ def main():
     --stage_dir, then the process ends; resident every stage of the run, the process living on. What
     differs is the hand-over (handoff.StageDirectory or resident_trainer.PolicyHandover)."""
     if resident:
-        trainer, handover, stages = trainer_start(
-            run_dir, stage_plan,
-            functools.partial(Trainer, common.local_dir(policy), keep_reference=True),
-            policy_handoff, engines, handoff_buffer_mb)
+        def make_trainer(source, resume):        # (the policy resolved once the trainer is due)
+            return Trainer(common.local_dir(policy), source, resume=resume, keep_reference=True)
+        trainer, handover, stages = trainer_start(run_dir, stage_plan, make_trainer,
+                                                  policy_handoff, engines, handoff_buffer_mb)
     else:
         trainer, handover, stages = one_stage()
     try:

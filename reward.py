@@ -18,9 +18,9 @@ How answers are compared (in this order):
    (`32,\\!349`, `32{,}349`, `1 000`, `1\\,000`), e-notation `4.5e33` → `4.5 \\times 10^{33}`.
    Gold answers get the per-dataset fixes of `normalize_gold` (AIME/AMC `025`/`27.0` → integers,
    GSM8K `1,000`, Minerva Python-isms).
-2. Text answers (gold is `\\text{...}`, e.g. `\\text{(C)}`, `\\text{Evelyn}`): the texts must agree
-after
-   lower-casing and dropping spaces, braces and parentheses (`C`, `(C)` and `\\text{(C)}` are one).
+2. Text answers (gold is `\\text{...}`, e.g. `\\text{(C)}`, `\\text{Evelyn}`): the texts must
+   agree after lower-casing and dropping spaces, braces and parentheses (`C`, `(C)` and
+   `\\text{(C)}` are one).
 3. Minerva decimals (the dataset asks for significant figures): the prediction is a number within
    half a unit of the gold's last significant digit (gold `4.5e33` accepts 4.45e33 … 4.55e33).
 4. Everything else: math-verify `parse` (LaTeX extraction only) and `verify`: fractions, radicals,

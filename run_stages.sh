@@ -89,13 +89,11 @@ PREFLIGHT=${PREFLIGHT:-auto}    # mu_grpo/preflight.py first (a pass cached): au
 PREFLIGHT_ARGS=${PREFLIGHT_ARGS:-}  # more preflight flags, e.g. its miniature's size: "--prompts=8
                                     # --updates=2"
 PREFLIGHT_REPORT=${PREFLIGHT_REPORT:-}  # the preflight whose hand-off decision (files where the
-                                        # transfer failed) a
-                                # resident run follows (default RUN/preflight.json; table1.sh: its
-                                # model's preparation's)
+                                # transfer failed) a resident run follows (default
+                                # RUN/preflight.json; table1.sh: its model's preparation's)
 PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-false}  # true: stop after the preflight (its throughputs:
-                                         # frontier.sh's estimate) and,
-                                # with EVAL_CACHE, the initial policy's evaluation kept there
-                                # (table1.sh's per model)
+                                # frontier.sh's estimate) and, with EVAL_CACHE, the initial policy's
+                                # evaluation kept there (table1.sh's per model)
 # ---- several nodes (README, Several nodes): the same command on each, RUN, MODEL and data on a
 # shared filesystem
 NNODES=${NNODES:-1}             # nodes running this script together; node 0 keeps the run-level

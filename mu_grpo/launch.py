@@ -1,46 +1,39 @@
 """run_stages.sh's machinery, in Python where it can be tested fast; the shell keeps what a
 researcher reads (the knobs, the presets, the generate → optimize → evaluate loop). run_stages.sh
-exports its knobs (`set -a`) and calls:
+exports its knobs (`set -a`) and calls `python -m mu_grpo.launch --command=<command>`:
 
-    python -m mu_grpo.launch --command=preset     PRESET=auto resolved by the GPUs torch sees (paper
-    on a GPU box, else toy) python -m mu_grpo.launch --command=settings   every knob checked against
-    one table (KNOBS) before any phase runs, the
-                                          defaults resolved: shell assignments run_stages.sh evals,
-                                          SETTINGS among them (every knob, KEY=value lines: what the
-                                          nodes' join compares and the trackers' config)
-    python -m mu_grpo.launch --command=lock       the run directory's lock, on run_stages.sh's
-    descriptor 9 python -m mu_grpo.launch --command=start --logs=DIR --store=ADDR:PORT   the
-    start-up, every node, before any
-                                          compute: node 0 builds the preset's task and policy and
-                                          fetches the paper's data while the others wait for its
-                                          word; a hub MODEL resolved to its local copy, TRAIN_DATA
-                                          read, the resident engines' GPU share checked; on several
-                                          nodes their join and the trainers' ranks reaching each
-                                          other; the run's start time. Its assignments go to
-                                          descriptor 3, its output to stdout
-    python -m mu_grpo.launch --command=preflight  mu_grpo/preflight.py at the run's settings
-    python -m mu_grpo.launch --command=handoff    resident: the hand-off the run uses (HANDOFF, or
-    files after the preflight's
-                                          fallback)
-    python -m mu_grpo.launch --command=stage --stage=S  stage S as the plan decides it
-    (stage_rules.StagePlan.stage): its
-                                          μ (0 once the run is over), prompts, whether the policy it
-                                          starts from is evaluated, as STAGE_UPDATES, STAGE_PROMPTS,
-                                          EVALUATE; and the stage's line where the run stands
-                                          (tracking.where_line) on stderr
-    python -m mu_grpo.launch --command=resident --logs=DIR ENGINE... :: TRAINER...   the resident
-    pair (engine, trainer),
-                                          supervised: a failed one stops the other; timed into
-                                          timeline.jsonl
-    python -m mu_grpo.launch --command=view       a phase's output (stdin) on the terminal without
-    the libraries' chatter python -m mu_grpo.launch --command=row --name=N --stage=S --start=T0
-    --end=T1   node 0: a phase's row in timeline.jsonl python -m mu_grpo.launch --command=finished
-    --name=N   node 0: 1 if the phase is finished by the run's records, else 0 python -m
-    mu_grpo.launch --command=attempt    node 0: this attempt's start row in timeline.jsonl
-    (mu_grpo/records.py) python -m mu_grpo.launch --command=end --status=S --new_run=B   as the run
-    ends: its engines' links and sockets in the
-                                          temporary directory removed, a refused new run removed, a
-                                          stopped run's line
+    preset          PRESET=auto resolved by the GPUs torch sees (paper on a GPU box, else toy)
+    settings        every knob checked against one table (KNOBS) before any phase runs, the
+                    defaults resolved: shell assignments run_stages.sh evals, SETTINGS among them
+                    (every knob, KEY=value lines: what the nodes' join compares and the trackers'
+                    config)
+    lock            the run directory's lock, on run_stages.sh's descriptor 9
+    start --logs=DIR --store=ADDR:PORT
+                    the start-up, every node, before any compute: node 0 builds the preset's task
+                    and policy and fetches the paper's data while the others wait for its word; a
+                    hub MODEL resolved to its local copy, TRAIN_DATA read, the resident engines' GPU
+                    share checked; on several nodes their join and the trainers' ranks reaching each
+                    other; the run's start time. Its assignments go to descriptor 3, its output to
+                    stdout
+    preflight       mu_grpo/preflight.py at the run's settings
+    handoff         resident: the hand-off the run uses (HANDOFF, or files after the preflight's
+                    fallback)
+    stage --stage=S stage S as the plan decides it (stage_rules.StagePlan.stage): its μ (0 once
+                    the run is over), prompts, whether the policy it starts from is evaluated, as
+                    STAGE_UPDATES, STAGE_PROMPTS, EVALUATE; and the stage's line where the run
+                    stands (tracking.where_line) on stderr
+    resident --logs=DIR ENGINE... :: TRAINER...
+                    the resident pair (engine, trainer), supervised: a failed one stops the other;
+                    timed into timeline.jsonl
+    view            a phase's output (stdin) on the terminal without the libraries' chatter
+    row --name=N --stage=S --start=T0 --end=T1
+                    node 0: a phase's row in timeline.jsonl
+    finished --name=N
+                    node 0: 1 if the phase is finished by the run's records, else 0
+    attempt         node 0: this attempt's start row in timeline.jsonl (mu_grpo/records.py)
+    end --status=S --new_run=B
+                    as the run ends: its engines' links and sockets in the temporary directory
+                    removed, a refused new run removed, a stopped run's line
 
 Each prints what run_stages.sh reads, and on a bad setting one line naming it and what is allowed,
 exiting 2.
@@ -192,11 +185,11 @@ KNOBS = {
     "LR": phase("optimize.py", "lr", number),
     "WARMUP": phase("optimize.py", "warmup_updates", whole()),
     "KL_COEF": phase("optimize.py", "kl_coef", number),
+    "MICRO_BATCH_TOKENS": phase("optimize.py", "micro_batch_tokens", whole(1), rerun=True),
+    "GRAD_CKPT": phase("optimize.py", "gradient_checkpointing", boolean, rerun=True),
     "OPTIMIZER_BOUNDARY": phase("optimize.py", "optimizer_boundary", one_of("carry", "reset")),
     "ADAM_BETAS": phase("optimize.py", "adam_betas", betas),
     "STAGE_WARMUP": phase("optimize.py", "stage_warmup_updates", whole()),
-    "MICRO_BATCH_TOKENS": phase("optimize.py", "micro_batch_tokens", whole(1), rerun=True),
-    "GRAD_CKPT": phase("optimize.py", "gradient_checkpointing", boolean, rerun=True),
     "SAVE_POLICY_EVERY": phase("optimize.py", "save_policy_every", whole(), rerun=True),
     "TEMPERATURE": phase("generate.py", "temperature", temperature),
     "SHARD_PROMPTS": phase("generate.py", "shard_prompts", whole(1)),

@@ -35,15 +35,16 @@ class EngineSide:
         # the main process: its engines' rows of the stage (their flags)
         self.engine_rows = []
 
-    def policies(self, engines, first, start_engine):
-        """(s, the flag of its policy) of every stage from `first` (the first without a manifest),
-        each with the policy handed over before it (the first: engines.given(), --policy, or on a
-        resume the last one handed over), until a policy's flag has no next stage. `engines`:
-        generate.py's Engines, whose llm this starts (start_engine(path, s)) when it has an
-        engine."""
+    def policies(self, engines, first_pending, start_engine):
+        """(s, the flag of its policy) of every stage from the first without a manifest
+        (first_pending()), each with the policy handed over before it (the first: engines.given(),
+        --policy, or on a resume the last one handed over), until a policy's flag has no next
+        stage. `engines`: generate.py's Engines, whose llm this starts (start_engine(path, s)) when
+        it has an engine."""
         partner = self.partner
         if self.coordinator:
             partner.announce()
+        first = first_pending()
         flag = engines.given()
         # a resumed run's engine starts on the last policy handed over; with the transfer it starts
         # on the initial one, since the policy it waits for may come over the API, which needs the

@@ -1,40 +1,35 @@
 """The trainer's GPU path on one lent GPU in under 10 minutes, with only what such a machine has
 (torch with CUDA, transformers; no vLLM, no download): one table, also written as JSON.
 
-    python tools/gpu_check.py                               # one GPU: Qwen2.5-0.5B's shape, the
-    paper's lengths python tools/gpu_check.py --shape=tiny --mean_prompt_tokens=16
-    --mean_response_tokens=24 \\
+    python tools/gpu_check.py                  # one GPU: Qwen2.5-0.5B's shape, the paper's lengths
+    python tools/gpu_check.py --shape=tiny --mean_prompt_tokens=16 --mean_response_tokens=24 \\
         --max_response_tokens=48 --micro_batch_tokens=1024  # its CPU-sized version
-        (tests/test_benchmarks.py)
+                                                            # (tests/test_benchmarks.py)
 
 On a model built from a config with random weights (tools/synthetic.py) and a synthetic stage at the
 paper's lengths:
 1. throughput: optimize.py itself, a subprocess, `updates` updates at the paper's micro-batch tokens
-with gradient
-   checkpointing and packing: tokens/s, model FLOPs utilisation (each update's FLOPs from the groups
-   it trained, its metrics row's: optimize.py's seeded schedule, not the file's order), peak memory
-   against the estimate for that size (fp32 weights, gradients and AdamW's two moments, 16 bytes per
-   parameter, + the saved activations + one micro-batch's logits' gradient, [tokens, vocabulary] in
-   the compute dtype, + the trainer's overhead, handoff.TRAINER_OVERHEAD_GIB; informational, not
-   gated);
+   with gradient checkpointing and packing: tokens/s, model FLOPs utilisation (each update's FLOPs
+   from the groups it trained, its metrics row's: optimize.py's seeded schedule, not the file's
+   order), peak memory against the estimate for that size (fp32 weights, gradients and AdamW's two
+   moments, 16 bytes per parameter, + the saved activations + one micro-batch's logits' gradient,
+   [tokens, vocabulary] in the compute dtype, + the trainer's overhead,
+   handoff.TRAINER_OVERHEAD_GIB; informational, not gated);
 2. bf16: one packed micro-batch's loss (loss.policy_loss through passes.forward) and gradients in
-bf16 against a
-   float32 pass of the same weights, both ways a box computes in bf16: autocast (one GPU, one rank)
-   and FSDP2's bf16 parameters over fp32 masters (model.fsdp2, the box's several ranks; here one
-   rank), within bounds that follow from bf16's 8-bit significand: relative rounding 2^-9 per
-   operation through a few dozen layers of sums, so the loss within 2 % and the gradient's direction
-   within cosine 0.99 and its norm within 5 %;
+   bf16 against a float32 pass of the same weights, both ways a box computes in bf16: autocast (one
+   GPU, one rank) and FSDP2's bf16 parameters over fp32 masters (model.fsdp2, the box's several
+   ranks; here one rank), within bounds that follow from bf16's 8-bit significand: relative rounding
+   2^-9 per operation through a few dozen layers of sums, so the loss within 2 % and the gradient's
+   direction within cosine 0.99 and its norm within 5 %;
 3. the weight hash: common.tensor_hash of the model's tensors on the device equal to the CPU's
-(integer arithmetic:
-   exact, no tolerance);
+   (integer arithmetic: exact, no tolerance);
 4. the hand-off: the policy packed into one buffer the way vLLM packs it (packed_tensor.py
-`packed_ipc_producer`:
-   each tensor's bytes back to back in one uint8 buffer, names, shapes and dtypes beside), sent to a
-   second process by torch's CUDA IPC (torch.multiprocessing; shared memory on a CPU), which unpacks
-   and hashes every tensor there; the hashes must equal the sender's, and once the receiver has let
-   go the buffer's memory must be free again (torch.cuda.ipc_collect: what a resident hand-off
-   relies on, a buffer per stage otherwise). The receiver is polled: one that dies fails its row at
-   once.
+   `packed_ipc_producer`: each tensor's bytes back to back in one uint8 buffer, names, shapes and
+   dtypes beside), sent to a second process by torch's CUDA IPC (torch.multiprocessing; shared
+   memory on a CPU), which unpacks and hashes every tensor there; the hashes must equal the
+   sender's, and once the receiver has let go the buffer's memory must be free again
+   (torch.cuda.ipc_collect: what a resident hand-off relies on, a buffer per stage otherwise). The
+   receiver is polled: one that dies fails its row at once.
 Every row passes or fails; each check runs under its own guard (one that raises is its FAIL row, the
 others still run) and the JSON is written after every check, so a machine lost mid-way keeps what it
 measured. The script exits 1 if a row fails. Figures go to docs/paper-run.md with the command.
