@@ -99,9 +99,9 @@ def sample_and_grade(policies, ev, rank, n):
     grading.start_graders(grader_workers)  # their start-up runs beside the engine's
     llm = engine.make_llm(policies[0], seed=seed,
                           max_model_len=max_prompt_tokens + max_response_tokens,
-                          # the run's one compile cache
                           tensor_parallel=tensor_parallel,
                           gpu_memory_utilization=gpu_memory_utilization,
+                          # the run's one compile cache
                           run_dir=Path(results).parent if results else None)
     parts, start = [], time.time()
     for i, path in enumerate(policies):

@@ -254,9 +254,8 @@ def start_engine(path, s):
     grading.start_graders(graders)
     llm = engine.make_llm(path, seed=seed, max_model_len=max_prompt_tokens + max_response_tokens,
                           tensor_parallel=tensor_parallel,
-                          # one compile cache for the run's engines
                           gpu_memory_utilization=gpu_memory_utilization, sleep_mode=resident,
-                          run_dir=run_dir,
+                          run_dir=run_dir,      # one compile cache for the run's engines
                           transfer_engine=engine_index() if resident
                           and policy_handoff == "transfer" else None)
     print(engine.verify_weights(llm, path, f"engine {engine_index()}, stage {s}"), flush=True)

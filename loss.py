@@ -469,15 +469,14 @@ class Loss:
     Checked when made: a bad setting is a ValueError naming the allowed values."""
     objective: str = "clip"                 # a name of OBJECTIVES
     settings: dict = dataclasses.field(default_factory=dict)
-    # ADVANTAGES: generate.py's group-normalised one, or one computed here β₁ of the soft-value
-    # advantage NAV's trigger threshold (None: no NAV)
-    advantage: str = "group"
-    soft_value_beta: float = 1.0
-    nav_delta: float | None = None
+    advantage: str = "group"                # ADVANTAGES: generate.py's group-normalised one, or
+                                            # one computed here
+    soft_value_beta: float = 1.0            # β₁ of the soft-value advantage
+    nav_delta: float | None = None          # NAV's trigger threshold (None: no NAV)
     nav_scope: str = "H"                    # NAV_SCOPES
     m2po_tau: float | None = None           # M2PO's second-moment threshold (None: no M2PO mask)
-    # truncated importance weight of the trainer/engine mismatch (None: off)
-    tis_cap: float | None = None
+    tis_cap: float | None = None            # truncated importance weight of the trainer/engine
+                                            # mismatch (None: off)
     kl_coef: float = 0.0                    # β of the KL(π ‖ π_ref) penalty
     kl_estimator: str = "k3"                # KL_ESTIMATORS
     agg: str = "token-mean"                 # AGG_MODES
@@ -855,8 +854,8 @@ def _stats(value, kept_loss, x, engine_log_ratio, kl, masks, loss):
         "seq_weight_sq_sum": (seq_weight ** 2).sum(),
         # KL(behavior ‖ current) from behavior samples, k3 estimator E_b[ρ − 1 − log ρ] (≥ 0)
         "kl_behavior_sum": ((ratio - 1 - log_ratio) * mask).sum(),
-        # trainer vs engine log-probs, whatever the ratio's reference (TIS): the mismatch at update
-        # 0
+        # trainer vs engine log-probs, whatever the ratio's reference (TIS): the mismatch at
+        # update 0
         "engine_abs_sum": engine_abs.sum(),
         "engine_abs_max": engine_abs.max() if mask.numel() else -inf,
         "engine_kl_sum": ((engine_log_ratio.exp() - 1 - engine_log_ratio) * mask).sum(),

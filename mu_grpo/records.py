@@ -24,16 +24,20 @@ from mu_grpo import common
 
 # ------------------------------------------------------------------------ the run directory's names
 # Every script reads and writes a run directory through these names; this module owns them
-# (docs/design.md §2):   <run>/stage_<s>/rollouts/       generate.py: shard_<k>.jsonl, columns/,
-# plan.json, manifest.json (mu_grpo/rollouts.py)   <run>/stage_<s>/policy/         optimize.py: the
-# policy trained on stage s (and evaluated)   <run>/stage_<s>/train_state/    optimize.py: fp32
-# weights, AdamW, counts (the next stage starts from it)   <run>/stage_<s>/metrics.jsonl
-# optimize.py: one row per update; beside it stage_end.json   <run>/results.jsonl, eval_samples/
-# evaluate.py: one row per (stage, benchmark), the graded samples   <run>/timeline.jsonl
-# one row per phase, and timeline.attempt.json (TIMELINE, ATTEMPT below) and the directories their
-# owners name: resident/ (mu_grpo/handoff.py), .nodes/ (mu_grpo/nodes.py), tracking/
-# (mu_grpo/tracking.py), logs/ and .done/ (run_stages.sh, whose loop, the part a researcher reads,
-# spells stage_<s>/policy and train_state/ itself)
+# (docs/design.md §2):
+#   <run>/stage_<s>/rollouts/       generate.py: shard_<k>.jsonl, columns/, plan.json, manifest.json
+#                                   (mu_grpo/rollouts.py)
+#   <run>/stage_<s>/policy/         optimize.py: the policy trained on stage s (and evaluated)
+#   <run>/stage_<s>/train_state/    optimize.py: fp32 weights, AdamW, counts (the next stage starts
+#                                   from it)
+#   <run>/stage_<s>/metrics.jsonl   optimize.py: one row per update; beside it stage_end.json
+#   <run>/results.jsonl, eval_samples/
+#                                   evaluate.py: one row per (stage, benchmark), the graded samples
+#   <run>/timeline.jsonl            one row per phase, and timeline.attempt.json (TIMELINE, ATTEMPT
+#                                   below)
+# and the directories their owners name: resident/ (mu_grpo/handoff.py), .nodes/ (mu_grpo/nodes.py),
+# tracking/ (mu_grpo/tracking.py), logs/ and .done/ (run_stages.sh, whose loop, the part a
+# researcher reads, spells stage_<s>/policy and train_state/ itself)
 ROLLOUTS = "rollouts"
 # in rollouts/, written last: its presence means the stage is complete (mu_grpo/rollouts.py)
 MANIFEST = "manifest.json"
@@ -71,18 +75,16 @@ def stage_dirs(run_dir):
 class StageOutputs:
     """A stage's size and where its training writes (optimize.py's train_stage; where training
     stands, the update it starts from and the counts before it, is the trainer's)."""
-    # the next policy; metrics.jsonl, train_state/ and the timing go next to it μ: the stage's
-    # minibatches (its updates unless it ends on drift)
-    out_dir: Path
-    updates_per_stage: int
-    # write the final train state (the next stage's, or a resume's, starting point)
-    save_state: bool = True
-    # where the final policy goes (the hand-over's policy_dirs: the stage directory's
-    policy_dirs: tuple = ()
-                                # policy/ when it is saved there; (): nowhere, a resident transfer's
-                                # stage without a save)
-    # check the disk for both saves even when none is due (a resident run's first stage)
-    check_saves: bool = False
+    out_dir: Path               # the next policy; metrics.jsonl, train_state/ and the timing go
+                                # next to it
+    updates_per_stage: int      # μ: the stage's minibatches (its updates unless it ends on drift)
+    save_state: bool = True     # write the final train state (the next stage's, or a resume's,
+                                # starting point)
+    policy_dirs: tuple = ()     # where the final policy goes (the hand-over's policy_dirs: the
+                                # stage directory's policy/ when it is saved there; (): nowhere, a
+                                # resident transfer's stage without a save)
+    check_saves: bool = False   # check the disk for both saves even when none is due (a resident
+                                # run's first stage)
 
     @property
     def work_dir(self):

@@ -98,10 +98,10 @@ def trainer_start(run_dir, plan, make_trainer, policy_handoff, engines, buffer_m
         handover.publish_saved(last, last_dir / records.POLICY)
     # (the train state's load leaves garbage) then what lives for the run (the model, the modules:
     # vLLM's with the transfer) is out of every later gc.collect (model.release_memory's): on a CPU
-    gc.collect()
-    gc.freeze()
     # a collect takes 0.1 s with torch and transformers imported, 0.3 s with vLLM too, a few ms once
     # they are frozen
+    gc.collect()
+    gc.freeze()
     if is_main:
         partner.timeline({"phase": "start", "name": "trainer_start", "stage": first,
                           "start": t_start, "end": time.time()})

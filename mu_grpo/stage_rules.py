@@ -19,14 +19,12 @@ class Stage:
     index: int
     updates: int                        # μ: its minibatches (0: the run is over)
     prompts: int                        # its rollouts' prompts: μ minibatches of prompts_per_update
-    # the policy it starts from (trained on stage index − 1, the initial one at 0)
-    evaluate: bool
-                                        # is evaluated before its rollouts; with updates 0, the
-                                        # run's last policy
-    # its policy and train state go into the run directory when it ends (the
-    save: bool
-                                        # run's older train states then go, unless they are kept:
-                                        # optimize.py)
+    evaluate: bool                      # the policy it starts from (trained on stage index − 1,
+                                        # the initial one at 0) is evaluated before its rollouts;
+                                        # with updates 0, the run's last policy
+    save: bool                          # its policy and train state go into the run directory when
+                                        # it ends (the run's older train states then go, unless
+                                        # they are kept: optimize.py)
 
 
 @dataclasses.dataclass(frozen=True)
