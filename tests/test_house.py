@@ -53,7 +53,8 @@ SIZE_BARS = {"generate.py": (540, 31_500), "optimize.py": (640, 37_500), "update
 NARROW = ["generate.py", "optimize.py", "evaluate.py", "update.py", "loss.py", "reward.py",
           "run_stages.sh", "mu_grpo/passes.py", "mu_grpo/resident_trainer.py",
           "mu_grpo/resident_engines.py", "mu_grpo/launch.py", "mu_grpo/records.py",
-          "mu_grpo/trainer_model.py", "mu_grpo/stage_rules.py", "tools/gpu_check.py",
+          "mu_grpo/trainer_model.py", "mu_grpo/stage_rules.py", "mu_grpo/handoff.py",
+          "tools/gpu_check.py",
           "tests/test_launch.py", "tests/test_update.py", "tests/test_engine.py",
           "tests/test_weights.py", "tests/test_house.py", "tests/test_handoff.py"]
 
