@@ -54,7 +54,7 @@ TRAIN_RANKS=${TRAIN_RANKS:-1}   # each replay's ranks (torchrun: one per GPU, gl
 
 bash setup.sh >&2
 PY=${MU_GRPO_VENV:-.venv}/bin/python     # the run's environment (setup.sh)
-[[ "$VARIANTS" != all ]] || VARIANTS=$($PY -c "import loss; print(' '.join(loss.PRESETS))")
+[[ "$VARIANTS" != all ]] || VARIANTS=$($PY -m mu_grpo.launch --command=presets)
 for v in BUILD UPDATES_PER_STAGE PROMPTS_PER_UPDATE GROUP_SIZE SAVE_EVERY ONPOLICY_UPDATES EVAL_K MAX_RESPONSE JOBS GPUS \
          TRAIN_RANKS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "$v must be a whole number, got '${!v}'" >&2; exit 2; }

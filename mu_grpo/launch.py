@@ -31,6 +31,10 @@ exports its knobs (`set -a`) and calls `python -m mu_grpo.launch --command=<comm
     finished --name=N
                     node 0: 1 if the phase is finished by the run's records, else 0
     attempt         node 0: this attempt's start row in timeline.jsonl (mu_grpo/records.py)
+    loss_flags      optimize.py's flags of the LOSS preset (LOSS, NAV_DELTA from the environment)
+    recorded        a run's recorded settings (ablate.sh's LAB=paper)
+    presets         the names of loss.py's LOSS presets, in order, read without torch (ablate.sh's
+                    VARIANTS=all)
     end --status=S --new_run=B
                     as the run ends: its engines' links and sockets in the temporary directory
                     removed, a refused new run removed, a stopped run's line
@@ -605,9 +609,8 @@ def preset_names():
     torch: a login node checks a table's methods with the system's Python)."""
     import ast  # only these checks read loss.py's text
     for node in ast.parse((ROOT / "loss.py").read_text()).body:
-        if isinstance(node,
-                      ast.Assign) and [t.id for t in node.targets
-                                       if isinstance(t, ast.Name)] == ["PRESETS"]:
+        targets = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        if isinstance(node, ast.Assign) and targets == ["PRESETS"]:
             return [key.value for key in node.value.keys]
 
 
@@ -1104,7 +1107,7 @@ if __name__ == "__main__":
                 "handoff": handoff_command, "stage": lambda: stage_command(stage),
                 "resident": lambda: resident_command(rest), "view": view_command,
                 "row": row_command, "finished": finished_command, "loss_flags": loss_flags_command,
-                "recorded": recorded_command,
+                "recorded": recorded_command, "presets": lambda: print(" ".join(preset_names())),
                 "end": end_command,
                 "attempt": lambda: records.attempt_started(os.environ["RUN"], time.time())}
     common.check_choice("command", command, tuple(commands))

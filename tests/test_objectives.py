@@ -3,6 +3,8 @@
 above and below each bound; the LOSS presets' table and every list that names presets checked against it."""
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -211,12 +213,15 @@ def test_optimize_pys_loss_block_is_neutral():
 def test_every_list_that_names_presets_is_the_tables():
     from mu_grpo import launch
     assert launch.preset_names() == list(L.PRESETS)            # read without torch, for a login node
+    # ablate.sh's VARIANTS=all: the same names, in order, from the command it runs
+    named = subprocess.run([sys.executable, "-m", "mu_grpo.launch", "--command=presets"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert named == list(L.PRESETS) and "mu-grpo" in named
     readme = (ROOT / "README.md").read_text()
     assert re.findall(r"^\| `([a-z][A-Za-z0-9-]*)`(?: \(default\))? \| ([a-z-]+) \|", readme, re.M) == \
         [(name, row.objective) for name, row in L.PRESETS.items()]
     lists = [re.search(r'VARIANTS=\$\{VARIANTS:-([^}]*)\}', (ROOT / "ablate.sh").read_text())[1],
              re.search(r'LOSSES=\$\{LOSSES:-([^}]*)\}', (ROOT / "frontier.sh").read_text())[1]]
-    import sys
     sys.path.insert(0, str(ROOT / "tools"))
     import plot
     import table1
