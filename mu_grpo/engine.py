@@ -161,8 +161,8 @@ def wake_kv_cache(llm):
 
 
 class PolicyReceiver:
-    """A resident engine's side of the policy hand-over (resident_trainer.PolicyHandover is the trainer's): files (the policy
-    directory the trainer wrote, loaded in place) or transfer (vLLM's weight-transfer API: transfer.EngineServer
+    """A resident engine's side of the policy hand-over (resident_trainer.PolicyHandover is the
+    trainer's): files (the policy directory the trainer wrote, loaded in place) or transfer (vLLM's weight-transfer API: transfer.EngineServer
     answers the trainer's calls while this engine waits for the policy's flag). `partner`: the engine process's
     handoff.Partner; `llm`: this process's engine, engine `index` of the run (None: a coordinator whose engines are
     worker processes, which only waits for the flags)."""

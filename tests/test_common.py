@@ -12,7 +12,8 @@ def test_shuffled_window_covers_each_epoch_once_then_reshuffles():
     assert sorted(second) == items and second != first               # the next epoch is shuffled anew
     # a window across the epoch boundary is the tail of one and the head of the next
     assert stage_rules.shuffled_window(items, 7, 6, seed=3) == first[7:] + second[:3]
-    assert stage_rules.shuffled_window(items, 7, 6, seed=3) == stage_rules.shuffled_window(items, 7, 6, seed=3)
+    again = stage_rules.shuffled_window(items, 7, 6, seed=3)
+    assert stage_rules.shuffled_window(items, 7, 6, seed=3) == again
     assert stage_rules.shuffled_window(items, 0, 10, seed=4) != first
 
 

@@ -238,18 +238,20 @@ def test_NAV_DELTA_reaches_a_preset_with_NAV_and_no_other(name):
 
 
 def test_a_flags_none_turns_a_mask_off_names_no_scope_and_is_refused_where_a_setting_has_no_none():
-    # the flag parser reads --x=none as None: for nav_scope that is the scope "none" (before: refused with "got None");
-    # for a setting without a none (kl_coef, a clip bound, agg) one line, not a traceback
+    # the flag parser reads --x=none as None: for nav_scope that is the scope "none" (before: refused
+    # with "got None"); for a setting without a none (kl_coef, a clip bound, agg) one line, not a
+    # traceback
     assert L.resolve_loss("mu-grpo", {"nav_scope": None}, {"nav_scope"}).nav_scope == "none"
     assert L.resolve_loss("mu-grpo", {"nav_delta": None}, {"nav_delta"}).nav_delta is None
-    for name, default in (("kl_coef", "0.0"), ("clip_low", "0.8"), ("agg", "'token-mean'")):   # (the objective's)
+    # (the objective's)
+    for name, default in (("kl_coef", "0.0"), ("clip_low", "0.8"), ("agg", "'token-mean'")):
         with pytest.raises(ValueError, match=f"{name} cannot be none \\(its default: {default}\\)"):
             L.resolve_loss("mu-grpo", {name: None}, {name})
 
 
 def test_the_runs_kl_coef_is_its_losss_so_kl_gets_its_reference_from_loss_args_too():
-    # run_stages.sh points KL's reference at the run's MODEL when KL_COEF > 0; a β given in LOSS_ARGS counts (before:
-    # KL_COEF stayed 0 and π_ref was the stage policy, silently)
+    # run_stages.sh points KL's reference at the run's MODEL when KL_COEF > 0; a β given in
+    # LOSS_ARGS counts (before: KL_COEF stayed 0 and π_ref was the stage policy, silently)
     from mu_grpo import launch
     from test_launch import TOY
     assert launch.resolve({**TOY, "LOSS_ARGS": "--kl_coef=0.1"})[0]["KL_COEF"] == "0.1"

@@ -261,9 +261,11 @@ def ablation_table(ablation, initial):
         collapsed = [next((u for u, a in c if a < collapse_below * initial), None) for c in v["curves"].values()]
         per_seed_min = [r for rows in v["metrics"].values() if (r := lowest_ratio_neg(rows)) is not None]
 
-        def mean_metric(key, absent=0.0):     # absent: a mask or clip the loss has not (0), a metric it did not log;
-            vals = [m.get(key) for rows in v["metrics"].values() for m in rows]     # NaN (an update without such
-            vals = [x for x in (absent if x is None else x for x in vals) if x == x]   # tokens): left out
+        # absent: a mask or clip the loss has not (0), a metric it did not log; NaN (an update
+        # without such tokens): left out
+        def mean_metric(key, absent=0.0):
+            vals = [m.get(key) for rows in v["metrics"].values() for m in rows]
+            vals = [x for x in (absent if x is None else x for x in vals) if x == x]
             return sum(vals) / len(vals) if vals else float("nan")
         best = max(curve, key=lambda c: c[1])
         table.append({
