@@ -837,9 +837,11 @@ def test_a_resident_run_with_files_killed_while_training_resumes_with_its_engine
     assert_no_training_beside_an_awake_engine(resident_files_run)
     rows = read_lines(resident_files_run / "timeline.jsonl")
     # the attempt killed while training stage 1 wrote no row of it, the rerun trained it again; the one killed right
-    # after stage 0's hand-over may have left no row of that (the trainer writes it once the policy is handed over)
+    # after stage 0's hand-over may have left no row of that, and the one killed in the final evaluation none of
+    # stage 1's (the trainer writes a stage's row once its policy is handed over: the kill at trained_1.json can
+    # come before it; the metrics hold that stage 1 was trained once, assert_trained_once)
     trained = [t["name"] for t in rows if t["phase"] == "optimize"]
-    assert trained in (["optimize_0", "optimize_1"], ["optimize_1"])
+    assert trained in (["optimize_0", "optimize_1"], ["optimize_1"], ["optimize_0"], [])
     attempts = sorted((r for r in rows if r["name"] == "resident"), key=lambda r: r["start"])
     assert [r["ended"] for r in attempts] == ["killed"] * 4 + ["completed"]
     # each attempt killed outright is closed by the rerun at its own last row, before its kill: the wait is a pause
