@@ -1,7 +1,12 @@
-"""tools/bakeoff.py: the tuning's choices as docs/bakeoff.md declares them, on runs written here by
-hand."""
+"""tools/bakeoff.py: docs/bakeoff.md's readings as its design declares them (the tuning's choices,
+the confirmation's order, verdicts, gate and secondaries, the dose, the chaos floor), on runs
+written here by hand."""
 import json
+import math
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +105,274 @@ def test_the_chaos_floor_pools_the_triples_spread_and_checks_the_repeat_bit_for_
     assert floor["identical"] == {(1, "mu-grpo-d1e-4-mu64"): True, (2, "grpo-mu64"): False}
     assert floor["sd"] == pytest.approx(0.0006 ** 0.5, rel=1e-9)
     assert floor["resolvable"] == pytest.approx(2 * 0.0006 ** 0.5, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- §4–§7
+def test_the_t_quantile_against_closed_forms_and_the_builds_a_difference_would_need():
+    # df 1 (Cauchy): P(|T| ≥ t) = 1 − 2 atan(t)/π; df 2: 1 − t/√(2 + t²)
+    for alpha in (0.05, 0.0125):
+        assert bakeoff.t_quantile(alpha, 1) == pytest.approx(math.tan(math.pi * (1 - alpha) / 2),
+                                                              rel=1e-7)
+        c = (1 - alpha) ** 2
+        assert bakeoff.t_quantile(alpha, 2) == pytest.approx(math.sqrt(2 * c / (1 - c)), rel=1e-7)
+    # Bonferroni's t over 4 (α 0.0125): n = 2 resolves m/2 = 0.025 while t₁ · s/√2 ≤ 0.025, i.e.
+    # s ≤ 0.000694; n = 3 while t₂ · s/√3 ≤ 0.025 (t₂ = 8.8602), s ≤ 0.004887
+    assert bakeoff.builds_needed(0.0006) == 2
+    assert bakeoff.builds_needed(0.004) == 3
+    assert bakeoff.builds_needed(0.0049) > 3
+
+
+def test_the_verdicts_are_the_first_row_of_the_declared_tables_that_holds():
+    v = bakeoff.verdict_against
+    assert v(-0.03, -0.01, 0.01) == "X better"              # within m too, but the first row holds
+    assert v(0.05, 0.09, 0.01) == "needed"                  # lo ≥ m, at the edge
+    assert v(0.01, 0.04, 0.01) == "μ-GRPO better, by less than m"
+    assert v(0.01, 0.07, 0.01) == "μ-GRPO better, size not determined"
+    assert v(-0.02, 0.03, 0.01) == "not needed (X within m)"
+    assert v(-0.06, 0.03, 0.004) == "not determined (3 builds would resolve it)"
+    m = bakeoff.verdict_matches
+    assert m(-0.03, 0.01) == "matches"
+    assert m(-0.04, -0.01) == "matches, a deficit under m"
+    assert m(-0.09, -0.06) == "a deficit"
+    assert m(-0.07, 0.02) == "not determined"
+
+
+def write_tune(root, star="topr:64", t=0.015, at_end=()):
+    chosen = {arm: [1e-5 if arm == "grpo:4" else 3e-5, 0.3, arm in at_end]
+              for arm in bakeoff.ARMS}
+    (root / "tune.json").write_text(json.dumps({"builds": [1, 2, 3], "chosen": chosen,
+                                                "c_star": star, "gate_T": t}))
+
+
+def fake_record_run(root, experiment, build, arm, curve, stages, stopped=False):
+    """A run as run_stages.sh leaves it: held-out rows at curve's updates, stage s's update rows
+    stages[s]; finished (.done/all), or stopped by the trainer (its log says so)."""
+    run = root / experiment / f"build{build}" / "seed0" / bakeoff.run_name(arm)
+    run.mkdir(parents=True)
+    if stopped:
+        (root / experiment / f"build{build}" / "seed0" / f"{run.name}.log").write_text(
+            f"SystemExit: 3 {bakeoff.TRAINER_STOP} (at update 100)\n")
+    else:
+        (run / ".done").mkdir()
+        (run / ".done" / "all").write_text("")
+    rows = [{"stage": u // 64 - 1, "updates": u, "benchmark": b,
+             "avg_at_k": v if b == "heldout" else 0.99, "k": 1, "time": 1.0 + u}
+            for u, v in curve.items() for b in ("heldout", "test")]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for s, rows in enumerate(stages):
+        (run / f"stage_{s}").mkdir()
+        (run / f"stage_{s}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                                  for r in rows))
+
+
+def test_the_order_is_the_declared_draw_at_each_arms_tuned_lr_leaving_out_a_stopped_run(
+        tmp_path, monkeypatch, capsys):
+    order = bakeoff.confirmation_order(41, "topr:64")
+    confirmatory = ["mu-grpo-d1e-4:64", "relaxed-no-nav:64", "grpo:64", "topr:64", "grpo:4"]
+    assert sorted(order[:5]) == sorted(confirmatory) and "topr:64" not in order[5:]
+    assert sorted(order) == sorted(bakeoff.ARMS)
+    import numpy as np                                    # the declared generator, drawn by hand
+    rng = np.random.default_rng(78 + 41)
+    first, rest = rng.permutation(5), rng.permutation(7)
+    others = [a for a in bakeoff.ARMS if a not in confirmatory]
+    assert order == [confirmatory[i] for i in first] + [others[i] for i in rest]
+    assert bakeoff.confirmation_order(42, "topr:64") != order
+    monkeypatch.setattr(bakeoff, "out", str(tmp_path))
+    monkeypatch.setattr(bakeoff, "builds", "41 42")
+    for tune in (dict(star=None), dict(at_end=("gspo:64",)), dict(t=None)):
+        write_tune(tmp_path, **tune)
+        with pytest.raises(SystemExit) as refused:
+            bakeoff.order_main()
+        assert refused.value.code == 2
+    write_tune(tmp_path)
+    fake_record_run(tmp_path, "confirm", 42, "grpo:64", {0: 0.1, 64: 0.2}, [[]], stopped=True)
+    bakeoff.order_main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "41 " + " ".join(f"{a}@{'1e-5' if a == 'grpo:4' else '3e-5'}"
+                                        for a in order)
+    assert lines[1].split()[0] == "42" and len(lines[1].split()) == 12     # grpo:64 left out
+    assert "grpo:64@3e-5" not in lines[1]
+    monkeypatch.setattr(bakeoff, "experiment", "dose")
+    bakeoff.order_main()
+    assert capsys.readouterr().out.splitlines()[0] == \
+        "41 mu-grpo-d1e-4:256@3e-5 grpo:256@3e-5 grpo:4@1e-5"
+
+
+def kl_rows(*kls, clip=0.0):
+    return [[{"ratio/kl": kl, "clip/upper_frac": clip} for _ in range(2)] for kl in kls]
+
+
+def test_the_confirmation_reads_c1_to_c4_the_gate_and_the_secondaries_by_hand(
+        tmp_path, monkeypatch, capsys):
+    write_tune(tmp_path)                                  # C* topr:64, T 0.015
+    finals = {"mu-grpo-d1e-4:64": (0.40, 0.50, 0.60), "relaxed-no-nav:64": (0.30, 0.40, 0.50),
+              "grpo:64": (0.30, 0.42, 0.48), "topr:64": (0.41, 0.50, 0.60),
+              "grpo:4": (0.42, 0.52, 0.62)}
+    for b in (1, 2, 3):
+        for arm in bakeoff.ARMS:
+            f = finals.get(arm, (0.2, 0.3, 0.4))[b - 1]
+            curve = {0: 0.1, 64: f, 128: f, 192: f, 256: f}
+            stages = kl_rows(0.001, 0.001, 0.001, 0.001)
+            if arm == "mu-grpo-d1e-4:64":   # falls after stage 0 (0.45 → 0.40), both flagged
+                curve.update({64: 0.45, 128: 0.40, 192: 0.41})
+                stages = kl_rows(0.05, 0.01, 0.03, 0.001)
+            if arm == "relaxed-no-nav:64":  # flagged, calm
+                stages = kl_rows(0.06, 0.001, 0.001, 0.001)
+            if arm == "grpo:64":            # clip share 0.5 in stage 0; 0.01, 0.02, 0.03 after
+                stages = [rows for s, c in enumerate((0.5, 0.01, 0.02, 0.03))
+                          for rows in kl_rows(0.001, clip=c)]
+            stopped = arm == "gspo:64" and b == 3   # stopped by the trainer after update 128
+            if stopped:
+                curve = {0: 0.1, 64: 0.35, 128: 0.34}
+            fake_record_run(tmp_path, "confirm", b, arm, curve, stages, stopped=stopped)
+    fake_record_run(tmp_path, "confirm", 4, "grpo:4", {0: 0.1, 256: 0.5}, [[]])  # incomplete
+    monkeypatch.setattr(bakeoff, "out", str(tmp_path))
+    bakeoff.confirm_main()
+    result = json.loads((tmp_path / "confirm.json").read_text())
+    assert result["builds"] == [1, 2, 3]
+    assert result["finals"]["gspo:64"] == [0.2, 0.3, 0.34]             # the last evaluation
+    assert result["stopped"] == {"build3/gspo:64": True}
+    c = result["claims"]
+    # C1: D = 0.10, 0.08, 0.12: mean 0.10, SD 0.02, half-width t₂(0.0125) · 0.02/√3 = 0.10231
+    c2 = 0.9875 ** 2
+    half = math.sqrt(2 * c2 / (1 - c2)) * 0.02 / math.sqrt(3)
+    assert (c["C1"]["mean"], c["C1"]["sd"]) == pytest.approx((0.10, 0.02))
+    assert (c["C1"]["low"], c["C1"]["high"]) == pytest.approx((0.10 - half, 0.10 + half),
+                                                              rel=1e-5)
+    assert c["C1"]["verdict"].startswith("not determined (")
+    assert c["C2"]["verdict"] == "needed"                   # 0.10 on every build
+    # C3 against C* (topr): D = −0.01, 0, 0: mean −0.00333, SD 0.005774, half 0.029535
+    assert c["C3"]["against"] == "topr:64"
+    assert (c["C3"]["low"], c["C3"]["high"]) == pytest.approx((-0.032868, 0.026202), abs=1e-5)
+    assert c["C3"]["verdict"] == "not needed (X within m)"
+    assert c["C4"]["verdict"] == "matches, a deficit under m"      # −0.02 on every build
+    # the gate: (a) grpo:64 − grpo:4 = −0.12, −0.10, −0.14: t = −0.12/(0.02/√3), df 2, one-sided
+    # p = (1 − |t|/√(2 + t²))/2; (b) clip share over stages 1–3 0.02 ≥ T 0.015
+    t = 0.12 / (0.02 / math.sqrt(3))
+    assert result["gate"]["a"]["p_one_sided"] == pytest.approx((1 - t / math.sqrt(2 + t * t)) / 2,
+                                                               rel=1e-6)
+    assert result["gate"]["a"]["passes"] and result["gate"]["b"]["passes"]
+    assert result["gate"]["b"]["clip_share"] == pytest.approx(0.02)
+    # (d): μ-GRPO's area on build 1: (0.275 + 0.425 + 0.405 + 0.405)/4 = 0.3775
+    assert result["areas"]["mu-grpo-d1e-4:64"][0] == pytest.approx(0.3775)
+    sets = result["secondary"]
+    assert [len(rows) for rows in sets.values()] == [11, 11, 10, 11, 11]
+    relaxed = next(r for r in sets["(a) X − μ-GRPO, final"] if r[0] == "relaxed-no-nav:64")
+    assert relaxed[1] == pytest.approx(-0.10)
+    # (e): 11 stale arms × 3 builds × 3 boundaries, less 2 of gspo's on build 3 (evaluated after
+    # 128 updates only): 97. μ-GRPO's 3 falls (stage 0, KL 0.05, flagged), 3 flagged calm (stage
+    # 2, KL 0.03); relaxed's 3 flagged calm (0.06); the other 88 unflagged calm. AUC: each fall
+    # beats every calm boundary but relaxed's three: 91/94
+    signal = result["kl_signal"]
+    assert signal["overall"] == {"boundaries": 97, "falls": 3, "flagged": 9, "flagged_fell": 3,
+                                 "unflagged": 88, "unflagged_calm": 88}
+    assert signal["auc"] == pytest.approx(91 / 94)
+    assert signal["auc_within"] == pytest.approx(1.0)
+    assert signal["per_configuration"]["relaxed-no-nav:64"]["flagged"] == 3
+    assert "grpo:4" not in signal["per_configuration"]
+    assert "| C1 | grpo:64 | +0.100 | 0.020 |" in capsys.readouterr().out
+
+
+def test_the_dose_reads_its_two_contrasts_and_their_direction_against_the_confirmation(
+        tmp_path, monkeypatch):
+    (tmp_path / "confirm.json").write_text(json.dumps({"claims": {"C1": {"mean": 0.05},
+                                                                  "C4": {"mean": -0.02}}}))
+    for b, (mu, clip, on) in {1: (0.5, 0.4, 0.45), 2: (0.6, 0.4, 0.5)}.items():
+        for arm, f in (("mu-grpo-d1e-4:256", mu), ("grpo:256", clip), ("grpo:4", on)):
+            fake_record_run(tmp_path, "dose", b, arm, {0: 0.1, 1024: f},
+                            [[{"ratio/kl": 0.2, "grpo_clip/upper_frac": 0.3}],
+                             [{"ratio/kl": 0.4, "grpo_clip/upper_frac": 0.1}]])
+    monkeypatch.setattr(bakeoff, "out", str(tmp_path))
+    bakeoff.dose_main()
+    result = json.loads((tmp_path / "dose.json").read_text())
+    # μ-GRPO − GRPO clip: 0.1, 0.2: mean 0.15, half-width 12.706 · 0.0707/√2 = 0.6353
+    c1, c4 = result["contrasts"]["C1"], result["contrasts"]["C4"]
+    assert (c1["mean"], c1["low"], c1["high"]) == pytest.approx((0.15, 0.15 - 0.6353,
+                                                                 0.15 + 0.6353), abs=1e-3)
+    assert c1["same_direction_as_confirmation"] is True
+    assert c4["mean"] == pytest.approx(0.075) and c4["same_direction_as_confirmation"] is False
+    # the mean of the stages' end KL (0.3) and GRPO's clip share after the first stage (0.1)
+    assert result["stage_end_kl"]["grpo:4"] == pytest.approx([0.3, 0.3])
+    assert result["grpo_clip_share"]["grpo:256"] == pytest.approx([0.1, 0.1])
+
+
+STUB_FRONTIER = """#!/usr/bin/env bash
+# records what tools/bakeoff.sh asks of frontier.sh; the rule keeps STUB_KEPT; the point STUB_STOP
+# (label:μ on build STUB_STOP_BUILD) is stopped by the trainer, its run's log saying so
+echo "BUILDS=${BUILDS:-} POINTS=${POINTS// /,} LR=${LR:-} REGIMES=${REGIMES:-}" \\
+     "MIN_BUILDS=${MIN_BUILDS:-}" \\
+     "CANDIDATES=${CANDIDATES// /,} MUS=${MUS// /,} TOTAL_UPDATES=${TOTAL_UPDATES:-}" \\
+     "EVAL_UPDATES=$EVAL_UPDATES LOSSES=${LOSSES// /,} BASELINE=${BASELINE:-} OUT=$OUT" >> "$RECORD"
+if [[ $POINTS == probes ]]; then
+  mkdir -p "$OUT/regimes"
+  echo "{\\"kept\\": [${STUB_KEPT// /, }]}" > "$OUT/regimes/selection.json"
+  exit 0
+fi
+for p in $POINTS; do
+  if [[ ${p%@*} == "$STUB_STOP" && $BUILDS == "$STUB_STOP_BUILD" ]]; then
+    label=${p%:*}; mu=${p#*:}; run=$OUT/build$BUILDS/seed0/$label-mu${mu%@*}
+    mkdir -p "$run"
+    echo '{"updates": 64, "benchmark": "heldout", "avg_at_k": 0.3, "k": 1, "time": 1}' \\
+      > "$run/results.jsonl"
+    echo "SystemExit: 3 non-finite updates in a row (at update 70)" > "$run.log"
+    exit 1
+  fi
+done
+"""
+
+
+@pytest.mark.slow
+def test_the_confirmation_and_the_dose_ask_frontier_sh_for_the_declared_runs(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "tools").mkdir(parents=True)
+    for name in ("tools/bakeoff.sh", "tools/bakeoff.py", "tools/plot.py"):
+        (tree / name).write_bytes((ROOT / name).read_bytes())
+    (tree / "mu_grpo").symlink_to(ROOT / "mu_grpo")
+    (tree / "frontier.sh").write_text(STUB_FRONTIER)
+    out = tree / "runs" / "bakeoff"
+    out.mkdir(parents=True)
+    record = tmp_path / "record"
+    record.touch()
+    env = {**os.environ, "MU_GRPO_VENV": str(Path(sys.executable).parents[1]),
+           "RECORD": str(record), "STUB_KEPT": "41 43 44 45 46 47 48", "STUB_STOP": "grpo:64",
+           "STUB_STOP_BUILD": "43"}
+
+    def bakeoff_sh(step):
+        proc = subprocess.run(["bash", "tools/bakeoff.sh", step], cwd=tree, env=env, text=True,
+                              capture_output=True, timeout=300)
+        calls = [dict(kv.split("=", 1) for kv in line.split()) for line in
+                 record.read_text().splitlines()]
+        record.write_text("")
+        return proc, calls
+
+    write_tune(out, star=None)                  # the tuning not complete: one line, no frontier
+    proc, calls = bakeoff_sh("confirm")
+    assert proc.returncode == 2 and not calls and len(proc.stderr.strip().splitlines()) == 1
+    write_tune(out)
+    proc, calls = bakeoff_sh("confirm")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the rule: ten learning builds of candidates 40–99, probed at lr 1e-4
+    assert calls[0]["POINTS"] == "probes" and calls[0]["LR"] == "1e-4"
+    assert (calls[0]["REGIMES"], calls[0]["MIN_BUILDS"]) == ("learns:10", "10")
+    assert calls[0]["CANDIDATES"] == ",".join(map(str, range(40, 100)))
+    assert calls[0]["OUT"] == "runs/bakeoff/confirm"
+    # then build by build, each arm at its lr in the declared order; build 43's grpo:64 stopped by
+    # the trainer: a second attempt without it
+    lr = {a: "1e-5" if a == "grpo:4" else "3e-5" for a in bakeoff.ARMS}
+    order = {b: [f"{a}@{lr[a]}" for a in bakeoff.confirmation_order(b, "topr:64")]
+             for b in (41, 43, 44)}
+    assert [(c["BUILDS"], c["POINTS"]) for c in calls[1:4]] == [
+        ("41", ",".join(order[41])), ("43", ",".join(order[43])),
+        ("43", ",".join(p for p in order[43] if p != "grpo:64@3e-5"))]
+    assert [c["BUILDS"] for c in calls[1:]] == ["41", "43", "43", "44", "45", "46", "47", "48"]
+    assert all(c["BASELINE"] == "mu-grpo-d1e-4:64" and c["MUS"] == "4,64" for c in calls[1:])
+    # a rerun: the rule's builds kept, no probe
+    proc, calls = bakeoff_sh("confirm")
+    assert proc.returncode == 0 and calls[0]["BUILDS"] == "41" and len(calls) == 7
+    # the dose: the first six builds, 1,024 updates, stages of 256
+    proc, calls = bakeoff_sh("dose")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [c["BUILDS"] for c in calls] == ["41", "43", "44", "45", "46", "47"]
+    assert {(c["POINTS"], c["MUS"], c["TOTAL_UPDATES"], c["EVAL_UPDATES"], c["OUT"])
+            for c in calls} == {("mu-grpo-d1e-4:256@3e-5,grpo:256@3e-5,grpo:4@1e-5", "4,256",
+                                 "1024", "256", "runs/bakeoff/dose")}

@@ -213,7 +213,8 @@ def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_sw
 STUB_RUN_STAGES = """#!/usr/bin/env bash
 # records what frontier.sh asked of it; a preflight writes the report the estimate reads
 echo "LOSS=$LOSS UPDATES_PER_STAGE=$UPDATES_PER_STAGE STAGES=${STAGES:-} RESIDENT=${RESIDENT:-} PREFLIGHT=${PREFLIGHT:-}" \\
-     "PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-} GPUS=${GPUS:-} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} RUN=$RUN" >> "$RECORD"
+     "PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-} GPUS=${GPUS:-} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} LR=${LR:-}" \\
+     "RUN=$RUN" >> "$RECORD"
 if [[ "${PREFLIGHT_ONLY:-}" == true ]]; then
   mkdir -p "$RUN"
   echo '{"passed": true, "figures": {"estimated_hours_per_stage": {"generate": 1, "optimize": 1, "grade": 1}}}' \\
@@ -262,6 +263,23 @@ def test_the_paper_frontier_runs_one_preflight_per_box_shape_and_splits_the_gpus
     proc, preflights, runs = stubbed_frontier(tmp_path / "three", GPUS="4", JOBS="3")
     assert proc.returncode == 2 and not preflights and not runs
     assert len(proc.stderr.strip().splitlines()) == 1 and "JOBS=3" in proc.stderr
+
+
+def test_a_point_may_carry_its_learning_rate_and_runs_in_the_order_given(tmp_path):
+    # POINTS in its order, each at its own LR (docs/bakeoff.md's arms); the environment's LR for a point without one
+    proc, _, runs = stubbed_frontier(tmp_path, POINTS="mu-grpo-d1e-4:1024@1e-5 grpo:4@3e-5 grpo:1024", LR="7e-6",
+                                     KEY_POINTS="", JOBS="1")
+    assert "no finished run" in proc.stderr, proc.stderr[-2000:]               # it went on to the table
+    assert [(r["RUN"].rsplit("/", 1)[1], r["LOSS"], r["UPDATES_PER_STAGE"], r["LR"]) for r in runs] == [
+        ("mu-grpo-d1e-4-mu1024", "mu-grpo", "1024", "1e-5"), ("grpo-mu4", "grpo", "4", "3e-5"),
+        ("grpo-mu1024", "grpo", "1024", "7e-6")]
+    # refused in one line before any run: a learning rate that is no positive number; one label:μ twice (one
+    # directory)
+    for i, (points, named) in enumerate((("grpo:4@fast", "'fast'"), ("grpo:4@-1e-5", "'-1e-5'"),
+                                         ("grpo:4@1e-5 grpo:4@3e-5", "each label:μ once"))):
+        proc, _, runs = stubbed_frontier(tmp_path / str(i), POINTS=points)
+        assert proc.returncode == 2 and not runs and named in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_the_gpus_are_split_evenly_between_jobs_or_refused():
@@ -340,6 +358,21 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
         sweep = [f"build{b}/seed0/{p}" for b in (0, 2) for p in ("grpo-mu256", "mu-grpo-d1e-4-mu4")]
         assert ran == sorted(key + sweep)
         (tmp_path / "record").write_text("")
+
+
+@pytest.mark.slow
+def test_points_probes_builds_and_probes_the_rules_candidates_and_runs_nothing_else(tmp_path):
+    # builds 0 and 1 stall, 2 learns (as above): REGIMES=learns:1 looks at three, keeps build 2, and stops there
+    table = {0: (0.02, 0.04, 0.9), 1: (0.05, 0.08, 0.8), 2: (0.14, 0.40, 0.5)}
+    probe_table = " ".join(f"data/lab_fork{'' if b == 0 else f'_build{b}'}:{i}:{f}:{z}" for b, (i, f, z) in table.items())
+    proc, _, runs = stubbed_frontier(tmp_path, PRESET="lab-fork", MUS="4 64", POINTS="probes", PROBE_UPDATES="8",
+                                     PROBE_TABLE=probe_table, REGIMES="learns:1", MIN_BUILDS="1",
+                                     CANDIDATES="0 1 2 3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["RUN"].split("/out/", 1)[1] for r in runs] == ["regimes/build0", "regimes/build1", "regimes/build2"]
+    assert proc.stdout.splitlines()[-1] == "the rule's builds: 2 (POINTS=probes: no run)"
+    assert json.loads((tmp_path / "out" / "regimes" / "selection.json").read_text())["kept"] == [2]
+    assert not (tmp_path / "out" / "frontier.md").exists()
 
 
 def test_the_t_tests_p_value_and_holms_correction_against_closed_forms(monkeypatch):

@@ -1,7 +1,11 @@
-"""docs/bakeoff.md's tuning read as its design declares (§3, §6): each arm's learning rate, C*, the
-gate's T.
+"""docs/bakeoff.md's runs read as its design declares: the tuning (§3, §6: each arm's learning rate,
+C*, the gate's T), the confirmation's order (§4), its verdicts, gate and secondary analyses (§5,
+§6), the staleness dose (§7) and the chaos floor (§8).
 
     python tools/bakeoff.py --out=runs/bakeoff   # after `bash tools/bakeoff.sh tune`: the table
+    python tools/bakeoff.py --step=order --builds="41 42"   # the confirmation's points per build
+    python tools/bakeoff.py --step=confirm       # after `bash tools/bakeoff.sh confirm`: §5, §6
+    python tools/bakeoff.py --step=dose          # after `bash tools/bakeoff.sh dose`: §7
     python tools/bakeoff.py --step=chaos         # after `bash tools/bakeoff.sh chaos`: §8's floor
 
 Reads the finished runs of tools/bakeoff.sh tune (<out>/tune/lr<lr>/build<b>/seed0/<label>-mu<μ>/,
@@ -11,32 +15,46 @@ whether that is an end of the grid (one more point beyond it is then due); C*, t
 families; T = 2 × GRPO μ = 4's share of response tokens beyond its clip at its lr. Held-out rows are
 never read. Writes <out>/tune.json and prints the markdown the page takes.
 """
+import json
 import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from mu_grpo import common, records  # noqa: E402
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+from mu_grpo import common, records, tracking  # noqa: E402
+import plot  # noqa: E402  (the t interval, the t test's p, Holm)
 
 # ----------------------------------------------------------------------------- hyperparameters
 out = "runs/bakeoff"        # tools/bakeoff.sh's OUT
-step = "tune"               # tune (§3, §6) | chaos (§8)
+step = "tune"               # tune (§3, §6) | order (§4) | confirm (§5, §6) | dose (§7) | chaos (§8)
+builds = ""                 # --step=order: the builds, space-separated
+experiment = "confirm"      # --step=order: confirm (§4) | dose (§7)
 # -----------------------------------------------------------------------------
-# C*'s candidates (docs/bakeoff.md §3)
+# the arms, in §2's table order; C*'s candidates (§3)
+ARMS = ("mu-grpo-d1e-4:64", "relaxed-no-nav:64", "grpo:64", "m2po:64", "topr:64", "cispo:64",
+        "cispo-nav-d1e-4:64", "oapl:64", "dppo-tv:64", "vespo:64", "gspo:64", "grpo:4")
+MU_GRPO, RELAXED, GRPO_CLIP, GRPO_4 = ARMS[0], ARMS[1], ARMS[2], ARMS[-1]
 FAMILIES = ("m2po", "topr", "cispo", "oapl", "dppo-tv", "vespo", "gspo")
 GRID_MIDDLE = 3e-5
+MARGIN = 0.05               # m (§1; tools/regimes.py match_margin)
+FAMILY_ALPHA = 0.05         # C1–C4's family: Bonferroni over 4 (§5); the secondaries' Holm level
+STAGE_UPDATES = 64          # μ of the stale arms: a stage's updates, the evaluation grid
+FALL = 0.02                 # a fall: held-out down by more than this at the next evaluation (§5e)
+# the stage line's KL threshold (0.0237) over a stage's last 16 updates: tracking.fall_kl(_updates)
+# the dose's arms (§7), each at the tuned lr of the arm it stretches
+DOSE = {"mu-grpo-d1e-4:256": MU_GRPO, "grpo:256": GRPO_CLIP, "grpo:4": GRPO_4}
+DOSE_ARMS = tuple(DOSE)
+# a run the trainer stopped (optimize.py max_nonfinite): its last evaluation is its final
+TRAINER_STOP = "non-finite updates in a row"
 
 
 def final_test(run_dir):
-    """A finished run's final `test` avg@1 (its own protocol's row with the most updates), None if
-    unfinished."""
-    if not (run_dir / ".done" / "all").exists():
-        return None
-    rows = [r for r in records.own_results(
-        common.read_jsonl(run_dir / "results.jsonl", missing_ok=True))
-            if r["benchmark"] == "test"]
-    return max(rows, key=lambda r: r["updates"])["avg_at_k"] if rows else None
+    """A run's final `test` avg@1 (amendment 1: finished, or stopped by the trainer), else None."""
+    record = run_record(run_dir, "test")
+    return final(record) if record else None
 
 
 def clip_share(run_dir):
@@ -150,11 +168,358 @@ def chaos_main():
     print("\n".join(lines))
 
 
+# ----------------------------------------------------------------------------- §4: the order
+def read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def lr_text(lr):
+    """A learning rate as the grid spells it: 3e-05 → 3e-5."""
+    return f"{lr:g}".replace("e-0", "e-")
+
+
+def tuned(tune):
+    """tune.json's choices, refused in one line until they are complete: {arm: its lr}, C*."""
+    missing = [arm for arm in ARMS if arm not in tune["chosen"]]
+    at_end = [arm for arm, (_, _, end) in tune["chosen"].items() if end]
+    if missing or at_end or tune["c_star"] is None or tune["gate_T"] is None:
+        common.refuse(f"the tuning is not complete (docs/bakeoff.md §3): arms without an lr "
+                      f"{missing or 'none'}, at an end of the grid {at_end or 'none'}, "
+                      f"C* {tune['c_star']}, T {tune['gate_T']}")
+    return {arm: tune["chosen"][arm][0] for arm in ARMS}, tune["c_star"]
+
+
+def confirmation_order(build, star):
+    """A build's arms in §4's order: the confirmatory five permuted by
+    numpy.random.default_rng(78 + build).permutation(5), then the rest in §2's order (C* left out)
+    permuted by the same generator's next permutation (amendment 1)."""
+    rng = np.random.default_rng(78 + build)
+    first = [MU_GRPO, RELAXED, GRPO_CLIP, star, GRPO_4]
+    rest = [arm for arm in ARMS if arm not in first]
+    return [first[i] for i in rng.permutation(len(first))] + [rest[i] for i in
+                                                              rng.permutation(len(rest))]
+
+
+def order_main():
+    """One line per build: the build, then its points (label:μ@lr, frontier.sh's POINTS) in order,
+    leaving out a run the trainer stopped (it has its final: amendment 1)."""
+    lrs, star = tuned(read_json(Path(out) / "tune.json"))
+    for b in map(int, builds.split()):
+        tuned_as = ({a: a for a in confirmation_order(b, star)} if experiment == "confirm"
+                    else DOSE)
+        runs = Path(out) / experiment / f"build{b}" / "seed0"
+        print(b, " ".join(f"{a}@{lr_text(lrs[arm])}" for a, arm in tuned_as.items()
+                          if not (r := run_record(runs / run_name(a))) or not r["stopped"]))
+
+
+# ----------------------------------------------------------------------------- a run's record
+def run_name(arm):
+    label, mu = arm.rsplit(":", 1)
+    return f"{label}-mu{mu}"
+
+
+def run_record(run_dir, benchmark="heldout"):
+    """A run's record once it has a final (amendment 1: finished, or stopped by the trainer), else
+    None: {"curve": {updates: avg@1 on benchmark} of its own protocol, "stages": [its stages'
+    update rows], "stopped": whether the trainer stopped it}."""
+    log = Path(f"{run_dir}.log")
+    stopped = (not (run_dir / ".done" / "all").exists() and log.exists()
+               and TRAINER_STOP in log.read_text(errors="replace"))
+    if not ((run_dir / ".done" / "all").exists() or stopped):
+        return None
+    rows = [r for r in records.own_results(common.read_jsonl(run_dir / records.RESULTS,
+                                                             missing_ok=True))
+            if r["benchmark"] == benchmark]
+    curve = {r["updates"]: r["avg_at_k"] for r in sorted(rows, key=lambda r: r["updates"])}
+    stages = [common.read_jsonl(d / records.METRICS, missing_ok=True)
+              for _, d in records.stage_dirs(run_dir)]
+    return {"curve": curve, "stages": stages, "stopped": stopped} if curve else None
+
+
+def final(record):
+    """The final: the evaluation with the most updates (after update 256, or where it stopped)."""
+    return record["curve"][max(record["curve"])]
+
+
+def at_updates(record, updates):
+    """The held-out accuracy after `updates` updates; a run stopped before: its last evaluation."""
+    return record["curve"][max(u for u in record["curve"] if u <= updates)]
+
+
+def area(record):
+    """The area under the held-out curve over its evaluations (trapezoid), per update: the mean
+    accuracy along the run."""
+    xs = sorted(record["curve"])
+    ys = [record["curve"][x] for x in xs]
+    trapezoid = sum((xs[i + 1] - xs[i]) * (ys[i] + ys[i + 1]) / 2 for i in range(len(xs) - 1))
+    return trapezoid / (xs[-1] - xs[0]) if len(xs) > 1 else ys[0]
+
+
+def share(rows, key_prefix):
+    """The mean over update rows of <prefix>/upper_frac + <prefix>/lower_frac (NaN: no rows)."""
+    values = [r.get(f"{key_prefix}/upper_frac", 0.0) + r.get(f"{key_prefix}/lower_frac", 0.0)
+              for r in rows]
+    return sum(values) / len(values) if values else math.nan
+
+
+def stage_end_kl(rows):
+    """A stage's KL(behaviour ‖ π) over its last updates (the stage line's signal)."""
+    kl = [r["ratio/kl"] for r in rows[-tracking.fall_kl_updates:] if r.get("ratio/kl") is not None]
+    return sum(kl) / len(kl) if kl else math.nan
+
+
+def complete_builds(runs_dir, arms):
+    """{build: {arm: record}} of the builds on which every arm has a final (amendment 1)."""
+    found = {}
+    for build_dir in sorted(Path(runs_dir).glob("build*"), key=lambda d: int(d.name[5:])):
+        recs = {arm: run_record(build_dir / "seed0" / run_name(arm)) for arm in arms}
+        if all(recs.values()):
+            found[int(build_dir.name[5:])] = recs
+    return found
+
+
+# ----------------------------------------------------------------------------- §5: statistics
+def t_quantile(alpha, df):
+    """t with P(|T| ≥ t) = alpha for Student's t with df degrees of freedom (bisection on
+    plot.t_two_sided_p, to 1e-9)."""
+    low, high = 0.0, 1e4
+    while high - low > 1e-9:
+        mid = (low + high) / 2
+        low, high = (mid, high) if plot.t_two_sided_p(mid, df) > alpha else (low, mid)
+    return (low + high) / 2
+
+
+def interval(diffs, alpha):
+    """(mean, sd, low, high) of diffs' mean: the two-sided t interval at 1 − alpha, df = n − 1."""
+    n, mean = len(diffs), sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = t_quantile(alpha, n - 1) * sd / math.sqrt(n)
+    return mean, sd, mean - half, mean + half
+
+
+def builds_needed(sd, alpha=FAMILY_ALPHA / 4, margin=MARGIN):
+    """The smallest n with t_{1 − alpha/2, n − 1} · sd / √n ≤ margin / 2 (§5)."""
+    n = 2
+    while t_quantile(alpha, n - 1) * sd / math.sqrt(n) > margin / 2:
+        n += 1
+    return n
+
+
+def verdict_against(low, high, sd, m=MARGIN):
+    """C1–C3's verdict of D = μ-GRPO − X's interval: the first row of §5's table that holds."""
+    if high < 0:
+        return "X better"
+    if low >= m:
+        return "needed"
+    if 0 < low and high < m:
+        return "μ-GRPO better, by less than m"
+    if 0 < low < m <= high:
+        return "μ-GRPO better, size not determined"
+    if -m < low <= 0 and high < m:
+        return "not needed (X within m)"
+    return f"not determined ({builds_needed(sd)} builds would resolve it)"
+
+
+def verdict_matches(low, high, m=MARGIN):
+    """C4's verdict of D = μ-GRPO − GRPO μ = 4's interval (§5)."""
+    if low > -m and high < 0:
+        return "matches, a deficit under m"
+    return "matches" if low > -m else "a deficit" if high < 0 else "not determined"
+
+
+def secondary(pairs):
+    """[(name, mean, 95 % low, high, p, Holm p, shown)] of {name: per-build differences}: a
+    two-sided t test each, Holm over the set."""
+    tests = {name: plot.paired_test(d) for name, d in pairs.items()}
+    adjusted = plot.holm([t[3] for t in tests.values()])
+    return [(name, *t, q, q <= FAMILY_ALPHA) for (name, t), q in zip(tests.items(), adjusted)]
+
+
+def auc(scores_pos, scores_neg):
+    """P(a positive's score > a negative's), ties one half (Mann–Whitney); NaN without a pair."""
+    pairs = len(scores_pos) * len(scores_neg)
+    wins = sum((p > q) + 0.5 * (p == q) for p in scores_pos for q in scores_neg)
+    return wins / pairs if pairs else math.nan
+
+
+def boundaries(runs):
+    """[(configuration, stage s's end KL, fell)] over every stage boundary s → s + 1 of the stale
+    arms' runs (GRPO μ = 4 is evaluated every 16 of its stages, so its boundaries have no
+    evaluation on each side): fell when held-out after stage s + 1 is below that after stage s by
+    more than FALL."""
+    out_rows = []
+    for recs in runs.values():
+        for arm, rec in recs.items():
+            if arm == GRPO_4:
+                continue
+            for s in range(len(rec["stages"]) - 1):
+                after = [(s + k) * STAGE_UPDATES for k in (1, 2)]
+                if all(u in rec["curve"] for u in after):
+                    fell = rec["curve"][after[1]] < rec["curve"][after[0]] - FALL
+                    out_rows.append((arm, stage_end_kl(rec["stages"][s]), fell))
+    return out_rows
+
+
+def kl_signal(rows):
+    """§5 (e): the KL's AUC for a fall over all boundaries and within configurations (pairs of the
+    same configuration only), and per configuration (flagged: above the threshold) the counts
+    {"flagged", "flagged_fell", "unflagged", "unflagged_calm"}."""
+    def counts(rs):
+        flagged = [fell for _, kl, fell in rs if kl > tracking.fall_kl]
+        calm = [fell for _, kl, fell in rs if not kl > tracking.fall_kl]
+        return {"boundaries": len(rs), "falls": sum(f for *_, f in rs), "flagged": len(flagged),
+                "flagged_fell": sum(flagged), "unflagged": len(calm),
+                "unflagged_calm": len(calm) - sum(calm)}
+    configs = sorted({c for c, *_ in rows}, key=ARMS.index)
+    wins = pairs = 0
+    for c in configs:
+        fell = [kl for c2, kl, f in rows if c2 == c and f]
+        calm = [kl for c2, kl, f in rows if c2 == c and not f]
+        wins += auc(fell, calm) * len(fell) * len(calm) if fell and calm else 0
+        pairs += len(fell) * len(calm)
+    return {"auc": auc([kl for _, kl, f in rows if f], [kl for _, kl, f in rows if not f]),
+            "auc_within": wins / pairs if pairs else math.nan, "overall": counts(rows),
+            "per_configuration": {c: counts([r for r in rows if r[0] == c]) for c in configs}}
+
+
+def markdown(header, rows):
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def f3(x):
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.3f}"
+
+
+def per_build(runs, arms, value):
+    """{arm: [value(record) per build]} over the complete builds, in build order."""
+    return {arm: [value(recs[arm]) for recs in runs.values()] for arm in arms}
+
+
+# ----------------------------------------------------------------------------- §5, §6
+def confirm_main():
+    lrs, star = tuned(read_json(Path(out) / "tune.json"))
+    T = read_json(Path(out) / "tune.json")["gate_T"]
+    runs = complete_builds(Path(out) / "confirm", ARMS)
+    if len(runs) < 2:
+        common.refuse(f"{out}/confirm: {len(runs)} complete build(s); the intervals need two")
+    finals = per_build(runs, ARMS, final)
+    stage0 = per_build(runs, ARMS, lambda r: at_updates(r, STAGE_UPDATES))
+    areas = per_build(runs, ARMS, area)
+    minus = lambda a, b: [x - y for x, y in zip(a, b)]                         # noqa: E731
+    claims = {}
+    for name, x in (("C1", GRPO_CLIP), ("C2", RELAXED), ("C3", star), ("C4", GRPO_4)):
+        mean, sd, low, high = interval(minus(finals[MU_GRPO], finals[x]), FAMILY_ALPHA / 4)
+        claims[name] = {"against": x, "mean": mean, "sd": sd, "low": low, "high": high,
+                        "verdict": verdict_matches(low, high) if name == "C4"
+                        else verdict_against(low, high, sd)}
+    # §6: (a) GRPO's clip over 4 stages below GRPO μ = 4, one-sided at 0.025; (b) its clip binds
+    mean, low, high, p = plot.paired_test(minus(finals[GRPO_CLIP], finals[GRPO_4]))
+    one_sided = p / 2 if mean < 0 else 1 - p / 2
+    clip = [share([r for rows in recs[GRPO_CLIP]["stages"][1:] for r in rows], "clip")
+            for recs in runs.values()]
+    gate = {"a": {"mean": mean, "low": low, "high": high, "p_one_sided": one_sided,
+                  "passes": one_sided < FAMILY_ALPHA / 2},
+            "b": {"clip_share": (c := sum(clip) / len(clip)), "T": T, "passes": c >= T}}
+    stale = [arm for arm in ARMS if arm != GRPO_4]
+    sets = {
+        "(a) X − μ-GRPO, final": {a: minus(finals[a], finals[MU_GRPO]) for a in ARMS
+                                  if a != MU_GRPO},
+        "(b) X − GRPO μ = 4, final": {a: minus(finals[a], finals[GRPO_4]) for a in stale},
+        "(c) X − μ-GRPO, after stage 0": {a: minus(stage0[a], stage0[MU_GRPO]) for a in stale
+                                          if a != MU_GRPO},
+        "(c) beside: X − GRPO μ = 4 after its 64 updates (16 stages of its own)": {
+            a: minus(stage0[a], stage0[GRPO_4]) for a in stale},
+        "(d) X − μ-GRPO, area under the held-out curve": {a: minus(areas[a], areas[MU_GRPO])
+                                                          for a in ARMS if a != MU_GRPO}}
+    secondaries = {name: secondary(pairs) for name, pairs in sets.items()}
+    bounds = boundaries(runs)
+    signal = kl_signal(bounds)
+    common.atomic_write_json(Path(out) / "confirm.json", {
+        "builds": list(runs), "lrs": lrs, "c_star": star, "claims": claims, "gate": gate,
+        "finals": finals, "after_stage_0": stage0, "areas": areas, "gate_clip_shares": clip,
+        "stopped": {f"build{b}/{a}": True for b, recs in runs.items() for a, r in recs.items()
+                    if r["stopped"]},
+        "secondary": secondaries, "boundaries": bounds, "kl_signal": signal})
+    lines = [f"builds {list(runs)} (complete: every arm has a final); C* {star}", "",
+             "Final held-out avg@1 per build:", "",
+             markdown(["arm", "lr", *map(str, runs)],
+                      [(a, lr_text(lrs[a]), *(f"{v:.3f}" for v in finals[a])) for a in ARMS]), "",
+             "C1–C4 (D = μ-GRPO − X; simultaneous Bonferroni 98.75 % t intervals):", "",
+             markdown(["claim", "X", "mean D", "SD", "interval", "verdict"],
+                      [(n, c["against"], f3(c["mean"]), f"{c['sd']:.3f}",
+                        f"{f3(c['low'])} to {f3(c['high'])}", c["verdict"])
+                       for n, c in claims.items()]), "",
+             f"Gate (a): GRPO clip − GRPO μ = 4 {f3(mean)} (95 % {f3(low)} to {f3(high)}), "
+             f"one-sided p {one_sided:.4f}: {'passes' if gate['a']['passes'] else 'fails'}",
+             f"Gate (b): GRPO clip's clip share over stages 1–3 {gate['b']['clip_share']:.5f} "
+             f"against T {T:.5f} (per build {', '.join(f'{c:.5f}' for c in clip)}): "
+             f"{'passes' if gate['b']['passes'] else 'fails'}", ""]
+    for name, rows in secondaries.items():
+        lines += [f"Secondary {name} (95 % t intervals, Holm over the set):", "",
+                  markdown(["X", "mean", "95 %", "p", "Holm p", "shown"],
+                           [(x, f3(m), f"{f3(lo)} to {f3(hi)}", f"{p_:.4f}", f"{q:.4f}",
+                             "yes" if ok else "no") for x, m, lo, hi, p_, q, ok in rows]), ""]
+    o = signal["overall"]
+    lines += [f"Secondary (e): the KL threshold {tracking.fall_kl:g} on {o['boundaries']} "
+              f"boundaries ({o['falls']} falls): AUC {signal['auc']:.3f}, within configurations "
+              f"{signal['auc_within']:.3f}; {o['flagged_fell']} of {o['flagged']} flagged fell, "
+              f"{o['unflagged_calm']} of {o['unflagged']} unflagged did not", "",
+              markdown(["configuration", "boundaries", "falls", "flagged fell / flagged",
+                        "unflagged calm / unflagged"],
+                       [(c, v["boundaries"], v["falls"], f"{v['flagged_fell']} / {v['flagged']}",
+                         f"{v['unflagged_calm']} / {v['unflagged']}")
+                        for c, v in signal["per_configuration"].items()])]
+    print("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- §7
+
+
+def dose_main():
+    runs = complete_builds(Path(out) / "dose", DOSE_ARMS)
+    if len(runs) < 2:
+        common.refuse(f"{out}/dose: {len(runs)} complete build(s); the intervals need two")
+    finals = per_build(runs, DOSE_ARMS, final)
+    # per run: its stages' end KL (mean over stages) and GRPO's clip share over its stages after
+    # the first (the same axes a GPU run is placed on)
+    kl = per_build(runs, DOSE_ARMS,
+                   lambda r: sum(map(stage_end_kl, r["stages"])) / len(r["stages"]))
+    clip = per_build(runs, DOSE_ARMS, lambda r: share([x for rows in r["stages"][1:] for x in rows],
+                                                      "grpo_clip"))
+    confirm = Path(out) / "confirm.json"
+    claims = read_json(confirm)["claims"] if confirm.exists() else {}
+    contrasts = {}
+    for name, x in (("C1", "grpo:256"), ("C4", "grpo:4")):
+        d = [a - b for a, b in zip(finals[DOSE_ARMS[0]], finals[x])]
+        mean, low, high, _ = plot.paired_test(d)
+        same = (None if name not in claims
+                else (mean > 0) == (claims[name]["mean"] > 0))
+        contrasts[name] = {"against": x, "mean": mean, "low": low, "high": high,
+                           "same_direction_as_confirmation": same}
+    common.atomic_write_json(Path(out) / "dose.json", {"builds": list(runs), "finals": finals,
+                                                       "stage_end_kl": kl, "grpo_clip_share": clip,
+                                                       "contrasts": contrasts})
+    cols = [str(b) for b in runs]
+    lines = [f"builds {list(runs)}: 1,024 updates (stages of μ = 256; GRPO μ = 4: 256 stages)", "",
+             markdown(["arm", "per build: final held-out / stage-end KL / GRPO clip share", *cols],
+                      [(a, "", *(f"{f:.3f} / {k:.4f} / {c:.4f}" for f, k, c in
+                                 zip(finals[a], kl[a], clip[a]))) for a in DOSE_ARMS]), "",
+             markdown(["contrast", "mean", "95 %", "same direction as §5's"],
+                      [(f"μ-GRPO − {c['against']} ({n})", f3(c["mean"]),
+                        f"{f3(c['low'])} to {f3(c['high'])}",
+                        {None: "—", True: "yes", False: "no"}[c["same_direction_as_confirmation"]])
+                       for n, c in contrasts.items()])]
+    print("\n".join(lines))
+
+
 def main():
     common.apply_overrides(globals(), sys.argv[1:])
-    common.check_choice("step", step, ("tune", "chaos"))
-    if step == "chaos":
-        return chaos_main()
+    common.check_choice("step", step, ("tune", "order", "confirm", "dose", "chaos"))
+    common.check_choice("experiment", experiment, ("confirm", "dose"))
+    if step != "tune":
+        return {"order": order_main, "confirm": confirm_main, "dose": dose_main,
+                "chaos": chaos_main}[step]()
     finals, clips = collect(Path(out) / "tune")
     builds = sorted({b for by_lr in finals.values() for v in by_lr.values() for b in v})
     chosen = choose(finals, builds)

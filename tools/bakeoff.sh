@@ -10,7 +10,13 @@
 #                                  first two tuning builds, each three times (chaos/lr<lr>/<copy>/):
 #                                  the original, a repeat, and the micro-batch split halved
 #                                  (MICRO_BATCH_TOKENS=2048: only the float order of sums)
-# The later steps (confirm, dose) are added here with the tuning's results, before they run.
+#   bash tools/bakeoff.sh confirm  §4: the rule's ten learning builds of candidates 40–99 (probes
+#                                  at lr 1e-4), then build by build every arm at its tuned lr in
+#                                  the declared order (tools/bakeoff.py --step=order), two at a
+#                                  time; refused until the tuning is complete (tune.json)
+#   bash tools/bakeoff.sh dose     §7: μ-GRPO, GRPO clip (stages of μ = 256) and GRPO μ = 4 at
+#                                  their tuned lrs, 1,024 updates, on the first six confirmation
+#                                  builds, build by build
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEP=${1:-}
@@ -23,9 +29,28 @@ ARMS=$(echo $ARMS)              # (one line)
 export PRESET=lab-fork SEEDS=0 EVAL_UPDATES=64 EVAL_K=1 BENCHMARKS=test,heldout NAV_DELTAS=1e-4
 export MUS="4 64"
 export EVAL_CACHE=$OUT/eval_cache   # a build's initial policy evaluated once for every arm and lr
+PYTHON=${MU_GRPO_VENV:-.venv}/bin/python
 losses() { local p; for p in "$@"; do p=${p%:*}; echo "${p%-d1e-4}"; done | sort -u | tr '\n' ' '; }
 # the builds a frontier directory holds (its rule's, once it has kept them), in order
 kept_builds() { (ls -d "$1"/build* 2>/dev/null || :) | sed 's/.*build//' | sort -n | tr '\n' ' '; }
+# the builds a frontier's rule kept (its regimes/selection.json), in order
+rule_builds() { "$PYTHON" -c 'import json, sys; print(*json.load(open(sys.argv[1]))["kept"])' \
+                  "$1/regimes/selection.json"; }
+# frontier.sh on the given builds, one line of tools/bakeoff.py --step=order at a time: its points
+# (a run the trainer stopped is left out of the next line: its first failure ends that frontier,
+# the second attempt goes on without it; any other failure ends this script)
+run_in_order() {  # <experiment> <builds>, frontier settings in the environment
+  local b points attempt
+  for b in $2; do
+    for attempt in 1 2; do
+      points=$("$PYTHON" tools/bakeoff.py --step=order --experiment="$1" --out="$OUT" --builds="$b")
+      points=${points#* }
+      [[ -n "$points" ]] || break
+      BUILDS="$b" POINTS="$points" KEY_POINTS= OUT="$OUT/$1" bash frontier.sh && break
+      [[ $attempt == 1 ]] || exit 1
+    done
+  done
+}
 first_tuned() {
   [[ -d "$OUT/tune/lr1e-4" ]] && return
   echo "tune LRS=1e-4 first: its frontier finds the builds" >&2; exit 2
@@ -55,5 +80,18 @@ case "$STEP" in
             BASELINE=mu-grpo-d1e-4:64 OUT="$OUT/chaos/lr$lr/$copy" bash frontier.sh
       done
     done ;;
-  *) echo "usage: bash tools/bakeoff.sh tune | chaos (docs/bakeoff.md)" >&2; exit 2 ;;
+  confirm|dose)
+    "$PYTHON" tools/bakeoff.py --step=order --out="$OUT"      # refused until the tuning is complete
+    [[ -f "$OUT/confirm/regimes/selection.json" ]] || \
+      REGIMES=learns:10 MIN_BUILDS=10 CANDIDATES="$(echo $(seq 40 99))" LR=1e-4 POINTS=probes \
+      LOSSES="$(losses $ARMS)" OUT="$OUT/confirm" bash frontier.sh
+    BUILDS=$(rule_builds "$OUT/confirm")
+    if [[ $STEP == confirm ]]; then
+      LOSSES="$(losses $ARMS)" BASELINE=mu-grpo-d1e-4:64 run_in_order confirm "$BUILDS"
+    else
+      MUS="4 256" TOTAL_UPDATES=1024 EVAL_UPDATES=256 LOSSES="mu-grpo grpo" BASELINE=grpo:4 \
+        run_in_order dose "$(echo $BUILDS | cut -d' ' -f1-6)"
+    fi ;;
+  *) echo "usage: bash tools/bakeoff.sh tune | confirm | dose | chaos (docs/bakeoff.md)" >&2
+     exit 2 ;;
 esac

@@ -6,6 +6,7 @@ run_stages.sh run, which resumes itself, so a rerun skips what finished.
     bash frontier.sh                     # (it runs python tools/sweep.py --preset=... --mus=... ...)
 """
 import fcntl
+import math
 import os
 import subprocess
 import sys
@@ -92,24 +93,48 @@ def nav_presets():
     return [name for name in launch.L().PRESETS if launch.L().preset(name).nav_delta is not None]
 
 
+def positive_number(text):
+    try:
+        return 0 < float(text) < math.inf
+    except ValueError:
+        return False
+
+
+def parse_point(point):
+    """A point's (label, μ, learning rate or None): label:μ, or label:μ@lr, run at that LR (each point of one
+    frontier at its own learning rate, as docs/bakeoff.md's arms)."""
+    spec, _, lr = point.partition("@")
+    label, mu = spec.rsplit(":", 1)
+    return label, mu, lr or None
+
+
 def all_points():
     """Every point, label:μ: each LOSS with each μ of MUS; a preset with NAV (its flags follow NAV_DELTA) once per δ
-    of NAV_DELTAS, labelled <loss>-d<δ>."""
+    of NAV_DELTAS, labelled <loss>-d<δ>. POINTS picks some of them (label:μ@lr: at that learning rate); "probes": the
+    rule's builds only, no run."""
     found, with_nav = [], nav_presets()
     for loss in losses.split():
         check_loss(loss)                # an unknown preset: the line naming them
         nav = loss in with_nav
         for label in ([f"{loss}-d{d}" for d in nav_deltas.split()] if nav else [loss]):
             found += [f"{label}:{mu}" for mu in mus.split()]
+    if points == "probes":
+        return []
     for p in [*points.split(), baseline, *key_points.split()]:
-        if p not in found:
+        if p.partition("@")[0] not in found:
             common.refuse(f"'{p}' (POINTS, BASELINE or KEY_POINTS) is not one of the points: {' '.join(found)}")
+        lr = p.partition("@")[2]
+        if "@" in p and not positive_number(lr):
+            common.refuse(f"'{p}': a point's learning rate (label:μ@lr) must be a positive number, got '{lr}'")
+    specs = [p.partition("@")[0] for p in points.split()]
+    if len(set(specs)) < len(specs):
+        common.refuse(f"POINTS: each label:μ once (its runs' directory is <label>-mu<μ>), got '{points}'")
     return points.split() or found
 
 
 def stage_mu(point):
     """A point's (first) stage's μ: its μ, or DRIFT_FIRST for the drift rule."""
-    mu = point.rsplit(":", 1)[1]
+    mu = parse_point(point)[1]
     return int(drift_first) if mu == "drift" else int(mu)
 
 
@@ -119,12 +144,12 @@ def is_resident(point):
 
 def point_env(point, updates=None, every=None):
     """The run_stages.sh settings of a point's runs, over `updates` updates (TOTAL_UPDATES) evaluated every `every`
-    (EVAL_UPDATES; after every stage when its μ is larger)."""
+    (EVAL_UPDATES; after every stage when its μ is larger); a point's own learning rate its LR."""
     updates, every = int(updates or total_updates), int(every or eval_updates)
-    label, mu = point.rsplit(":", 1)
+    label, mu, lr = parse_point(point)
     env = {"LOSS": label.rsplit("-d", 1)[0] if "-d" in label else label,
            "NAV_DELTA": label.rsplit("-d", 1)[1] if "-d" in label else "1e-4",
-           "RESIDENT": "true" if is_resident(point) else "false"}
+           "RESIDENT": "true" if is_resident(point) else "false", **({"LR": lr} if lr else {})}
     if mu == "drift":
         return {**env, "STAGE_END": "drift", "UPDATES_PER_STAGE": drift_first, "TOTAL_UPDATES": str(updates),
                 "DRIFT_MAX_UPDATES": str(updates), "EVAL_EVERY": "1"}
@@ -233,12 +258,12 @@ def chosen_builds(slot_list, task_dirs):
 def runs_in_order(selected, kept, sweep):
     """(build, seed, point) in the order they are taken: per seed, the key points on every build, then the rest of
     the sweep on its builds (stopped early, the claims' runs are done)."""
-    key = key_points.split()
+    key = [p.partition("@")[0] for p in key_points.split()]
     order = []
     for seed in seeds.split():
-        order += [(b, seed, p) for p in selected if not key or p in key for b in kept]
+        order += [(b, seed, p) for p in selected if not key or p.partition("@")[0] in key for b in kept]
         if key and seed in sweep_seeds.split():
-            order += [(b, seed, p) for p in selected if p not in key for b in sweep if b in kept]
+            order += [(b, seed, p) for p in selected if p.partition("@")[0] not in key for b in sweep if b in kept]
     return order
 
 
@@ -270,6 +295,9 @@ def main():
         kept, firsts = [int(b) for b in (builds or "0").split()], []
         for b in kept if preset.startswith("lab") else ():
             task_dirs[b] = task_dir(b)
+    if points == "probes":
+        print(f"the rule's builds: {' '.join(map(str, kept))} (POINTS=probes: no run)")
+        return
     sweep = [int(b) for b in (firsts or kept[:1] if sweep_builds == "first" else sweep_builds.split())]
     print(f"frontier {out} on {preset}: {len(selected)} point(s) [{' '.join(selected)}] × builds "
           f"[{' '.join(map(str, kept))}] × seeds [{seeds}]"
@@ -278,7 +306,7 @@ def main():
           + f", {total_updates} updates each, evaluated every {eval_updates}; resident up to μ = {resident_max_mu}; "
             f"baseline {baseline}", flush=True)
     order = runs_in_order(selected, kept, sweep)
-    tasks = [launch_task(Path(out) / f"build{b}" / f"seed{s}" / f"{p.rsplit(':', 1)[0]}-mu{p.rsplit(':', 1)[1]}",
+    tasks = [launch_task(Path(out) / f"build{b}" / f"seed{s}" / "{}-mu{}".format(*parse_point(p)[:2]),
                          b, s, point_env(p), task_dirs) for b, s, p in order]
 
     def started(i, name, cores, env):
