@@ -389,6 +389,8 @@ def test_the_t_tests_p_value_and_holms_correction_against_closed_forms(monkeypat
     mean, low, high, p = plot.paired_test([1.0, 2.0, 3.0, 4.0])
     u = 3.8730 / math.sqrt(3)
     assert p == pytest.approx(1 - 2 / math.pi * (math.atan(u) + u / (1 + u * u)), abs=1e-4)
+    # no spread: the same difference everywhere is p 0, none at all (two bit-identical arms) p 1
+    assert plot.paired_test([0.5, 0.5, 0.5])[3] == 0.0 and plot.paired_test([0.0, 0.0, 0.0])[3] == 1.0
     # Holm over four: sorted 0.005, 0.01, 0.03, 0.04 × 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 → running max 0.06
     assert plot.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
 

@@ -194,7 +194,8 @@ def paired_test(differences):
     if n < 2:
         return mean, None, None, None
     sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
-    p = 0.0 if sd == 0 else t_two_sided_p(mean / (sd / math.sqrt(n)), n - 1)
+    # no spread: the same difference on every pair, p 0 unless it is none (two arms bit-identical)
+    p = (1.0 if mean == 0 else 0.0) if sd == 0 else t_two_sided_p(mean / (sd / math.sqrt(n)), n - 1)
     return mean, low, high, p
 
 
