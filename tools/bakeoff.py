@@ -41,6 +41,7 @@ FAMILIES = ("m2po", "topr", "cispo", "oapl", "dppo-tv", "vespo", "gspo")
 GRID_MIDDLE = 3e-5
 MARGIN = 0.05               # m (§1; tools/regimes.py match_margin)
 FAMILY_ALPHA = 0.05         # C1–C4's family: Bonferroni over 4 (§5); the secondaries' Holm level
+GATE_ALPHA = 0.025          # gate (a)'s one-sided level (§6)
 STAGE_UPDATES = 64          # μ of the stale arms: a stage's updates, the evaluation grid
 FALL = 0.02                 # a fall: held-out down by more than this at the next evaluation (§5e)
 # the stage line's KL threshold (0.0237) over a stage's last 16 updates: tracking.fall_kl(_updates)
@@ -60,10 +61,8 @@ def final_test(run_dir):
 def clip_share(run_dir):
     """The mean over a run's updates of the share of response tokens beyond its clip (clip/upper +
     clip/lower)."""
-    rows = [row for _, stage in records.stage_dirs(run_dir)
-            for row in common.read_jsonl(stage / records.METRICS, missing_ok=True)]
-    shares = [row.get("clip/upper_frac", 0.0) + row.get("clip/lower_frac", 0.0) for row in rows]
-    return sum(shares) / len(shares) if shares else math.nan
+    return share([row for _, stage in records.stage_dirs(run_dir)
+                  for row in common.read_jsonl(stage / records.METRICS, missing_ok=True)], "clip")
 
 
 def collect(tune_dir):
@@ -174,15 +173,17 @@ def read_json(path):
 
 
 def lr_text(lr):
-    """A learning rate as the grid spells it: 3e-05 → 3e-5."""
-    return f"{lr:g}".replace("e-0", "e-")
+    """A learning rate as the grid spells it: 0.0001 → 1e-4, 3e-05 → 3e-5, 2.5e-05 → 2.5e-5."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
 
 
 def tuned(tune):
     """tune.json's choices, refused in one line until they are complete: {arm: its lr}, C*."""
     missing = [arm for arm in ARMS if arm not in tune["chosen"]]
     at_end = [arm for arm, (_, _, end) in tune["chosen"].items() if end]
-    if missing or at_end or tune["c_star"] is None or tune["gate_T"] is None:
+    no_t = tune["gate_T"] is None or not math.isfinite(tune["gate_T"])
+    if missing or at_end or tune["c_star"] is None or no_t:
         common.refuse(f"the tuning is not complete (docs/bakeoff.md §3): arms without an lr "
                       f"{missing or 'none'}, at an end of the grid {at_end or 'none'}, "
                       f"C* {tune['c_star']}, T {tune['gate_T']}")
@@ -201,15 +202,16 @@ def confirmation_order(build, star):
 
 
 def order_main():
-    """One line per build: the build, then its points (label:μ@lr, frontier.sh's POINTS) in order,
-    leaving out a run the trainer stopped (it has its final: amendment 1)."""
+    """One line per build: the build, how many of its runs the trainer stopped, then the points
+    (label:μ@lr, frontier.sh's POINTS) of its runs without a final yet (amendment 1), in order."""
     lrs, star = tuned(read_json(Path(out) / "tune.json"))
     for b in map(int, builds.split()):
         tuned_as = ({a: a for a in confirmation_order(b, star)} if experiment == "confirm"
                     else DOSE)
         runs = Path(out) / experiment / f"build{b}" / "seed0"
-        print(b, " ".join(f"{a}@{lr_text(lrs[arm])}" for a, arm in tuned_as.items()
-                          if not (r := run_record(runs / run_name(a))) or not r["stopped"]))
+        finals = {a: run_record(runs / run_name(a)) for a in tuned_as}
+        print(b, sum(bool(r and r["stopped"]) for r in finals.values()),
+              " ".join(f"{a}@{lr_text(lrs[arm])}" for a, arm in tuned_as.items() if not finals[a]))
 
 
 # ----------------------------------------------------------------------------- a run's record
@@ -220,8 +222,9 @@ def run_name(arm):
 
 def run_record(run_dir, benchmark="heldout"):
     """A run's record once it has a final (amendment 1: finished, or stopped by the trainer), else
-    None: {"curve": {updates: avg@1 on benchmark} of its own protocol, "stages": [its stages'
-    update rows], "stopped": whether the trainer stopped it}."""
+    None: {"curve": {updates: avg@1 on benchmark} of its own protocol, "stages": [the update rows
+    of each stage it trained], "stopped": whether the trainer stopped it, "code" and "lr": the
+    commit and learning rate its stage 0 trained at}."""
     log = Path(f"{run_dir}.log")
     stopped = (not (run_dir / ".done" / "all").exists() and log.exists()
                and TRAINER_STOP in log.read_text(errors="replace"))
@@ -231,9 +234,14 @@ def run_record(run_dir, benchmark="heldout"):
                                                              missing_ok=True))
             if r["benchmark"] == benchmark]
     curve = {r["updates"]: r["avg_at_k"] for r in sorted(rows, key=lambda r: r["updates"])}
-    stages = [common.read_jsonl(d / records.METRICS, missing_ok=True)
-              for _, d in records.stage_dirs(run_dir)]
-    return {"curve": curve, "stages": stages, "stopped": stopped} if curve else None
+    # the stages it trained (a resident run's engines may have sampled the next one's rollouts)
+    stages = [rows for _, d in records.stage_dirs(run_dir)
+              if (rows := common.read_jsonl(d / records.METRICS, missing_ok=True))]
+    config = run_dir / "stage_0" / records.OPTIMIZE_CONFIG
+    made = json.loads(config.read_text()) if config.exists() else {}
+    return {"curve": curve, "stages": stages, "stopped": stopped,
+            "code": made.get("versions", {}).get("code"),
+            "lr": made.get("hyperparameters", {}).get("lr")} if curve else None
 
 
 def final(record):
@@ -256,9 +264,17 @@ def area(record):
 
 
 def share(rows, key_prefix):
-    """The mean over update rows of <prefix>/upper_frac + <prefix>/lower_frac (NaN: no rows)."""
-    values = [r.get(f"{key_prefix}/upper_frac", 0.0) + r.get(f"{key_prefix}/lower_frac", 0.0)
+    """The mean over update rows of <prefix>/upper_frac + <prefix>/lower_frac (a side a row lacks:
+    0; a row with a side null, a non-finite update: left out; NaN: no rows)."""
+    values = [(r.get(f"{key_prefix}/upper_frac", 0.0), r.get(f"{key_prefix}/lower_frac", 0.0))
               for r in rows]
+    values = [up + low for up, low in values if up is not None and low is not None]
+    return sum(values) / len(values) if values else math.nan
+
+
+def mean_finite(values):
+    """The mean of the finite values (NaN: none)."""
+    values = [v for v in values if math.isfinite(v)]
     return sum(values) / len(values) if values else math.nan
 
 
@@ -268,14 +284,34 @@ def stage_end_kl(rows):
     return sum(kl) / len(kl) if kl else math.nan
 
 
-def complete_builds(runs_dir, arms):
-    """{build: {arm: record}} of the builds on which every arm has a final (amendment 1)."""
-    found = {}
+def complete_builds(runs_dir, lr_of):
+    """({build: {arm: record}} of the builds on which every arm of lr_of has a final (amendment 1),
+    the builds with a run but not complete). Refused in one line unless every run trained at its
+    arm's lr of lr_of, all at one commit (§4)."""
+    found, incomplete, made = {}, [], {}
     for build_dir in sorted(Path(runs_dir).glob("build*"), key=lambda d: int(d.name[5:])):
-        recs = {arm: run_record(build_dir / "seed0" / run_name(arm)) for arm in arms}
+        recs = {arm: run_record(build_dir / "seed0" / run_name(arm)) for arm in lr_of}
+        b = int(build_dir.name[5:])
+        made.update({(b, arm): (r["code"], r["lr"]) for arm, r in recs.items() if r})
         if all(recs.values()):
-            found[int(build_dir.name[5:])] = recs
-    return found
+            found[b] = recs
+        else:
+            incomplete.append(b)
+    wrong_lr = [f"build{b}/{arm} at {lr}" for (b, arm), (_, lr) in made.items()
+                if lr is None or not math.isclose(lr, lr_of[arm], rel_tol=1e-9)]
+    codes = sorted({str(code) for code, _ in made.values()})
+    if wrong_lr or len(codes) > 1:
+        common.refuse(f"{runs_dir}: runs not as declared: {', '.join(wrong_lr) or 'lrs as tuned'}; "
+                      f"commits {', '.join(codes)}")
+    return found, incomplete
+
+
+def builds_line(runs_dir, runs, incomplete):
+    """Which builds the analysis reads: the rule's (regimes/selection.json), complete, left out."""
+    rule = Path(runs_dir).parent / "confirm" / "regimes" / "selection.json"
+    kept = read_json(rule)["kept"] if rule.exists() else "—"
+    return (f"the rule's builds {kept}; complete (every arm has a final) {list(runs)}; "
+            f"left out (an arm without a final yet) {incomplete or 'none'}")
 
 
 # ----------------------------------------------------------------------------- §5: statistics
@@ -327,6 +363,13 @@ def verdict_matches(low, high, m=MARGIN):
     return "matches" if low > -m else "a deficit" if high < 0 else "not determined"
 
 
+def verdict_sign(verdict):
+    """The direction a §5 verdict states for D = μ-GRPO − X: +1, −1, or None (amendment 2)."""
+    if verdict.startswith(("needed", "μ-GRPO better")):
+        return 1
+    return -1 if verdict in ("X better", "a deficit", "matches, a deficit under m") else None
+
+
 def secondary(pairs):
     """[(name, mean, 95 % low, high, p, Holm p, shown)] of {name: per-build differences}: a
     two-sided t test each, Holm over the set."""
@@ -346,7 +389,7 @@ def boundaries(runs):
     """[(configuration, stage s's end KL, fell)] over every stage boundary s → s + 1 of the stale
     arms' runs (GRPO μ = 4 is evaluated every 16 of its stages, so its boundaries have no
     evaluation on each side): fell when held-out after stage s + 1 is below that after stage s by
-    more than FALL."""
+    more than FALL. A boundary without both evaluations or without a finite KL is not scored."""
     out_rows = []
     for recs in runs.values():
         for arm, rec in recs.items():
@@ -354,9 +397,10 @@ def boundaries(runs):
                 continue
             for s in range(len(rec["stages"]) - 1):
                 after = [(s + k) * STAGE_UPDATES for k in (1, 2)]
-                if all(u in rec["curve"] for u in after):
+                kl = stage_end_kl(rec["stages"][s])
+                if all(u in rec["curve"] for u in after) and math.isfinite(kl):
                     fell = rec["curve"][after[1]] < rec["curve"][after[0]] - FALL
-                    out_rows.append((arm, stage_end_kl(rec["stages"][s]), fell))
+                    out_rows.append((arm, kl, fell))
     return out_rows
 
 
@@ -400,7 +444,7 @@ def per_build(runs, arms, value):
 def confirm_main():
     lrs, star = tuned(read_json(Path(out) / "tune.json"))
     T = read_json(Path(out) / "tune.json")["gate_T"]
-    runs = complete_builds(Path(out) / "confirm", ARMS)
+    runs, incomplete = complete_builds(Path(out) / "confirm", lrs)
     if len(runs) < 2:
         common.refuse(f"{out}/confirm: {len(runs)} complete build(s); the intervals need two")
     finals = per_build(runs, ARMS, final)
@@ -419,7 +463,7 @@ def confirm_main():
     clip = [share([r for rows in recs[GRPO_CLIP]["stages"][1:] for r in rows], "clip")
             for recs in runs.values()]
     gate = {"a": {"mean": mean, "low": low, "high": high, "p_one_sided": one_sided,
-                  "passes": one_sided < FAMILY_ALPHA / 2},
+                  "passes": one_sided <= GATE_ALPHA},
             "b": {"clip_share": (c := sum(clip) / len(clip)), "T": T, "passes": c >= T}}
     stale = [arm for arm in ARMS if arm != GRPO_4]
     sets = {
@@ -441,7 +485,7 @@ def confirm_main():
         "stopped": {f"build{b}/{a}": True for b, recs in runs.items() for a, r in recs.items()
                     if r["stopped"]},
         "secondary": secondaries, "boundaries": bounds, "kl_signal": signal})
-    lines = [f"builds {list(runs)} (complete: every arm has a final); C* {star}", "",
+    lines = [builds_line(Path(out) / "confirm", runs, incomplete), f"C* {star}", "",
              "Final held-out avg@1 per build:", "",
              markdown(["arm", "lr", *map(str, runs)],
                       [(a, lr_text(lrs[a]), *(f"{v:.3f}" for v in finals[a])) for a in ARMS]), "",
@@ -477,14 +521,14 @@ def confirm_main():
 
 
 def dose_main():
-    runs = complete_builds(Path(out) / "dose", DOSE_ARMS)
+    lrs, _ = tuned(read_json(Path(out) / "tune.json"))
+    runs, incomplete = complete_builds(Path(out) / "dose", {a: lrs[arm] for a, arm in DOSE.items()})
     if len(runs) < 2:
         common.refuse(f"{out}/dose: {len(runs)} complete build(s); the intervals need two")
     finals = per_build(runs, DOSE_ARMS, final)
     # per run: its stages' end KL (mean over stages) and GRPO's clip share over its stages after
     # the first (the same axes a GPU run is placed on)
-    kl = per_build(runs, DOSE_ARMS,
-                   lambda r: sum(map(stage_end_kl, r["stages"])) / len(r["stages"]))
+    kl = per_build(runs, DOSE_ARMS, lambda r: mean_finite(map(stage_end_kl, r["stages"])))
     clip = per_build(runs, DOSE_ARMS, lambda r: share([x for rows in r["stages"][1:] for x in rows],
                                                       "grpo_clip"))
     confirm = Path(out) / "confirm.json"
@@ -493,23 +537,24 @@ def dose_main():
     for name, x in (("C1", "grpo:256"), ("C4", "grpo:4")):
         d = [a - b for a, b in zip(finals[DOSE_ARMS[0]], finals[x])]
         mean, low, high, _ = plot.paired_test(d)
-        same = (None if name not in claims
-                else (mean > 0) == (claims[name]["mean"] > 0))
+        sign = verdict_sign(claims[name]["verdict"]) if name in claims else None
         contrasts[name] = {"against": x, "mean": mean, "low": low, "high": high,
-                           "same_direction_as_confirmation": same}
+                           "verdict": claims.get(name, {}).get("verdict"),
+                           "holds_in_direction": None if sign is None else mean * sign > 0}
     common.atomic_write_json(Path(out) / "dose.json", {"builds": list(runs), "finals": finals,
                                                        "stage_end_kl": kl, "grpo_clip_share": clip,
                                                        "contrasts": contrasts})
     cols = [str(b) for b in runs]
-    lines = [f"builds {list(runs)}: 1,024 updates (stages of μ = 256; GRPO μ = 4: 256 stages)", "",
+    lines = [builds_line(Path(out) / "dose", runs, incomplete),
+             "1,024 updates (stages of μ = 256; GRPO μ = 4: 256 stages)", "",
              markdown(["arm", "per build: final held-out / stage-end KL / GRPO clip share", *cols],
                       [(a, "", *(f"{f:.3f} / {k:.4f} / {c:.4f}" for f, k, c in
                                  zip(finals[a], kl[a], clip[a]))) for a in DOSE_ARMS]), "",
-             markdown(["contrast", "mean", "95 %", "same direction as §5's"],
+             markdown(["contrast", "mean", "95 %", "§5's verdict", "holds in direction"],
                       [(f"μ-GRPO − {c['against']} ({n})", f3(c["mean"]),
-                        f"{f3(c['low'])} to {f3(c['high'])}",
-                        {None: "—", True: "yes", False: "no"}[c["same_direction_as_confirmation"]])
-                       for n, c in contrasts.items()])]
+                        f"{f3(c['low'])} to {f3(c['high'])}", c["verdict"] or "—",
+                        {None: "— (no direction)", True: "yes", False: "no"}[
+                            c["holds_in_direction"]]) for n, c in contrasts.items()])]
     print("\n".join(lines))
 
 
@@ -540,6 +585,9 @@ def main():
         end = " (an end: one more point)" if pick and pick[2] else ""
         choice = f"{pick[0]:g}{end}" if pick else "—"
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {choice} |")
+    if any(pick[2] for pick in chosen.values()) or len(chosen) < len(ARMS):
+        lines += ["", "PROVISIONAL: an arm is at an end of the grid (one more point due) or has no "
+                  "lr yet; C* and T below may change"]
     lines += ["", f"C*: {star or 'not yet (every family must have run on every tuning build)'}",
               f"T (the gate, §6): {t:.5f}" if t is not None
               else "T: not yet (GRPO μ = 4 at its lr)"]

@@ -27,6 +27,7 @@ ARMS=${ARMS:-mu-grpo-d1e-4:64 relaxed-no-nav:64 grpo:64 m2po:64 topr:64 cispo:64
 oapl:64 dppo-tv:64 vespo:64 gspo:64 grpo:4}
 ARMS=$(echo $ARMS)              # (one line)
 export PRESET=lab-fork SEEDS=0 EVAL_UPDATES=64 EVAL_K=1 BENCHMARKS=test,heldout NAV_DELTAS=1e-4
+export JOBS=2 OPTIMIZER_BOUNDARY=carry  # two runs at a time; AdamW's state carried (§2)
 export MUS="4 64"
 export EVAL_CACHE=$OUT/eval_cache   # a build's initial policy evaluated once for every arm and lr
 PYTHON=${MU_GRPO_VENV:-.venv}/bin/python
@@ -36,18 +37,24 @@ kept_builds() { (ls -d "$1"/build* 2>/dev/null || :) | sed 's/.*build//' | sort 
 # the builds a frontier's rule kept (its regimes/selection.json), in order
 rule_builds() { "$PYTHON" -c 'import json, sys; print(*json.load(open(sys.argv[1]))["kept"])' \
                   "$1/regimes/selection.json"; }
-# frontier.sh on the given builds, one line of tools/bakeoff.py --step=order at a time: its points
-# (a run the trainer stopped is left out of the next line: its first failure ends that frontier,
-# the second attempt goes on without it; any other failure ends this script)
+# frontier.sh on each build of <builds> in turn, at the points tools/bakeoff.py --step=order gives:
+# its runs without a final yet, in the declared order. A run the trainer stops ends that frontier
+# with its failure and has its final (amendment 1): the build goes on without it. Any other failure,
+# or a stop by a signal, ends this script with frontier.sh's code (rerun to resume)
 run_in_order() {  # <experiment> <builds>, frontier settings in the environment
-  local b points attempt
+  local b line stopped points before code
   for b in $2; do
-    for attempt in 1 2; do
-      points=$("$PYTHON" tools/bakeoff.py --step=order --experiment="$1" --out="$OUT" --builds="$b")
-      points=${points#* }
-      [[ -n "$points" ]] || break
-      BUILDS="$b" POINTS="$points" KEY_POINTS= OUT="$OUT/$1" bash frontier.sh && break
-      [[ $attempt == 1 ]] || exit 1
+    before= code=0
+    while :; do
+      line=$("$PYTHON" tools/bakeoff.py --step=order --experiment="$1" --out="$OUT" --builds="$b")
+      read -r _ stopped points <<< "$line"
+      [[ -n "$points" ]] || break                      # every run of the build has its final
+      if [[ -n "$before" ]] && (( code == 0 || code >= 128 || stopped == before )); then
+        echo "build $b: frontier.sh ended (exit $code) with runs still to finish: $points" >&2
+        exit $(( code ? code : 1 ))
+      fi
+      before=$stopped code=0
+      BUILDS="$b" POINTS="$points" KEY_POINTS= OUT="$OUT/$1" bash frontier.sh || code=$?
     done
   done
 }
@@ -82,10 +89,11 @@ case "$STEP" in
     done ;;
   confirm|dose)
     "$PYTHON" tools/bakeoff.py --step=order --out="$OUT"      # refused until the tuning is complete
-    [[ -f "$OUT/confirm/regimes/selection.json" ]] || \
-      REGIMES=learns:10 MIN_BUILDS=10 CANDIDATES="$(echo $(seq 40 99))" LR=1e-4 POINTS=probes \
-      LOSSES="$(losses $ARMS)" OUT="$OUT/confirm" bash frontier.sh
+    # the rule's builds (probes already made are kept: a rerun finishes the rule, then goes on)
+    BUILDS= REGIMES=learns:10 MIN_BUILDS=10 CANDIDATES="$(echo $(seq 40 99))" LR=1e-4 \
+      POINTS=probes LOSSES="$(losses $ARMS)" OUT="$OUT/confirm" bash frontier.sh
     BUILDS=$(rule_builds "$OUT/confirm")
+    [[ -n "$BUILDS" ]] || { echo "the rule kept no build of candidates 40-99" >&2; exit 1; }
     if [[ $STEP == confirm ]]; then
       LOSSES="$(losses $ARMS)" BASELINE=mu-grpo-d1e-4:64 run_in_order confirm "$BUILDS"
     else
