@@ -375,6 +375,16 @@ def test_points_probes_builds_and_probes_the_rules_candidates_and_runs_nothing_e
     assert not (tmp_path / "out" / "frontier.md").exists()
 
 
+def test_the_clipped_share_is_the_clips_two_sides_and_none_for_a_loss_without_a_clip(monkeypatch):
+    # (frontier.sh over CISPO, TOPR, ... stopped at its table: a KeyError on clip/upper_frac)
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import frontier
+    rows = [{"clip/upper_frac": 0.1, "clip/lower_frac": 0.2}, {"clip/upper_frac": 0.3, "clip/lower_frac": 0.1},
+            {"clip/upper_frac": None, "clip/lower_frac": 0.5}]                      # a non-finite update: out
+    assert frontier.clipped_frac(rows) == pytest.approx(0.35)
+    assert frontier.clipped_frac([{"cispo/truncated_frac": 0.2}]) is None
+
+
 def test_the_t_tests_p_value_and_holms_correction_against_closed_forms(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import plot

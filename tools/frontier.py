@@ -70,6 +70,14 @@ def mean_stderr(errors):
     return None if None in errors else math.sqrt(sum(e * e for e in errors)) / len(errors)
 
 
+def clipped_frac(rows):
+    """The mean over updates of the share of tokens beyond the loss's clip (clip/upper + clip/lower), over the
+    updates that have both finite; None for a loss without a clip (CISPO, TOPR, OAPL, ...: no such metric)."""
+    return mean_of([{"c": r["clip/upper_frac"] + r["clip/lower_frac"]} for r in rows
+                    if isinstance(r.get("clip/upper_frac"), (int, float))
+                    and isinstance(r.get("clip/lower_frac"), (int, float))], "c")
+
+
 def summarize(run_dir):
     """One run's numbers: its accuracy curve [(updates, seconds to it with evaluations taken out, accuracy)], the
     time split, the staleness of its trained tokens and the mean over updates of the ratio statistics."""
@@ -88,7 +96,7 @@ def summarize(run_dir):
             | {"max": max(stale)},
             "ess_frac": mean_of(m, "ratio/ess_frac"), "kl_behavior": mean_of(m, "ratio/kl"),
             "ratio_neg_adv": mean_of(m, "ratio/mean_neg_adv"), "vetoed_frac": mean_of(m, "nav/vetoed_frac") or 0.0,
-            "clipped_frac": mean_of([{"c": r["clip/upper_frac"] + r["clip/lower_frac"]} for r in m], "c"),
+            "clipped_frac": clipped_frac(m),
             "grpo_clip_upper": mean_of(m, "grpo_clip/upper_frac"), "grpo_clip_lower": mean_of(m, "grpo_clip/lower_frac"),
             "grpo_clip_first_share": mean_of(m, "grpo_clip/first_token_share"),
             "first_token_base": mean_of(m, "grpo_clip/first_token_base"),
