@@ -152,8 +152,9 @@ def chaos_main():
     floor = chaos_floor(Path(out) / "chaos")
     lines = []
     for lr, f in floor.items():
-        lines += [f"lr {lr:g}: pooled within-triple SD {f['sd']:.4f} over {len(f['triples'])} "
-                  f"triple(s); the smallest resolvable difference {f['resolvable']:.4f}", "",
+        lines += [f"lr {lr_text(lr)}: pooled within-triple SD {f['sd']:.4f} over "
+                  f"{len(f['triples'])} triple(s); the smallest resolvable difference "
+                  f"{f['resolvable']:.4f}", "",
                   "| build | arm | original | repeat | split | repeat bit-identical |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {b} | {arm} | " + " | ".join(f"{x:.3f}" for x in t)
@@ -575,7 +576,7 @@ def main():
     lrs = sorted({lr for by_lr in finals.values() for lr in by_lr}, reverse=True)
     lines = [f"tuning builds {builds}; mean final test avg@1 over them (— : not every build "
              "finished)", "",
-             "| arm | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |",
+             "| arm | " + " | ".join(f"lr {lr_text(lr)}" for lr in lrs) + " | chosen |",
              "|---|" + "---|" * (len(lrs) + 1)]
     for arm, by_lr in finals.items():
         cells = [f"{sum(by_lr[lr].values()) / len(by_lr[lr]):.3f}" if lr in by_lr
@@ -583,7 +584,7 @@ def main():
                  else "—" for lr in lrs]
         pick = chosen.get(arm)
         end = " (an end: one more point)" if pick and pick[2] else ""
-        choice = f"{pick[0]:g}{end}" if pick else "—"
+        choice = f"{lr_text(pick[0])}{end}" if pick else "—"
         lines.append(f"| {arm} | " + " | ".join(cells) + f" | {choice} |")
     if any(pick[2] for pick in chosen.values()) or len(chosen) < len(ARMS):
         lines += ["", "PROVISIONAL: an arm is at an end of the grid (one more point due) or has no "
