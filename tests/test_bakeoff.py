@@ -344,10 +344,11 @@ STUB_FRONTIER = """#!/usr/bin/env bash
 # records what tools/bakeoff.sh asks of frontier.sh and finishes each point's run in turn; the rule
 # keeps STUB_KEPT; the point STUB_STOP on build STUB_STOP_BUILD is stopped by the trainer (its run's
 # log says so, exit 1); on build STUB_FAIL_BUILD frontier.sh fails otherwise (exit 3)
-echo "BUILDS=${BUILDS:-} POINTS=${POINTS// /,} LR=${LR:-} REGIMES=${REGIMES:-}" \\
+echo "BUILDS=${BUILDS// /,} POINTS=${POINTS// /,} LR=${LR:-} REGIMES=${REGIMES:-}" \\
      "MIN_BUILDS=${MIN_BUILDS:-} JOBS=$JOBS OPTIMIZER_BOUNDARY=$OPTIMIZER_BOUNDARY" \\
      "CANDIDATES=${CANDIDATES// /,} MUS=${MUS// /,} TOTAL_UPDATES=${TOTAL_UPDATES:-}" \\
-     "EVAL_UPDATES=$EVAL_UPDATES LOSSES=${LOSSES// /,} BASELINE=${BASELINE:-} OUT=$OUT" >> "$RECORD"
+     "EVAL_UPDATES=$EVAL_UPDATES LOSSES=${LOSSES// /,} BASELINE=${BASELINE:-} OUT=$OUT" \\
+     "MICRO_BATCH_TOKENS=${MICRO_BATCH_TOKENS:-}" >> "$RECORD"
 if [[ $POINTS == probes ]]; then
   mkdir -p "$OUT/regimes"
   echo "{\\"kept\\": [${STUB_KEPT// /, }]}" > "$OUT/regimes/selection.json"
@@ -369,7 +370,7 @@ done
 
 
 @pytest.mark.slow
-def test_the_confirmation_and_the_dose_ask_frontier_sh_for_the_declared_runs(tmp_path):
+def test_the_confirmation_the_dose_and_the_chaos_floor_ask_frontier_sh_for_their_runs(tmp_path):
     tree = tmp_path / "tree"
     (tree / "tools").mkdir(parents=True)
     for name in ("tools/bakeoff.sh", "tools/bakeoff.py", "tools/plot.py"):
@@ -431,3 +432,13 @@ def test_the_confirmation_and_the_dose_ask_frontier_sh_for_the_declared_runs(tmp
     assert {(c["POINTS"], c["MUS"], c["TOTAL_UPDATES"], c["EVAL_UPDATES"], c["OUT"])
             for c in calls[1:]} == {("mu-grpo-d1e-4:256@3e-5,grpo:256@3e-5,grpo:4@1e-5", "4,256",
                                      "1024", "256", "runs/bakeoff/dose")}
+    # the chaos floor: μ-GRPO and GRPO clip at μ = 64 on the first two tuning builds, at lr 1e-4 and
+    # 3e-5, three copies each, only the split's micro-batches halved
+    for b in (1, 2, 3):
+        (out / "tune" / "lr1e-4" / f"build{b}").mkdir(parents=True)
+    proc, calls = bakeoff_sh("chaos")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(c["OUT"], c["LR"], c["MICRO_BATCH_TOKENS"]) for c in calls] == [
+        (f"runs/bakeoff/chaos/lr{lr}/{copy}", lr, "2048" if copy == "split" else "")
+        for lr in ("1e-4", "3e-5") for copy in ("original", "repeat", "split")]
+    assert {(c["BUILDS"], c["POINTS"]) for c in calls} == {("1,2", "mu-grpo-d1e-4:64,grpo:64")}
