@@ -1,6 +1,6 @@
-"""tools/bakeoff.py: docs/bakeoff.md's readings as its design declares them (the tuning's choices,
-the confirmation's order, verdicts, gate and secondaries, the dose, the chaos floor), on runs
-written here by hand."""
+"""tools/bakeoff.py and tools/verdicts.py: docs/bakeoff.md's readings as its design declares them
+(the tuning's choices, the confirmation's order, verdicts, gate and secondaries, the dose, the chaos
+floor), on runs written here by hand; tools/bakeoff.sh's calls of frontier.sh."""
 import json
 import math
 import os
@@ -15,6 +15,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tools"))
 import bakeoff  # noqa: E402
+import verdicts  # noqa: E402
 
 
 def fake_run(root, lr, build, arm, final, clip=None):
@@ -119,15 +120,15 @@ def test_the_chaos_floor_pools_the_triples_spread_and_checks_the_repeat_bit_for_
 def test_the_t_quantile_against_closed_forms_and_the_builds_a_difference_would_need():
     # df 1 (Cauchy): P(|T| ≥ t) = 1 − 2 atan(t)/π; df 2: 1 − t/√(2 + t²)
     for alpha in (0.05, 0.0125):
-        assert bakeoff.t_quantile(alpha, 1) == pytest.approx(math.tan(math.pi * (1 - alpha) / 2),
+        assert verdicts.t_quantile(alpha, 1) == pytest.approx(math.tan(math.pi * (1 - alpha) / 2),
                                                               rel=1e-7)
         c = (1 - alpha) ** 2
-        assert bakeoff.t_quantile(alpha, 2) == pytest.approx(math.sqrt(2 * c / (1 - c)), rel=1e-7)
+        assert verdicts.t_quantile(alpha, 2) == pytest.approx(math.sqrt(2 * c / (1 - c)), rel=1e-7)
     # Bonferroni's t over 4 (α 0.0125): n = 2 resolves m/2 = 0.025 while t₁ · s/√2 ≤ 0.025, i.e.
     # s ≤ 0.000694; n = 3 while t₂ · s/√3 ≤ 0.025 (t₂ = 8.8602), s ≤ 0.004887
-    assert bakeoff.builds_needed(0.0006) == 2
-    assert bakeoff.builds_needed(0.004) == 3
-    assert bakeoff.builds_needed(0.0049) > 3
+    assert verdicts.builds_needed(0.0006) == 2
+    assert verdicts.builds_needed(0.004) == 3
+    assert verdicts.builds_needed(0.0049) > 3
 
 
 def test_a_stages_end_kl_is_its_last_16_updates_and_a_share_leaves_out_non_finite_updates():
@@ -141,14 +142,14 @@ def test_a_stages_end_kl_is_its_last_16_updates_and_a_share_leaves_out_non_finit
 
 
 def test_the_verdicts_are_the_first_row_of_the_declared_tables_that_holds():
-    v = bakeoff.verdict_against
+    v = verdicts.verdict_against
     assert v(-0.03, -0.01, 0.01) == "X better"              # within m too, but the first row holds
     assert v(0.05, 0.09, 0.01) == "needed"                  # lo ≥ m, at the edge
     assert v(0.01, 0.04, 0.01) == "μ-GRPO better, by less than m"
     assert v(0.01, 0.07, 0.01) == "μ-GRPO better, size not determined"
     assert v(-0.02, 0.03, 0.01) == "not needed (X within m)"
     assert v(-0.06, 0.03, 0.004) == "not determined (3 builds would resolve it)"
-    m = bakeoff.verdict_matches
+    m = verdicts.verdict_matches
     assert m(-0.03, 0.01) == "matches"
     assert m(-0.04, -0.01) == "matches, a deficit under m"
     assert m(-0.09, -0.06) == "a deficit"
@@ -321,7 +322,7 @@ def test_the_dose_reads_its_two_contrasts_and_their_direction_against_the_confir
     assert c1["holds_in_direction"] is True
     assert c4["mean"] == pytest.approx(0.075) and c4["holds_in_direction"] is False
     # a verdict's direction (amendment 2): none for "matches", "not needed", "not determined"
-    assert [bakeoff.verdict_sign(v) for v in ("needed", "μ-GRPO better, size not determined",
+    assert [verdicts.verdict_sign(v) for v in ("needed", "μ-GRPO better, size not determined",
                                               "X better", "matches, a deficit under m",
                                               "matches", "not needed (X within m)",
                                               "not determined (12 builds would resolve it)")] == \
@@ -373,7 +374,7 @@ done
 def test_the_confirmation_the_dose_and_the_chaos_floor_ask_frontier_sh_for_their_runs(tmp_path):
     tree = tmp_path / "tree"
     (tree / "tools").mkdir(parents=True)
-    for name in ("tools/bakeoff.sh", "tools/bakeoff.py", "tools/plot.py"):
+    for name in ("tools/bakeoff.sh", "tools/bakeoff.py", "tools/verdicts.py", "tools/plot.py"):
         (tree / name).write_bytes((ROOT / name).read_bytes())
     (tree / "mu_grpo").symlink_to(ROOT / "mu_grpo")
     (tree / "frontier.sh").write_text(STUB_FRONTIER)

@@ -54,7 +54,8 @@ NARROW = ["generate.py", "optimize.py", "evaluate.py", "update.py", "loss.py", "
           "run_stages.sh", "mu_grpo/passes.py", "mu_grpo/resident_trainer.py",
           "mu_grpo/resident_engines.py", "mu_grpo/launch.py", "mu_grpo/records.py",
           "mu_grpo/trainer_model.py", "mu_grpo/stage_rules.py", "mu_grpo/handoff.py",
-          "tools/gpu_check.py", "tools/bakeoff.py", "tools/bakeoff.sh", "tests/test_bakeoff.py",
+          "tools/gpu_check.py", "tools/bakeoff.py", "tools/verdicts.py", "tools/bakeoff.sh",
+          "tests/test_bakeoff.py",
           "tests/test_launch.py", "tests/test_update.py", "tests/test_engine.py",
           "tests/test_weights.py", "tests/test_house.py", "tests/test_handoff.py"]
 

@@ -25,7 +25,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 from mu_grpo import common, records, tracking  # noqa: E402
-import plot  # noqa: E402  (the t interval, the t test's p, Holm)
+import plot  # noqa: E402  (the t test's p)
+import verdicts  # noqa: E402  (§5's statistics and verdict tables)
+from verdicts import FAMILY_ALPHA  # noqa: E402
 
 # ----------------------------------------------------------------------------- hyperparameters
 out = "runs/bakeoff"        # tools/bakeoff.sh's OUT
@@ -39,8 +41,6 @@ ARMS = ("mu-grpo-d1e-4:64", "relaxed-no-nav:64", "grpo:64", "m2po:64", "topr:64"
 MU_GRPO, RELAXED, GRPO_CLIP, GRPO_4 = ARMS[0], ARMS[1], ARMS[2], ARMS[-1]
 FAMILIES = ("m2po", "topr", "cispo", "oapl", "dppo-tv", "vespo", "gspo")
 GRID_MIDDLE = 3e-5
-MARGIN = 0.05               # m (§1; tools/regimes.py match_margin)
-FAMILY_ALPHA = 0.05         # C1–C4's family: Bonferroni over 4 (§5); the secondaries' Holm level
 GATE_ALPHA = 0.025          # gate (a)'s one-sided level (§6)
 STAGE_UPDATES = 64          # μ of the stale arms: a stage's updates, the evaluation grid
 FALL = 0.02                 # a fall: held-out down by more than this at the next evaluation (§5e)
@@ -108,63 +108,37 @@ def c_star(chosen):
     return max(in_order, key=lambda arm: round(families[arm][1], 3))
 
 
-def final_heldout_and_policy(run_dir):
-    """A finished run's final `heldout` avg@1 and the fingerprint of its last stage's policy (None,
-    None if unfinished)."""
-    if not (run_dir / ".done" / "all").exists():
-        return None, None
-    rows = [r for r in records.own_results(
-        common.read_jsonl(run_dir / "results.jsonl", missing_ok=True))
-            if r["benchmark"] == "heldout"]
-    stages = [d for _, d in records.stage_dirs(run_dir) if (d / records.POLICY).is_dir()]
-    last = common.policy_fingerprint(stages[-1] / records.POLICY) if stages else None
-    return (max(rows, key=lambda r: r["updates"])["avg_at_k"] if rows else None), last
-
-
-COPIES = ("original", "repeat", "split")
-
-
-def chaos_floor(chaos_dir):
-    """§8: per lr, each (build, arm)'s triple of final held-out accuracies (the original, a repeat,
-    the micro-batch split halved), whether the repeat's final policy is the original's bit for bit,
-    the pooled within-triple SD (the mean of the complete triples' sample variances, square-rooted)
-    and twice it, the smallest difference the lab resolves. Returns {lr: {"triples": {(build, arm):
-    [accuracies]}, "identical": {(build, arm): bool}, "sd": ..., "resolvable": ...}}."""
-    out = {}
-    for lr_dir in sorted(Path(chaos_dir).glob("lr*")):
-        triples, identical = {}, {}
-        for run_dir in sorted((lr_dir / COPIES[0]).glob("build*/seed0/*-mu*")):
-            build, arm = int(run_dir.parents[1].name[5:]), run_dir.name
-            found = [final_heldout_and_policy(lr_dir / copy
-                                              / run_dir.relative_to(lr_dir / COPIES[0]))
-                     for copy in COPIES]
-            if all(acc is not None for acc, _ in found):
-                triples[(build, arm)] = [acc for acc, _ in found]
-                identical[(build, arm)] = found[0][1] == found[1][1]
-        variances = [sum((x - sum(t) / 3) ** 2 for x in t) / 2 for t in triples.values()]
-        sd = math.sqrt(sum(variances) / len(variances)) if variances else math.nan
-        out[float(lr_dir.name[2:])] = {"triples": triples, "identical": identical, "sd": sd,
-                                       "resolvable": 2 * sd}
-    return out
-
-
-def chaos_main():
-    floor = chaos_floor(Path(out) / "chaos")
-    lines = []
-    for lr, f in floor.items():
-        lines += [f"lr {lr_text(lr)}: pooled within-triple SD {f['sd']:.4f} over "
-                  f"{len(f['triples'])} triple(s); the smallest resolvable difference "
-                  f"{f['resolvable']:.4f}", "",
-                  "| build | arm | original | repeat | split | repeat bit-identical |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {b} | {arm} | " + " | ".join(f"{x:.3f}" for x in t)
-                  + f" | {f['identical'][(b, arm)]} |"
-                  for (b, arm), t in f["triples"].items()] + [""]
-    common.atomic_write_json(Path(out) / "chaos.json", {f"{lr:g}": {
-        "sd": f["sd"], "resolvable": f["resolvable"],
-        "triples": {f"build{b}/{arm}": t for (b, arm), t in f["triples"].items()},
-        "identical": {f"build{b}/{arm}": v for (b, arm), v in f["identical"].items()}}
-        for lr, f in floor.items()})
+def tune_main():
+    """§3, §6: the table, each arm's lr, C*, T (tune.json)."""
+    finals, clips = collect(Path(out) / "tune")
+    tuning = sorted({b for by_lr in finals.values() for v in by_lr.values() for b in v})
+    chosen = choose(finals, tuning)
+    star = c_star(chosen)
+    grpo4 = chosen.get("grpo:4")
+    t = (2 * sum(clips[grpo4[0]].values()) / len(clips[grpo4[0]]) if grpo4 and clips.get(grpo4[0])
+         else None)
+    lrs = sorted({lr for by_lr in finals.values() for lr in by_lr}, reverse=True)
+    lines = [f"tuning builds {tuning}; mean final test avg@1 over them (— : not every build "
+             "finished)", "",
+             "| arm | " + " | ".join(f"lr {lr_text(lr)}" for lr in lrs) + " | chosen |",
+             "|---|" + "---|" * (len(lrs) + 1)]
+    for arm, by_lr in finals.items():
+        cells = [f"{sum(by_lr[lr].values()) / len(by_lr[lr]):.3f}" if lr in by_lr
+                 and set(by_lr[lr]) >= set(tuning)
+                 else "—" for lr in lrs]
+        pick = chosen.get(arm)
+        end = " (an end: one more point)" if pick and pick[2] else ""
+        choice = f"{lr_text(pick[0])}{end}" if pick else "—"
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {choice} |")
+    if any(pick[2] for pick in chosen.values()) or len(chosen) < len(ARMS):
+        lines += ["", "PROVISIONAL: an arm is at an end of the grid (one more point due) or has no "
+                  "lr yet; C* and T below may change"]
+    lines += ["", f"C*: {star or 'not yet (every family must have run on every tuning build)'}",
+              f"T (the gate, §6): {t:.5f}" if t is not None
+              else "T: not yet (GRPO μ = 4 at its lr)"]
+    common.atomic_write_json(Path(out) / "tune.json",
+                             {"builds": tuning, "chosen": {a: list(v) for a, v in chosen.items()},
+                                                        "c_star": star, "gate_T": t})
     print("\n".join(lines))
 
 
@@ -315,77 +289,7 @@ def builds_line(runs_dir, runs, incomplete):
             f"left out (an arm without a final yet) {incomplete or 'none'}")
 
 
-# ----------------------------------------------------------------------------- §5: statistics
-def t_quantile(alpha, df):
-    """t with P(|T| ≥ t) = alpha for Student's t with df degrees of freedom (bisection on
-    plot.t_two_sided_p, to 1e-9)."""
-    low, high = 0.0, 1e4
-    while high - low > 1e-9:
-        mid = (low + high) / 2
-        low, high = (mid, high) if plot.t_two_sided_p(mid, df) > alpha else (low, mid)
-    return (low + high) / 2
-
-
-def interval(diffs, alpha):
-    """(mean, sd, low, high) of diffs' mean: the two-sided t interval at 1 − alpha, df = n − 1."""
-    n, mean = len(diffs), sum(diffs) / len(diffs)
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
-    half = t_quantile(alpha, n - 1) * sd / math.sqrt(n)
-    return mean, sd, mean - half, mean + half
-
-
-def builds_needed(sd, alpha=FAMILY_ALPHA / 4, margin=MARGIN):
-    """The smallest n with t_{1 − alpha/2, n − 1} · sd / √n ≤ margin / 2 (§5)."""
-    n = 2
-    while t_quantile(alpha, n - 1) * sd / math.sqrt(n) > margin / 2:
-        n += 1
-    return n
-
-
-def verdict_against(low, high, sd, m=MARGIN):
-    """C1–C3's verdict of D = μ-GRPO − X's interval: the first row of §5's table that holds."""
-    if high < 0:
-        return "X better"
-    if low >= m:
-        return "needed"
-    if 0 < low and high < m:
-        return "μ-GRPO better, by less than m"
-    if 0 < low < m <= high:
-        return "μ-GRPO better, size not determined"
-    if -m < low <= 0 and high < m:
-        return "not needed (X within m)"
-    return f"not determined ({builds_needed(sd)} builds would resolve it)"
-
-
-def verdict_matches(low, high, m=MARGIN):
-    """C4's verdict of D = μ-GRPO − GRPO μ = 4's interval (§5)."""
-    if low > -m and high < 0:
-        return "matches, a deficit under m"
-    return "matches" if low > -m else "a deficit" if high < 0 else "not determined"
-
-
-def verdict_sign(verdict):
-    """The direction a §5 verdict states for D = μ-GRPO − X: +1, −1, or None (amendment 2)."""
-    if verdict.startswith(("needed", "μ-GRPO better")):
-        return 1
-    return -1 if verdict in ("X better", "a deficit", "matches, a deficit under m") else None
-
-
-def secondary(pairs):
-    """[(name, mean, 95 % low, high, p, Holm p, shown)] of {name: per-build differences}: a
-    two-sided t test each, Holm over the set."""
-    tests = {name: plot.paired_test(d) for name, d in pairs.items()}
-    adjusted = plot.holm([t[3] for t in tests.values()])
-    return [(name, *t, q, q <= FAMILY_ALPHA) for (name, t), q in zip(tests.items(), adjusted)]
-
-
-def auc(scores_pos, scores_neg):
-    """P(a positive's score > a negative's), ties one half (Mann–Whitney); NaN without a pair."""
-    pairs = len(scores_pos) * len(scores_neg)
-    wins = sum((p > q) + 0.5 * (p == q) for p in scores_pos for q in scores_neg)
-    return wins / pairs if pairs else math.nan
-
-
+# ----------------------------------------------------------------------------- §5 (e)
 def boundaries(runs):
     """[(configuration, stage s's end KL, fell)] over every stage boundary s → s + 1 of the stale
     arms' runs (GRPO μ = 4 is evaluated every 16 of its stages, so its boundaries have no
@@ -420,13 +324,14 @@ def kl_signal(rows):
     for c in configs:
         fell = [kl for c2, kl, f in rows if c2 == c and f]
         calm = [kl for c2, kl, f in rows if c2 == c and not f]
-        wins += auc(fell, calm) * len(fell) * len(calm) if fell and calm else 0
+        wins += verdicts.auc(fell, calm) * len(fell) * len(calm) if fell and calm else 0
         pairs += len(fell) * len(calm)
-    return {"auc": auc([kl for _, kl, f in rows if f], [kl for _, kl, f in rows if not f]),
+    return {"auc": verdicts.auc([kl for _, kl, f in rows if f], [kl for _, kl, f in rows if not f]),
             "auc_within": wins / pairs if pairs else math.nan, "overall": counts(rows),
             "per_configuration": {c: counts([r for r in rows if r[0] == c]) for c in configs}}
 
 
+# ----------------------------------------------------------------------------- tables
 def markdown(header, rows):
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                      + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
@@ -454,10 +359,10 @@ def confirm_main():
     minus = lambda a, b: [x - y for x, y in zip(a, b)]                         # noqa: E731
     claims = {}
     for name, x in (("C1", GRPO_CLIP), ("C2", RELAXED), ("C3", star), ("C4", GRPO_4)):
-        mean, sd, low, high = interval(minus(finals[MU_GRPO], finals[x]), FAMILY_ALPHA / 4)
+        mean, sd, low, high = verdicts.interval(minus(finals[MU_GRPO], finals[x]), FAMILY_ALPHA / 4)
         claims[name] = {"against": x, "mean": mean, "sd": sd, "low": low, "high": high,
-                        "verdict": verdict_matches(low, high) if name == "C4"
-                        else verdict_against(low, high, sd)}
+                        "verdict": verdicts.verdict_matches(low, high) if name == "C4"
+                        else verdicts.verdict_against(low, high, sd)}
     # §6: (a) GRPO's clip over 4 stages below GRPO μ = 4, one-sided at 0.025; (b) its clip binds
     mean, low, high, p = plot.paired_test(minus(finals[GRPO_CLIP], finals[GRPO_4]))
     one_sided = p / 2 if mean < 0 else 1 - p / 2
@@ -477,7 +382,7 @@ def confirm_main():
             a: minus(stage0[a], stage0[GRPO_4]) for a in stale},
         "(d) X − μ-GRPO, area under the held-out curve": {a: minus(areas[a], areas[MU_GRPO])
                                                           for a in ARMS if a != MU_GRPO}}
-    secondaries = {name: secondary(pairs) for name, pairs in sets.items()}
+    secondaries = {name: verdicts.secondary(pairs) for name, pairs in sets.items()}
     bounds = boundaries(runs)
     signal = kl_signal(bounds)
     common.atomic_write_json(Path(out) / "confirm.json", {
@@ -538,7 +443,7 @@ def dose_main():
     for name, x in (("C1", "grpo:256"), ("C4", "grpo:4")):
         d = [a - b for a, b in zip(finals[DOSE_ARMS[0]], finals[x])]
         mean, low, high, _ = plot.paired_test(d)
-        sign = verdict_sign(claims[name]["verdict"]) if name in claims else None
+        sign = verdicts.verdict_sign(claims[name]["verdict"]) if name in claims else None
         contrasts[name] = {"against": x, "mean": mean, "low": low, "high": high,
                            "verdict": claims.get(name, {}).get("verdict"),
                            "holds_in_direction": None if sign is None else mean * sign > 0}
@@ -559,43 +464,73 @@ def dose_main():
     print("\n".join(lines))
 
 
+# ----------------------------------------------------------------------------- §8
+def final_heldout_and_policy(run_dir):
+    """A finished run's final `heldout` avg@1 and the fingerprint of its last stage's policy (None,
+    None if unfinished)."""
+    if not (run_dir / ".done" / "all").exists():
+        return None, None
+    rows = [r for r in records.own_results(
+        common.read_jsonl(run_dir / "results.jsonl", missing_ok=True))
+            if r["benchmark"] == "heldout"]
+    stages = [d for _, d in records.stage_dirs(run_dir) if (d / records.POLICY).is_dir()]
+    last = common.policy_fingerprint(stages[-1] / records.POLICY) if stages else None
+    return (max(rows, key=lambda r: r["updates"])["avg_at_k"] if rows else None), last
+
+
+COPIES = ("original", "repeat", "split")
+
+
+def chaos_floor(chaos_dir):
+    """§8: per lr, each (build, arm)'s triple of final held-out accuracies (the original, a repeat,
+    the micro-batch split halved), whether the repeat's final policy is the original's bit for bit,
+    the pooled within-triple SD (the mean of the complete triples' sample variances, square-rooted)
+    and twice it, the smallest difference the lab resolves. Returns {lr: {"triples": {(build, arm):
+    [accuracies]}, "identical": {(build, arm): bool}, "sd": ..., "resolvable": ...}}."""
+    out = {}
+    for lr_dir in sorted(Path(chaos_dir).glob("lr*")):
+        triples, identical = {}, {}
+        for run_dir in sorted((lr_dir / COPIES[0]).glob("build*/seed0/*-mu*")):
+            build, arm = int(run_dir.parents[1].name[5:]), run_dir.name
+            found = [final_heldout_and_policy(lr_dir / copy
+                                              / run_dir.relative_to(lr_dir / COPIES[0]))
+                     for copy in COPIES]
+            if all(acc is not None for acc, _ in found):
+                triples[(build, arm)] = [acc for acc, _ in found]
+                identical[(build, arm)] = found[0][1] == found[1][1]
+        variances = [sum((x - sum(t) / 3) ** 2 for x in t) / 2 for t in triples.values()]
+        sd = math.sqrt(sum(variances) / len(variances)) if variances else math.nan
+        out[float(lr_dir.name[2:])] = {"triples": triples, "identical": identical, "sd": sd,
+                                       "resolvable": 2 * sd}
+    return out
+
+
+def chaos_main():
+    floor = chaos_floor(Path(out) / "chaos")
+    lines = []
+    for lr, f in floor.items():
+        lines += [f"lr {lr_text(lr)}: pooled within-triple SD {f['sd']:.4f} over "
+                  f"{len(f['triples'])} triple(s); the smallest resolvable difference "
+                  f"{f['resolvable']:.4f}", "",
+                  "| build | arm | original | repeat | split | repeat bit-identical |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {b} | {arm} | " + " | ".join(f"{x:.3f}" for x in t)
+                  + f" | {f['identical'][(b, arm)]} |"
+                  for (b, arm), t in f["triples"].items()] + [""]
+    common.atomic_write_json(Path(out) / "chaos.json", {f"{lr:g}": {
+        "sd": f["sd"], "resolvable": f["resolvable"],
+        "triples": {f"build{b}/{arm}": t for (b, arm), t in f["triples"].items()},
+        "identical": {f"build{b}/{arm}": v for (b, arm), v in f["identical"].items()}}
+        for lr, f in floor.items()})
+    print("\n".join(lines))
+
+
 def main():
     common.apply_overrides(globals(), sys.argv[1:])
     common.check_choice("step", step, ("tune", "order", "confirm", "dose", "chaos"))
     common.check_choice("experiment", experiment, ("confirm", "dose"))
-    if step != "tune":
-        return {"order": order_main, "confirm": confirm_main, "dose": dose_main,
-                "chaos": chaos_main}[step]()
-    finals, clips = collect(Path(out) / "tune")
-    builds = sorted({b for by_lr in finals.values() for v in by_lr.values() for b in v})
-    chosen = choose(finals, builds)
-    star = c_star(chosen)
-    grpo4 = chosen.get("grpo:4")
-    t = (2 * sum(clips[grpo4[0]].values()) / len(clips[grpo4[0]]) if grpo4 and clips.get(grpo4[0])
-         else None)
-    lrs = sorted({lr for by_lr in finals.values() for lr in by_lr}, reverse=True)
-    lines = [f"tuning builds {builds}; mean final test avg@1 over them (— : not every build "
-             "finished)", "",
-             "| arm | " + " | ".join(f"lr {lr_text(lr)}" for lr in lrs) + " | chosen |",
-             "|---|" + "---|" * (len(lrs) + 1)]
-    for arm, by_lr in finals.items():
-        cells = [f"{sum(by_lr[lr].values()) / len(by_lr[lr]):.3f}" if lr in by_lr
-                 and set(by_lr[lr]) >= set(builds)
-                 else "—" for lr in lrs]
-        pick = chosen.get(arm)
-        end = " (an end: one more point)" if pick and pick[2] else ""
-        choice = f"{lr_text(pick[0])}{end}" if pick else "—"
-        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {choice} |")
-    if any(pick[2] for pick in chosen.values()) or len(chosen) < len(ARMS):
-        lines += ["", "PROVISIONAL: an arm is at an end of the grid (one more point due) or has no "
-                  "lr yet; C* and T below may change"]
-    lines += ["", f"C*: {star or 'not yet (every family must have run on every tuning build)'}",
-              f"T (the gate, §6): {t:.5f}" if t is not None
-              else "T: not yet (GRPO μ = 4 at its lr)"]
-    common.atomic_write_json(Path(out) / "tune.json",
-                             {"builds": builds, "chosen": {a: list(v) for a, v in chosen.items()},
-                                                        "c_star": star, "gate_T": t})
-    print("\n".join(lines))
+    {"tune": tune_main, "order": order_main, "confirm": confirm_main, "dose": dose_main,
+     "chaos": chaos_main}[step]()
 
 
 if __name__ == "__main__":
