@@ -273,13 +273,25 @@ def test_a_point_may_carry_its_learning_rate_and_runs_in_the_order_given(tmp_pat
     assert [(r["RUN"].rsplit("/", 1)[1], r["LOSS"], r["UPDATES_PER_STAGE"], r["LR"]) for r in runs] == [
         ("mu-grpo-d1e-4-mu1024", "mu-grpo", "1024", "1e-5"), ("grpo-mu4", "grpo", "4", "3e-5"),
         ("grpo-mu1024", "grpo", "1024", "7e-6")]
+
+
+def test_a_points_learning_rate_is_a_positive_number_and_each_label_mu_runs_once(monkeypatch, capsys):
     # refused in one line before any run: a learning rate that is no positive number; one label:μ twice (one
     # directory)
-    for i, (points, named) in enumerate((("grpo:4@fast", "'fast'"), ("grpo:4@-1e-5", "'-1e-5'"),
-                                         ("grpo:4@1e-5 grpo:4@3e-5", "each label:μ once"))):
-        proc, _, runs = stubbed_frontier(tmp_path / str(i), POINTS=points)
-        assert proc.returncode == 2 and not runs and named in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import sweep
+    for name, value in dict(losses="grpo", nav_deltas="1e-4", mus="4 64", baseline="grpo:4", key_points="",
+                            total_updates="256", eval_updates="64", resident_max_mu="64").items():
+        monkeypatch.setattr(sweep, name, value)
+    for points, named in (("grpo:4@fast", "'fast'"), ("grpo:4@-1e-5", "'-1e-5'"), ("grpo:4@inf", "'inf'"),
+                          ("grpo:4@1e-5 grpo:4@3e-5", "each label:μ once")):
+        monkeypatch.setattr(sweep, "points", points)
+        with pytest.raises(SystemExit) as refused:
+            sweep.all_points()
+        assert refused.value.code == 2 and named in capsys.readouterr().err
+    monkeypatch.setattr(sweep, "points", "grpo:64@3e-5 grpo:4")
+    assert sweep.all_points() == ["grpo:64@3e-5", "grpo:4"]
+    assert sweep.point_env("grpo:64@3e-5")["LR"] == "3e-5" and "LR" not in sweep.point_env("grpo:4")
 
 
 def test_the_gpus_are_split_evenly_between_jobs_or_refused():
