@@ -72,8 +72,9 @@ EVAL_CACHE=${EVAL_CACHE-$OUT/eval_cache}  # the runs' kept evaluations (run_stag
                                 # policy is evaluated by its first run (the probe) and reused by the others, the same
                                 # rows (every request samples from its own seed); empty: every run evaluates it
 # ---- which points run, and what runs before them (the estimate, the preflight)
-POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024" (default: all), in this
-                                # order; label:μ@lr runs at that LR ("grpo:64@3e-5"); probes: the rule's probes and builds only
+POINTS=${POINTS:-}              # only these points, label:μ, e.g. "grpo:4 mu-grpo-d1e-4:1024"
+                                # (default: all), in this order; label:μ@lr runs at that LR
+                                # ("grpo:64@3e-5"); probes: the rule's probes and builds only
 ESTIMATE=${ESTIMATE:-$([[ $PRESET == paper ]] && echo true || echo false)}  # print every point's estimated hours
                                 # from the (first LOSS's) preflight's throughputs before the runs (the paper preset: days)
 PREFLIGHT=${PREFLIGHT:-auto}    # run_stages.sh's preflight (auto: the paper preset | 1 | 0 | force), run here once per

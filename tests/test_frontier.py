@@ -213,8 +213,8 @@ def test_the_estimate_is_the_preflights_compute_for_the_points_updates_plus_a_sw
 STUB_RUN_STAGES = """#!/usr/bin/env bash
 # records what frontier.sh asked of it; a preflight writes the report the estimate reads
 echo "LOSS=$LOSS UPDATES_PER_STAGE=$UPDATES_PER_STAGE STAGES=${STAGES:-} RESIDENT=${RESIDENT:-} PREFLIGHT=${PREFLIGHT:-}" \\
-     "PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-} GPUS=${GPUS:-} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} LR=${LR:-}" \\
-     "RUN=$RUN" >> "$RECORD"
+     "PREFLIGHT_ONLY=${PREFLIGHT_ONLY:-} GPUS=${GPUS:-}" \\
+     "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} LR=${LR:-} RUN=$RUN" >> "$RECORD"
 if [[ "${PREFLIGHT_ONLY:-}" == true ]]; then
   mkdir -p "$RUN"
   echo '{"passed": true, "figures": {"estimated_hours_per_stage": {"generate": 1, "optimize": 1, "grade": 1}}}' \\
@@ -266,24 +266,28 @@ def test_the_paper_frontier_runs_one_preflight_per_box_shape_and_splits_the_gpus
 
 
 def test_a_point_may_carry_its_learning_rate_and_runs_in_the_order_given(tmp_path):
-    # POINTS in its order, each at its own LR (docs/bakeoff.md's arms); the environment's LR for a point without one
-    proc, _, runs = stubbed_frontier(tmp_path, POINTS="mu-grpo-d1e-4:1024@1e-5 grpo:4@3e-5 grpo:1024", LR="7e-6",
-                                     KEY_POINTS="", JOBS="1")
-    assert "no finished run" in proc.stderr, proc.stderr[-2000:]               # it went on to the table
-    assert [(r["RUN"].rsplit("/", 1)[1], r["LOSS"], r["UPDATES_PER_STAGE"], r["LR"]) for r in runs] == [
-        ("mu-grpo-d1e-4-mu1024", "mu-grpo", "1024", "1e-5"), ("grpo-mu4", "grpo", "4", "3e-5"),
-        ("grpo-mu1024", "grpo", "1024", "7e-6")]
+    # POINTS in its order, each at its own LR (docs/bakeoff.md's arms); the environment's LR for a
+    # point without one
+    points = "mu-grpo-d1e-4:1024@1e-5 grpo:4@3e-5 grpo:1024"
+    proc, _, runs = stubbed_frontier(tmp_path, POINTS=points, LR="7e-6", KEY_POINTS="", JOBS="1")
+    assert "no finished run" in proc.stderr, proc.stderr[-2000:]    # it went on to the table
+    asked = [(r["RUN"].rsplit("/", 1)[1], r["LOSS"], r["UPDATES_PER_STAGE"], r["LR"]) for r in runs]
+    assert asked == [("mu-grpo-d1e-4-mu1024", "mu-grpo", "1024", "1e-5"),
+                     ("grpo-mu4", "grpo", "4", "3e-5"), ("grpo-mu1024", "grpo", "1024", "7e-6")]
 
 
-def test_a_points_learning_rate_is_a_positive_number_and_each_label_mu_runs_once(monkeypatch, capsys):
-    # refused in one line before any run: a learning rate that is no positive number; one label:μ twice (one
-    # directory)
+def test_a_points_learning_rate_is_a_positive_number_and_each_label_mu_runs_once(monkeypatch,
+                                                                                 capsys):
+    # refused in one line before any run: a learning rate that is no positive number; one label:μ
+    # twice (one directory)
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import sweep
-    for name, value in dict(losses="grpo", nav_deltas="1e-4", mus="4 64", baseline="grpo:4", key_points="",
-                            total_updates="256", eval_updates="64", resident_max_mu="64").items():
+    for name, value in dict(losses="grpo", nav_deltas="1e-4", mus="4 64", baseline="grpo:4",
+                            key_points="", total_updates="256", eval_updates="64",
+                            resident_max_mu="64").items():
         monkeypatch.setattr(sweep, name, value)
-    for points, named in (("grpo:4@fast", "'fast'"), ("grpo:4@-1e-5", "'-1e-5'"), ("grpo:4@inf", "'inf'"),
+    for points, named in (("grpo:4@fast", "'fast'"), ("grpo:4@-1e-5", "'-1e-5'"),
+                          ("grpo:4@inf", "'inf'"),
                           ("grpo:4@1e-5 grpo:4@3e-5", "each label:μ once")):
         monkeypatch.setattr(sweep, "points", points)
         with pytest.raises(SystemExit) as refused:
@@ -329,6 +333,13 @@ fi
 """
 
 
+def probe_table_of(table):
+    """STUB_PROBE's PROBE_TABLE: each build's task directory with its initial accuracy, its accuracy
+    after the probe and its zero-variance fraction."""
+    return " ".join(f"data/lab_fork{'' if b == 0 else f'_build{b}'}:{i}:{f}:{z}"
+                    for b, (i, f, z) in table.items())
+
+
 @pytest.mark.slow
 def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regime_and_the_sweep_runs_on_the_first(
         tmp_path):
@@ -336,7 +347,7 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
     table = {0: (0.02, 0.04, 0.9), 1: (0.05, 0.08, 0.8), 2: (0.14, 0.40, 0.5), 3: (0.60, 0.70, 0.3),
              4: (0.10, 0.15, 0.7), 5: (0.20, 0.50, 0.4)}    # stalls, stalls, learns, saturated, stalls, learns
     regimes = {0: "stalls", 1: "stalls", 2: "learns", 3: "saturated", 4: "stalls", 5: "learns"}
-    probe_table = " ".join(f"data/lab_fork{'' if b == 0 else f'_build{b}'}:{i}:{f}:{z}" for b, (i, f, z) in table.items())
+    probe_table = probe_table_of(table)
     env = {"PRESET": "lab-fork", "MUS": "4 256", "NAV_DELTAS": "1e-4", "SEEDS": "0 1", "JOBS": "2",
            "KEY_POINTS": "grpo:4 mu-grpo-d1e-4:256", "PROBE_UPDATES": "8", "PROBE_TABLE": probe_table,
            "REGIMES": "learns:2 stalls:2"}
@@ -374,14 +385,14 @@ def test_the_rule_builds_and_probes_candidates_until_it_has_enough_of_each_regim
 
 @pytest.mark.slow
 def test_points_probes_builds_and_probes_the_rules_candidates_and_runs_nothing_else(tmp_path):
-    # builds 0 and 1 stall, 2 learns (as above): REGIMES=learns:1 looks at three, keeps build 2, and stops there
+    # builds 0 and 1 stall, 2 learns (as above): REGIMES=learns:1 looks at three, keeps build 2, and
+    # stops there
     table = {0: (0.02, 0.04, 0.9), 1: (0.05, 0.08, 0.8), 2: (0.14, 0.40, 0.5)}
-    probe_table = " ".join(f"data/lab_fork{'' if b == 0 else f'_build{b}'}:{i}:{f}:{z}" for b, (i, f, z) in table.items())
-    proc, _, runs = stubbed_frontier(tmp_path, PRESET="lab-fork", MUS="4 64", POINTS="probes", PROBE_UPDATES="8",
-                                     PROBE_TABLE=probe_table, REGIMES="learns:1", MIN_BUILDS="1",
-                                     CANDIDATES="0 1 2 3")
+    proc, _, runs = stubbed_frontier(tmp_path, PRESET="lab-fork", MUS="4 64", POINTS="probes",
+                                     PROBE_UPDATES="8", PROBE_TABLE=probe_table_of(table),
+                                     REGIMES="learns:1", MIN_BUILDS="1", CANDIDATES="0 1 2 3")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["RUN"].split("/out/", 1)[1] for r in runs] == ["regimes/build0", "regimes/build1", "regimes/build2"]
+    assert [r["RUN"].split("/out/", 1)[1] for r in runs] == [f"regimes/build{b}" for b in range(3)]
     assert proc.stdout.splitlines()[-1] == "the rule's builds: 2 (POINTS=probes: no run)"
     assert json.loads((tmp_path / "out" / "regimes" / "selection.json").read_text())["kept"] == [2]
     assert not (tmp_path / "out" / "frontier.md").exists()
@@ -391,8 +402,9 @@ def test_the_clipped_share_is_the_clips_two_sides_and_none_for_a_loss_without_a_
     # (frontier.sh over CISPO, TOPR, ... stopped at its table: a KeyError on clip/upper_frac)
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import frontier
-    rows = [{"clip/upper_frac": 0.1, "clip/lower_frac": 0.2}, {"clip/upper_frac": 0.3, "clip/lower_frac": 0.1},
-            {"clip/upper_frac": None, "clip/lower_frac": 0.5}]                      # a non-finite update: out
+    rows = [{"clip/upper_frac": 0.1, "clip/lower_frac": 0.2},
+            {"clip/upper_frac": 0.3, "clip/lower_frac": 0.1},
+            {"clip/upper_frac": None, "clip/lower_frac": 0.5}]          # a non-finite update: out
     assert frontier.clipped_frac(rows) == pytest.approx(0.35)
     assert frontier.clipped_frac([{"cispo/truncated_frac": 0.2}]) is None
 
@@ -412,7 +424,8 @@ def test_the_t_tests_p_value_and_holms_correction_against_closed_forms(monkeypat
     u = 3.8730 / math.sqrt(3)
     assert p == pytest.approx(1 - 2 / math.pi * (math.atan(u) + u / (1 + u * u)), abs=1e-4)
     # no spread: the same difference everywhere is p 0, none at all (two bit-identical arms) p 1
-    assert plot.paired_test([0.5, 0.5, 0.5])[3] == 0.0 and plot.paired_test([0.0, 0.0, 0.0])[3] == 1.0
+    assert plot.paired_test([0.5, 0.5, 0.5])[3] == 0.0
+    assert plot.paired_test([0.0, 0.0, 0.0])[3] == 1.0
     # Holm over four: sorted 0.005, 0.01, 0.03, 0.04 × 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 → running max 0.06
     assert plot.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
 

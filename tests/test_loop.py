@@ -836,10 +836,11 @@ def test_a_resident_run_with_files_killed_while_training_resumes_with_its_engine
     # the transfer, which starts the engines at once: test_resident_run_killed_anywhere_resumes_to_the_same_weights)
     assert_no_training_beside_an_awake_engine(resident_files_run)
     rows = read_lines(resident_files_run / "timeline.jsonl")
-    # the attempt killed while training stage 1 wrote no row of it, the rerun trained it again; the one killed right
-    # after stage 0's hand-over may have left no row of that, and the one killed in the final evaluation none of
-    # stage 1's (the trainer writes a stage's row once its policy is handed over: the kill at trained_1.json can
-    # come before it; the metrics hold that stage 1 was trained once, assert_trained_once)
+    # the attempt killed while training stage 1 wrote no row of it, the rerun trained it again;
+    # the one killed right after stage 0's hand-over may have left no row of that, and the one
+    # killed in the final evaluation none of stage 1's (the trainer writes a stage's row once its
+    # policy is handed over: the kill at trained_1.json can come before it; the metrics hold that
+    # stage 1 was trained once, assert_trained_once)
     trained = [t["name"] for t in rows if t["phase"] == "optimize"]
     assert trained in (["optimize_0", "optimize_1"], ["optimize_1"], ["optimize_0"], [])
     attempts = sorted((r for r in rows if r["name"] == "resident"), key=lambda r: r["start"])

@@ -348,8 +348,8 @@ def per_build(runs, arms, value):
 
 # ----------------------------------------------------------------------------- §5, §6
 def confirm_main():
-    lrs, star = tuned(read_json(Path(out) / "tune.json"))
-    T = read_json(Path(out) / "tune.json")["gate_T"]
+    tune = read_json(Path(out) / "tune.json")
+    (lrs, star), T = tuned(tune), tune["gate_T"]
     runs, incomplete = complete_builds(Path(out) / "confirm", lrs)
     if len(runs) < 2:
         common.refuse(f"{out}/confirm: {len(runs)} complete build(s); the intervals need two")
@@ -466,16 +466,13 @@ def dose_main():
 
 # ----------------------------------------------------------------------------- §8
 def final_heldout_and_policy(run_dir):
-    """A finished run's final `heldout` avg@1 and the fingerprint of its last stage's policy (None,
-    None if unfinished)."""
-    if not (run_dir / ".done" / "all").exists():
+    """A run's final `heldout` avg@1 (run_record's rule) and the fingerprint of its last stage's
+    policy; None, None before it has a final."""
+    if not (record := run_record(run_dir)):
         return None, None
-    rows = [r for r in records.own_results(
-        common.read_jsonl(run_dir / "results.jsonl", missing_ok=True))
-            if r["benchmark"] == "heldout"]
     stages = [d for _, d in records.stage_dirs(run_dir) if (d / records.POLICY).is_dir()]
-    last = common.policy_fingerprint(stages[-1] / records.POLICY) if stages else None
-    return (max(rows, key=lambda r: r["updates"])["avg_at_k"] if rows else None), last
+    return final(record), (common.policy_fingerprint(stages[-1] / records.POLICY) if stages
+                           else None)
 
 
 COPIES = ("original", "repeat", "split")

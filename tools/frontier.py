@@ -71,8 +71,9 @@ def mean_stderr(errors):
 
 
 def clipped_frac(rows):
-    """The mean over updates of the share of tokens beyond the loss's clip (clip/upper + clip/lower), over the
-    updates that have both finite; None for a loss without a clip (CISPO, TOPR, OAPL, ...: no such metric)."""
+    """The mean over updates of the share of tokens beyond the loss's clip (clip/upper +
+    clip/lower), over the updates that have both finite; None for a loss without a clip (CISPO,
+    TOPR, OAPL, ...: no such metric)."""
     return mean_of([{"c": r["clip/upper_frac"] + r["clip/lower_frac"]} for r in rows
                     if isinstance(r.get("clip/upper_frac"), (int, float))
                     and isinstance(r.get("clip/lower_frac"), (int, float))], "c")

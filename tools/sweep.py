@@ -101,17 +101,22 @@ def positive_number(text):
 
 
 def parse_point(point):
-    """A point's (label, μ, learning rate or None): label:μ, or label:μ@lr, run at that LR (each point of one
-    frontier at its own learning rate, as docs/bakeoff.md's arms)."""
+    """A point's (label, μ, learning rate or None): label:μ, or label:μ@lr, run at that LR (each
+    point of one frontier at its own learning rate, as docs/bakeoff.md's arms)."""
     spec, _, lr = point.partition("@")
     label, mu = spec.rsplit(":", 1)
     return label, mu, lr or None
 
 
+def without_lr(point):
+    """label:μ of a point: its runs' directory, whatever its learning rate."""
+    return point.partition("@")[0]
+
+
 def all_points():
     """Every point, label:μ: each LOSS with each μ of MUS; a preset with NAV (its flags follow NAV_DELTA) once per δ
-    of NAV_DELTAS, labelled <loss>-d<δ>. POINTS picks some of them (label:μ@lr: at that learning rate); "probes": the
-    rule's builds only, no run."""
+    of NAV_DELTAS, labelled <loss>-d<δ>. POINTS picks some of them (label:μ@lr: at that learning
+    rate); "probes": the rule's builds only, no run."""
     found, with_nav = [], nav_presets()
     for loss in losses.split():
         check_loss(loss)                # an unknown preset: the line naming them
@@ -121,14 +126,16 @@ def all_points():
     if points == "probes":
         return []
     for p in [*points.split(), baseline, *key_points.split()]:
-        if p.partition("@")[0] not in found:
+        if without_lr(p) not in found:
             common.refuse(f"'{p}' (POINTS, BASELINE or KEY_POINTS) is not one of the points: {' '.join(found)}")
         lr = p.partition("@")[2]
         if "@" in p and not positive_number(lr):
-            common.refuse(f"'{p}': a point's learning rate (label:μ@lr) must be a positive number, got '{lr}'")
-    specs = [p.partition("@")[0] for p in points.split()]
+            common.refuse(f"'{p}': a point's learning rate (label:μ@lr) must be a positive number, "
+                          f"got '{lr}'")
+    specs = [without_lr(p) for p in points.split()]
     if len(set(specs)) < len(specs):
-        common.refuse(f"POINTS: each label:μ once (its runs' directory is <label>-mu<μ>), got '{points}'")
+        common.refuse(f"POINTS: each label:μ once (its runs' directory is <label>-mu<μ>), "
+                      f"got '{points}'")
     return points.split() or found
 
 
@@ -258,12 +265,13 @@ def chosen_builds(slot_list, task_dirs):
 def runs_in_order(selected, kept, sweep):
     """(build, seed, point) in the order they are taken: per seed, the key points on every build, then the rest of
     the sweep on its builds (stopped early, the claims' runs are done)."""
-    key = [p.partition("@")[0] for p in key_points.split()]
+    key = [without_lr(p) for p in key_points.split()]
+    is_key = lambda p: not key or without_lr(p) in key  # noqa: E731
     order = []
     for seed in seeds.split():
-        order += [(b, seed, p) for p in selected if not key or p.partition("@")[0] in key for b in kept]
+        order += [(b, seed, p) for p in selected if is_key(p) for b in kept]
         if key and seed in sweep_seeds.split():
-            order += [(b, seed, p) for p in selected if p.partition("@")[0] not in key for b in sweep if b in kept]
+            order += [(b, seed, p) for p in selected if not is_key(p) for b in sweep if b in kept]
     return order
 
 
@@ -306,8 +314,9 @@ def main():
           + f", {total_updates} updates each, evaluated every {eval_updates}; resident up to μ = {resident_max_mu}; "
             f"baseline {baseline}", flush=True)
     order = runs_in_order(selected, kept, sweep)
-    tasks = [launch_task(Path(out) / f"build{b}" / f"seed{s}" / "{}-mu{}".format(*parse_point(p)[:2]),
-                         b, s, point_env(p), task_dirs) for b, s, p in order]
+    run_name = lambda p: "{}-mu{}".format(*parse_point(p)[:2])  # noqa: E731  (its lr: not in it)
+    tasks = [launch_task(Path(out) / f"build{b}" / f"seed{s}" / run_name(p), b, s, point_env(p), task_dirs)
+             for b, s, p in order]
 
     def started(i, name, cores, env):
         where = "".join([f", cores {','.join(map(str, cores))}" if cores else "",
