@@ -315,7 +315,8 @@ def main():
             f"baseline {baseline}", flush=True)
     order = runs_in_order(selected, kept, sweep)
     run_name = lambda p: "{}-mu{}".format(*parse_point(p)[:2])  # noqa: E731  (its lr: not in it)
-    tasks = [launch_task(Path(out) / f"build{b}" / f"seed{s}" / run_name(p), b, s, point_env(p), task_dirs)
+    tasks = [launch_task(Path(out) / f"build{b}" / f"seed{s}" / run_name(p), b, s, point_env(p),
+                         task_dirs)
              for b, s, p in order]
 
     def started(i, name, cores, env):
